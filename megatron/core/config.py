@@ -1,0 +1,241 @@
+"""Typed configuration tree: one validated object that every part of the project reads.
+
+Field names equal Megatron-LM's argument names (``--num-layers`` is ``model.num_layers``); the
+command-line parser in :mod:`megatron.training.arguments` is generated from these dataclasses, and each
+field's ``help`` metadata is its ``--help`` text. Derived values (padded vocabulary, data-parallel size,
+micro-batches per iteration) are filled in by validation, never by hand.
+
+Library code receives this object (or one of its sections) explicitly; nothing reads ``sys.argv``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def option(default: Any = None, help: str = "", *, choices: tuple | None = None,
+           aliases: tuple[str, ...] = (), derived: bool = False, factory=None) -> Any:
+    """A config field with its ``--help`` text.
+
+    ``aliases`` are extra (legacy) flag spellings; ``derived`` fields are computed by validation and
+    never become flags.
+    """
+    metadata = {"help": help, "choices": choices, "aliases": aliases, "derived": derived}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelConfig:
+    """GPT architecture (Megatron's model flags)."""
+
+    num_layers: Optional[int] = option(None, "Number of transformer layers.")
+    hidden_size: Optional[int] = option(None, "Transformer hidden size.")
+    ffn_hidden_size: Optional[int] = option(
+        None, "Hidden size of the MLP; defaults to 4 * hidden-size.")
+    num_attention_heads: Optional[int] = option(None, "Number of attention heads.")
+    seq_length: Optional[int] = option(None, "Sequence length of a training sample.")
+    max_position_embeddings: Optional[int] = option(
+        None, "Size of the learned position-embedding table; defaults to seq-length.")
+    attention_dropout: float = option(0.1, "Dropout probability on attention weights.")
+    hidden_dropout: float = option(0.1, "Dropout probability on the hidden state.")
+    init_method_std: float = option(
+        0.02, "Standard deviation of the normal weight initialisation.")
+    layernorm_epsilon: float = option(1e-5, "Epsilon of the normalisation layers.")
+    make_vocab_size_divisible_by: int = option(
+        128, "Pad the vocabulary to a multiple of this value times the tensor-parallel size.")
+    untie_embeddings_and_output_weights: bool = option(
+        False, "Use a separate output layer instead of the transposed word embedding.")
+    normalization: str = option("LayerNorm", "Normalisation layer.",
+                                choices=("LayerNorm", "RMSNorm"))
+    position_embedding_type: str = option(
+        "learned_absolute", "Position embedding.", choices=("learned_absolute", "rope"))
+    swiglu: bool = option(False, "Use a SwiGLU MLP instead of GeLU.")
+    disable_bias_linear: bool = option(False, "Linear layers without bias.")
+    vocab_size: Optional[int] = option(
+        None, "Vocabulary size for the NullTokenizer and --mock-data (before padding).")
+    padded_vocab_size: Optional[int] = option(
+        None, "Vocabulary size after padding (derived).", derived=True)
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recomputation (Megatron's recompute flags)."""
+
+    recompute_granularity: Optional[str] = option(
+        None, "Recompute activations in the backward pass: 'full' layers or 'selective' "
+              "(attention core only).", choices=("full", "selective"))
+    recompute_method: Optional[str] = option(
+        None, "With full granularity: 'uniform' recomputes every chunk of recompute-num-layers "
+              "layers, 'block' only the first recompute-num-layers layers of each stage.",
+        choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = option(
+        None, "Layers per recomputed chunk (uniform) or recomputed layers per stage (block).")
+    checkpoint_activations: bool = option(
+        False, "Legacy spelling of --recompute-granularity full --recompute-method uniform.")
+    recompute_activations: bool = option(
+        False, "Legacy spelling of --recompute-granularity selective.")
+
+
+@dataclass
+class ParallelConfig:
+    """Process layout: tensor, data and pipeline parallelism and the pipeline schedule."""
+
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel size.")
+    pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (pipeline depth D).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, "Layers per virtual pipeline stage; selects the interleaved 1F1B schedule.")
+    pipeline_schedule: Optional[str] = option(
+        None, "Pipeline schedule (default 1f1b, or interleaved-1f1b when "
+              "--num-layers-per-virtual-pipeline-stage is given).",
+        choices=("1f1b", "gpipe", "interleaved-1f1b", "chimera"))
+    chimera_pipelines: int = option(
+        2, "Number of Chimera pipelines 2f (f down, f up); f must divide D/2.")
+    chimera_variant: str = option(
+        "direct", "How Chimera handles more micro-batches than stages.",
+        choices=("direct", "forward-doubling", "backward-halving"))
+    chimera_grad_sync: str = option(
+        "eager-opt", "When the all-reduce between the replicas of a Chimera stage starts.",
+        choices=("eager-opt", "eager", "end"))
+    p2p_packing: str = option(
+        "auto", "Pack all tensors bound for one peer into one message: auto (C++ if it builds, "
+                "else Python), cpp, python or off.", choices=("auto", "cpp", "python", "off"))
+    sequence_parallel: bool = option(False, "Megatron sequence parallelism (not supported yet).")
+    distributed_backend: Optional[str] = option(
+        None, "torch.distributed backend; default nccl when CUDA is available, else gloo.",
+        choices=("nccl", "gloo"))
+    distributed_timeout_minutes: float = option(
+        10, "Timeout of collective operations; a lost rank raises instead of hanging.")
+    use_distributed_optimizer: bool = option(
+        False, "Shard optimizer state over data-parallel ranks (not supported yet).")
+    overlap_grad_reduce: bool = option(
+        False, "Overlap the data-parallel gradient reduction with the backward pass.")
+    local_rank: Optional[int] = option(
+        None, "Local rank passed by torch.distributed.launch.", aliases=("--local_rank",))
+    world_size: Optional[int] = option(None, "Number of processes (derived).", derived=True)
+    data_parallel_size: Optional[int] = option(
+        None, "Data-parallel size (derived).", derived=True)
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, iteration counts, precision and seeds."""
+
+    micro_batch_size: int = option(1, "Samples per micro-batch on one data-parallel rank.")
+    global_batch_size: Optional[int] = option(
+        None, "Samples per iteration over all data-parallel ranks; default micro-batch-size * "
+              "data-parallel size.")
+    rampup_batch_size: Optional[list] = option(
+        None, "Batch-size ramp-up (not supported yet).")
+    train_iters: Optional[int] = option(None, "Number of training iterations.")
+    train_samples: Optional[int] = option(
+        None, "Number of training samples (alternative to --train-iters).")
+    eval_interval: int = option(1000, "Run validation every this many iterations.")
+    eval_iters: int = option(100, "Validation iterations per evaluation.")
+    exit_interval: Optional[int] = option(
+        None, "Save (if --save) and exit when the iteration is a multiple of this.")
+    exit_duration_in_mins: Optional[float] = option(
+        None, "Save (if --save) and exit after this many minutes.")
+    seed: int = option(1234, "Random seed.")
+    fp16: bool = option(False, "Train in float16 with dynamic loss scaling.")
+    bf16: bool = option(False, "Train in bfloat16.")
+    num_microbatches: Optional[int] = option(
+        None, "Micro-batches per iteration per data-parallel rank (derived).", derived=True)
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule, clipping and loss scaling."""
+
+    optimizer: str = option("adam", "Optimizer (adam means AdamW).", choices=("adam", "sgd"))
+    lr: Optional[float] = option(None, "Peak learning rate.")
+    min_lr: float = option(0.0, "Minimum learning rate after decay.")
+    lr_decay_style: str = option("linear", "Learning-rate decay.",
+                                 choices=("constant", "linear", "cosine"))
+    lr_decay_iters: Optional[int] = option(
+        None, "Iterations to decay over; default --train-iters.")
+    lr_warmup_iters: int = option(0, "Linear warm-up iterations.")
+    lr_warmup_fraction: Optional[float] = option(
+        None, "Warm-up as a fraction of the decay iterations (overrides --lr-warmup-iters).")
+    weight_decay: float = option(0.01, "Weight decay (not applied to biases and norms).")
+    clip_grad: float = option(1.0, "Clip gradients to this global norm (0 disables).")
+    adam_beta1: float = option(0.9, "Adam beta1.")
+    adam_beta2: float = option(0.999, "Adam beta2.")
+    adam_eps: float = option(1e-8, "Adam epsilon.")
+    sgd_momentum: float = option(0.9, "SGD momentum.")
+    loss_scale: Optional[float] = option(
+        None, "Static loss scale for fp16; dynamic scaling when unset.")
+    initial_loss_scale: float = option(2.0 ** 32, "Initial dynamic loss scale.")
+    min_loss_scale: float = option(1.0, "Minimum dynamic loss scale.")
+    loss_scale_window: int = option(1000, "Iterations without overflow before the scale grows.")
+    hysteresis: int = option(2, "Overflows tolerated before the scale shrinks.")
+    accumulate_allreduce_grads_in_fp32: bool = option(
+        False, "Keep gradient buffers in fp32 under bf16/fp16.")
+
+
+@dataclass
+class DataConfig:
+    """Datasets and tokenizers."""
+
+    data_path: Optional[list] = option(
+        None, "One dataset prefix, or weight-prefix pairs to blend: W1 P1 W2 P2 ...")
+    split: str = option("969, 30, 1", "Train/valid/test proportions, e.g. 949,50,1.")
+    mock_data: bool = option(False, "Train on deterministic synthetic data (no files needed).")
+    tokenizer_type: Optional[str] = option(
+        None, "Tokenizer.", choices=("GPT2BPETokenizer", "SentencePieceTokenizer",
+                                     "NullTokenizer"))
+    vocab_file: Optional[str] = option(None, "GPT-2 vocab.json.")
+    merge_file: Optional[str] = option(None, "GPT-2 merges.txt.")
+    tokenizer_model: Optional[str] = option(None, "SentencePiece model file.")
+    data_impl: str = option("mmap", "Legacy; only mmap exists.", choices=("mmap",))
+    num_workers: int = option(2, "Data-loader worker processes.")
+    data_cache_path: Optional[str] = option(
+        None, "Where dataset index caches go; default next to the data.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save: Optional[str] = option(None, "Directory to save checkpoints to.")
+    load: Optional[str] = option(None, "Directory to load checkpoints from.")
+    save_interval: Optional[int] = option(None, "Save every this many iterations.")
+    no_load_optim: bool = option(False, "Do not load optimizer state.")
+    no_load_rng: bool = option(False, "Do not load RNG state.")
+    finetune: bool = option(
+        False, "Load weights only and start at iteration 0.")
+
+
+@dataclass
+class LoggingConfig:
+    """Log lines, TensorBoard and pipeline timelines."""
+
+    log_interval: int = option(100, "Print a log line every this many iterations.")
+    log_throughput: bool = option(False, "Include TFLOP/s per GPU in the log line.")
+    tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars here.")
+    wandb_project: Optional[str] = option(None, "Weights & Biases project (not supported yet).")
+    pipeline_timeline: Optional[str] = option(
+        None, "Write a Chrome-trace timeline of one iteration's pipeline instructions here.")
+
+
+@dataclass
+class MegatronConfig:
+    """The whole run: one section per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def sections(config: MegatronConfig):
+    """Yield (section name, section object) pairs in declaration order."""
+    for section_field in dataclasses.fields(config):
+        yield section_field.name, getattr(config, section_field.name)
