@@ -118,6 +118,9 @@ class ParallelConfig:
     world_size: Optional[int] = option(None, "Number of processes (derived).", derived=True)
     data_parallel_size: Optional[int] = option(
         None, "Data-parallel size (derived).", derived=True)
+    virtual_pipeline_model_parallel_size: Optional[int] = option(
+        None, "Model chunks per pipeline rank for interleaved 1F1B (derived from "
+              "--num-layers-per-virtual-pipeline-stage).", derived=True)
 
 
 @dataclass
@@ -128,7 +131,7 @@ class TrainingConfig:
     global_batch_size: Optional[int] = option(
         None, "Samples per iteration over all data-parallel ranks; default micro-batch-size * "
               "data-parallel size.")
-    rampup_batch_size: Optional[list] = option(
+    rampup_batch_size: Optional[list[int]] = option(
         None, "Batch-size ramp-up (not supported yet).")
     train_iters: Optional[int] = option(None, "Number of training iterations.")
     train_samples: Optional[int] = option(
@@ -180,7 +183,7 @@ class OptimizerConfig:
 class DataConfig:
     """Datasets and tokenizers."""
 
-    data_path: Optional[list] = option(
+    data_path: Optional[list[str]] = option(
         None, "One dataset prefix, or weight-prefix pairs to blend: W1 P1 W2 P2 ...")
     split: str = option("969, 30, 1", "Train/valid/test proportions, e.g. 949,50,1.")
     mock_data: bool = option(False, "Train on deterministic synthetic data (no files needed).")
