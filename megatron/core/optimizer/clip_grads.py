@@ -1,0 +1,69 @@
+"""Global gradient norm across every model-parallel rank, and clipping by it.
+
+Each parameter must be counted exactly once in the norm. A parameter split over tensor-parallel ranks
+(``tensor_model_parallel = True``) contributes its shard from every rank; a parameter replicated on all
+tensor-parallel ranks (norms, row-parallel biases) contributes only from tensor-parallel rank 0. The
+pipeline runtime knows more duplicates (tied embeddings held by the first and last stage, the two
+replicas of a Chimera stage), so the predicate deciding who "owns" a parameter's contribution is taken
+from the caller; :func:`default_owns_grad_norm` is the rule without pipelines.
+
+Squared norms are summed over the tensor- and then the pipeline-parallel group. Data-parallel replicas
+hold identical (already reduced) gradients and are not summed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from megatron.core.distributed.collectives import all_reduce_over
+
+
+def default_owns_grad_norm(parallel_state) -> Callable[[torch.nn.Parameter], bool]:
+    """Predicate: the parameter's gradient counts toward the norm on this rank (no pipeline)."""
+    tp_rank = parallel_state.tp_rank
+
+    def owns(param: torch.nn.Parameter) -> bool:
+        return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+    return owns
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter],
+                     owns_grad_norm: Callable[[torch.nn.Parameter], bool],
+                     parallel_state) -> float:
+    """L2 norm of all gradients of the whole model, identical on every rank.
+
+    ``params`` are this rank's parameters; only those for which ``owns_grad_norm`` is true contribute.
+    Returns ``nan``/``inf`` when a gradient is not finite.
+    """
+    squares = torch.zeros(1, dtype=torch.float64)
+    device = None
+    for param in params:
+        if param.grad is None or not owns_grad_norm(param):
+            continue
+        norm = torch.linalg.vector_norm(param.grad.detach().float())
+        squares = squares.to(norm.device) + norm.double() ** 2
+        device = norm.device
+    if device is not None:
+        squares = squares.to(device)
+    elif parallel_state.backend == "nccl":
+        squares = squares.cuda()
+    # gloo and nccl both reduce float64.
+    all_reduce_over(squares, [parallel_state.tensor_group, parallel_state.pipeline_group])
+    return float(squares.sqrt().item())
+
+
+def clip_grads_by_norm(params: Iterable[torch.nn.Parameter], max_norm: float,
+                       total_norm: float) -> None:
+    """Scale all gradients by ``max_norm / (total_norm + 1e-6)`` when that is below 1.
+
+    Same coefficient as ``torch.nn.utils.clip_grad_norm_`` and Megatron-LM.
+    """
+    clip_coefficient = max_norm / (total_norm + 1.0e-6)
+    if clip_coefficient >= 1.0:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, clip_coefficient)

@@ -1,0 +1,187 @@
+"""The optimizer step of one iteration: unscale, overflow check, clip, update.
+
+:class:`MegatronOptimizer` wraps a torch optimizer (AdamW by default) whose parameters are the model's
+own fp32 parameters; mixed precision only changes the forward (``torch.autocast``), so there is no
+separate master copy. The step, in order:
+
+1. fp16: divide gradients by the loss scale and look for inf/nan on *every* rank (one all-reduce over
+   the world); an overflow skips the update, is reported, and lets the dynamic scaler shrink.
+2. Global gradient norm over all model-parallel ranks (each parameter counted once, see
+   :mod:`megatron.core.optimizer.clip_grads`), then clipping to ``--clip-grad``.
+3. A non-finite norm (bf16/fp32 have no scaler to catch it) also skips the update.
+4. The update.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from megatron.core.distributed.collectives import all_reduce_world
+from megatron.core.optimizer.clip_grads import (clip_grads_by_norm, default_owns_grad_norm,
+                                                global_grad_norm)
+from megatron.core.optimizer.grad_scaler import build_grad_scaler
+
+
+@dataclass
+class StepResult:
+    """Outcome of :meth:`MegatronOptimizer.step`.
+
+    ``grad_norm`` is the norm before clipping (``None`` when an fp16 overflow skipped the step, as in
+    Megatron's log). ``found_inf`` is true for an fp16 overflow.
+    """
+
+    update_successful: bool
+    grad_norm: Optional[float]
+    found_inf: bool = False
+
+
+def build_param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two AdamW groups: with weight decay, and without it for biases and norms.
+
+    A parameter opts out through ``no_weight_decay = True`` (set by the model on biases and norm
+    weights); parameters without that attribute fall back to Megatron's rule (1-D tensors are biases
+    or norms).
+    """
+    decay, no_decay = [], []
+    for param in params:
+        if not param.requires_grad:
+            continue
+        flag = getattr(param, "no_weight_decay", None)
+        skip = flag if flag is not None else param.ndim < 2
+        (no_decay if skip else decay).append(param)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _adamw(groups: list[dict], optimizer_config) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW, preferring torch's fused kernel, then apex's FusedAdam on CUDA, then foreach."""
+    kwargs = dict(lr=optimizer_config.lr or 0.0,
+                  betas=(optimizer_config.adam_beta1, optimizer_config.adam_beta2),
+                  eps=optimizer_config.adam_eps)
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs), "torch fused AdamW"
+    except (RuntimeError, TypeError, ValueError):
+        pass  # fused unsupported for this device/dtype in this torch build
+    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+    if on_cuda and importlib.util.find_spec("apex") is not None:
+        try:
+            from apex.optimizers import FusedAdam  # optional accelerator
+            return FusedAdam(groups, adam_w_mode=True, **kwargs), "apex FusedAdam"
+        except ImportError:
+            pass  # the PyPI package named "apex" is unrelated to NVIDIA apex
+    return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch foreach AdamW"
+
+
+class MegatronOptimizer:
+    """Optimizer with loss scaling, overflow skipping and global-norm clipping.
+
+    Args:
+        optimizer: the torch optimizer over ``params``.
+        params: every parameter this rank updates.
+        parallel_state: the process-group handle (norm and overflow reductions).
+        clip_grad: maximum global gradient norm; 0 disables clipping (the norm is still reported).
+        grad_scaler: ``None`` (fp32/bf16) or a loss scaler (fp16).
+        owns_grad_norm: which parameters contribute to the norm on this rank (see clip_grads).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
+                 parallel_state, *, clip_grad: float = 0.0, grad_scaler=None,
+                 owns_grad_norm: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                 implementation: str = ""):
+        self.optimizer = optimizer
+        self.params = [p for p in params if p.requires_grad]
+        self.parallel_state = parallel_state
+        self.clip_grad = float(clip_grad)
+        self.grad_scaler = grad_scaler
+        self.owns_grad_norm = owns_grad_norm or default_owns_grad_norm(parallel_state)
+        self.implementation = implementation
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 without fp16)."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on."""
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
+
+    def zero_grad(self) -> None:
+        """Zero gradients in place; they may be views of a reducer's contiguous buffer."""
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.zero_()
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def _unscale_and_check_overflow(self) -> bool:
+        grads = self._grads()
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
+        local_inf = any(not torch.isfinite(g).all() for g in grads)
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = torch.tensor([1.0 if local_inf else 0.0], device=device)
+        all_reduce_world(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def step(self) -> StepResult:
+        """Unscale, check, clip and update; see the module docstring."""
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_overflow()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return StepResult(update_successful=False, grad_norm=None, found_inf=True)
+        grad_norm = global_grad_norm(self.params, self.owns_grad_norm, self.parallel_state)
+        if not math.isfinite(grad_norm):
+            return StepResult(update_successful=False, grad_norm=grad_norm)
+        if self.clip_grad > 0:
+            clip_grads_by_norm(self.params, self.clip_grad, grad_norm)
+        self.optimizer.step()
+        return StepResult(update_successful=True, grad_norm=grad_norm)
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state, *,
+                    owns_grad_norm: Optional[Callable[[torch.nn.Parameter], bool]] = None
+                    ) -> MegatronOptimizer:
+    """The run's optimizer from ``config.optimizer`` and ``config.training`` (precision)."""
+    optimizer_config = config.optimizer
+    params = list(params)
+    groups = build_param_groups(params, optimizer_config.weight_decay)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    if optimizer_config.optimizer == "adam":
+        optimizer, implementation = _adamw(groups, optimizer_config)
+    elif optimizer_config.optimizer == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=optimizer_config.lr or 0.0,
+                                    momentum=optimizer_config.sgd_momentum)
+        implementation = "torch SGD"
+    else:
+        raise ValueError(f"unknown --optimizer {optimizer_config.optimizer!r}; use adam or sgd")
+    return MegatronOptimizer(
+        optimizer, params, parallel_state, clip_grad=optimizer_config.clip_grad,
+        grad_scaler=build_grad_scaler(optimizer_config, config.training),
+        owns_grad_norm=owns_grad_norm, implementation=implementation)
