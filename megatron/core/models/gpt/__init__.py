@@ -1,1 +1,5 @@
-"""gpt package."""
+"""GPT-2 model built from tensor-parallel layers, whole or as pipeline chunks with stable names."""
+
+from megatron.core.models.gpt.model import GPTModel, resolve_model_config
+
+__all__ = ["GPTModel", "resolve_model_config"]

@@ -1,0 +1,206 @@
+"""GPT-2 with tensor parallelism, buildable whole or as a pipeline chunk with the full model's names.
+
+    tokens [b, s] --embedding--> [s, b, h] --decoder.layers.i--> ... --final_layernorm-->
+    --output layer (word embedding^T by default)--> logits [b, s, V/tp] --> per-token loss [b, s]
+
+A chunk (``layer_range``, ``pre_process``, ``post_process``) holds only its part; parameter names
+never depend on the chunk (``decoder.layers.<global i>.…``) and initial values depend only on the
+seed and the name (:mod:`megatron.core.models.gpt.init`), so every TP / PP / Chimera layout starts
+from the same full weights. Dropout masks depend only on the seed, the global sample ids and the
+element's place in the full tensor (:mod:`megatron.core.tensor_parallel.random`), so every layout
+also computes the same loss with dropout on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.gpt.init import initialize_parameters
+from megatron.core.models.gpt.transformer import TransformerBlock
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear, VocabParallelEmbedding, set_parameter_attributes)
+from megatron.core.tensor_parallel.random import (
+    SITE_EMBEDDING, CounterBasedDropout, DropoutContext, stable_seed)
+from megatron.core.tensor_parallel.utils import divide, full_shape, tensor_parallel_group
+
+
+def resolve_model_config(model_config, tensor_parallel_size: int = 1):
+    """A copy of ``model_config`` with defaults filled in, checked for this TP size.
+
+    Raises ValueError naming the problem and the fix.
+    """
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(model_config, name) is None:
+            raise ValueError(f"model.{name} is not set; pass --{name.replace('_', '-')}")
+    if model_config.padded_vocab_size is None:
+        raise ValueError("model.padded_vocab_size is not set; argument validation derives it from "
+                         "the tokenizer (or set it with tensor_parallel.pad_vocab_size(...))")
+    if model_config.position_embedding_type != "learned_absolute":
+        raise ValueError(f"position-embedding-type {model_config.position_embedding_type!r} is "
+                         f"not supported; use learned_absolute")
+    if model_config.swiglu:
+        raise ValueError("--swiglu is not supported; remove it (the MLP is GPT-2's GeLU MLP)")
+    config = dataclasses.replace(
+        model_config,
+        ffn_hidden_size=model_config.ffn_hidden_size or 4 * model_config.hidden_size,
+        max_position_embeddings=(model_config.max_position_embeddings
+                                 or model_config.seq_length))
+    if config.seq_length > config.max_position_embeddings:
+        raise ValueError(f"seq-length {config.seq_length} exceeds max-position-embeddings "
+                         f"{config.max_position_embeddings}; raise --max-position-embeddings")
+    divide(config.hidden_size, config.num_attention_heads,
+           "hidden-size (must be a multiple of num-attention-heads)")
+    divide(config.num_attention_heads, tensor_parallel_size,
+           "num-attention-heads (must be a multiple of tensor-model-parallel-size)")
+    divide(config.ffn_hidden_size, tensor_parallel_size,
+           "ffn-hidden-size (must be a multiple of tensor-model-parallel-size)")
+    divide(config.padded_vocab_size, tensor_parallel_size,
+           "padded vocabulary size (must be a multiple of tensor-model-parallel-size)")
+    return config
+
+
+class PositionEmbedding(torch.nn.Module):
+    """Learned absolute position embeddings, replicated over TP ranks."""
+
+    def __init__(self, max_positions: int, hidden_size: int, *, init_std: float, params_dtype,
+                 device=None):
+        super().__init__()
+        self.weight = set_parameter_attributes(
+            torch.nn.Parameter(torch.empty(max_positions, hidden_size, dtype=params_dtype,
+                                           device=device)),
+            tensor_model_parallel=False, initializer=("normal", init_std))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(position_ids, self.weight)
+
+
+class GPTEmbedding(torch.nn.Module):
+    """Word (vocabulary-parallel) + position embeddings and embedding dropout.
+
+    On a last-stage-only chunk with tied weights it holds just ``word_embeddings`` (the copy the
+    output layer uses).
+    """
+
+    def __init__(self, config, parallel_state, *, with_positions: bool, params_dtype, device=None):
+        super().__init__()
+        self.hidden_dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size, parallel_state,
+            init_std=config.init_method_std, params_dtype=params_dtype, device=device)
+        self.position_embeddings = (
+            PositionEmbedding(config.max_position_embeddings, config.hidden_size,
+                              init_std=config.init_method_std, params_dtype=params_dtype,
+                              device=device)
+            if with_positions else None)
+
+    def forward(self, token_ids: torch.Tensor, dropout: DropoutContext) -> torch.Tensor:
+        seq_len = token_ids.shape[1]
+        positions = torch.arange(seq_len, device=token_ids.device)
+        embedded = self.word_embeddings(token_ids) + self.position_embeddings(positions)
+        hidden = embedded.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        return dropout.hidden(hidden, self.hidden_dropout, 0, SITE_EMBEDDING)
+
+
+class GPTModel(torch.nn.Module):
+    """GPT-2, whole (``layer_range=None``) or one pipeline chunk.
+
+    Args:
+        model_config: :class:`megatron.core.config.ModelConfig` with ``padded_vocab_size`` set.
+        recompute_config: :class:`megatron.core.config.RecomputeConfig` or None.
+        parallel_state: :class:`megatron.core.parallel_state.ParallelState` (its TP group is used).
+        seed: the model seed (initial weights and dropout masks derive from it).
+        layer_range: global indices of the transformer layers of this chunk (default: all).
+        pre_process: holds the embedding; inputs are token ids ``[b, s]``.
+        post_process: holds the final norm and the output layer; returns logits or the loss.
+        params_dtype: dtype of the parameters.
+        device: where the parameters live (default CPU).
+    """
+
+    def __init__(self, model_config, recompute_config, parallel_state, seed: int, *,
+                 layer_range: Optional[range] = None, pre_process: bool = True,
+                 post_process: bool = True, params_dtype=torch.float32, device=None):
+        super().__init__()
+        config = resolve_model_config(model_config, parallel_state.tp_size)
+        self.config = config
+        self.parallel_state = parallel_state
+        self.seed = seed
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.tied_output = not config.untie_embeddings_and_output_weights
+        layer_range = range(config.num_layers) if layer_range is None else layer_range
+        if layer_range.step != 1 or (len(layer_range) and (
+                layer_range.start < 0 or layer_range.stop > config.num_layers)):
+            raise ValueError(f"layer_range {layer_range} must be a contiguous sub-range of "
+                             f"range({config.num_layers})")
+        self.layer_range = layer_range
+        self.group = tensor_parallel_group(parallel_state)
+        common = dict(params_dtype=params_dtype, device=device)
+
+        if pre_process or (post_process and self.tied_output):
+            self.embedding = GPTEmbedding(config, parallel_state, with_positions=pre_process,
+                                          **common)
+        self.decoder = TransformerBlock(config, layer_range, parallel_state, recompute_config,
+                                        final_layernorm=post_process, **common)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, parallel_state, bias=False,
+                init_std=None if self.tied_output else config.init_method_std, **common)
+        if self.tied_output and pre_process != post_process:
+            # Two copies of the tied weight live on different stages; the pipeline runtime
+            # all-reduces their gradients so they stay identical.
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+        initialize_parameters(self, seed, parallel_state)
+        self.dropout = CounterBasedDropout(stable_seed(seed, "dropout"))
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                sample_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run this chunk.
+
+        ``inputs``: token ids ``[b, s]`` when ``pre_process``, else the previous stage's hidden
+        state ``[s, b, h]``. ``sample_ids``: global sample indices ``[b]`` (default ``arange(b)``);
+        they key the dropout masks. Returns the per-token loss ``[b, s]`` (float32, or float64 for
+        float64 parameters) when ``post_process`` and ``labels`` are given, the vocabulary-parallel
+        logits ``[b, s, V/tp]`` when ``post_process`` without labels, else the hidden state
+        ``[s, b, h]``.
+        """
+        batch = inputs.shape[0] if self.pre_process else inputs.shape[1]
+        if sample_ids is None:
+            sample_ids = torch.arange(batch, device=inputs.device)
+        elif sample_ids.shape != (batch,):
+            raise ValueError(f"sample_ids must have shape [{batch}] (one global index per "
+                             f"sample), got {tuple(sample_ids.shape)}")
+        dropout = DropoutContext(self.dropout, sample_ids.to(inputs.device), self.training)
+
+        if self.pre_process:
+            if inputs.dim() != 2 or inputs.shape[1] > self.config.max_position_embeddings:
+                raise ValueError(f"token ids must be [b, s] with s <= max-position-embeddings "
+                                 f"{self.config.max_position_embeddings}, got "
+                                 f"{tuple(inputs.shape)}")
+            hidden = self.embedding(inputs, dropout)
+        else:
+            hidden = inputs
+        hidden = self.decoder(hidden, dropout)
+        if not self.post_process:
+            return hidden
+
+        weight = self.embedding.word_embeddings.weight if self.tied_output else None
+        logits = self.output_layer(hidden.transpose(0, 1), weight=weight)  # [b, s, V/tp]
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.group)
+
+    def num_parameters(self) -> int:
+        """Number of elements of this chunk's parameters counted at their FULL (unsharded) size."""
+        total = 0
+        for param in self.parameters():
+            count = 1
+            for dim in full_shape(param, self.parallel_state.tp_size):
+                count *= dim
+            total += count
+        return total

@@ -1,0 +1,143 @@
+"""Pre-LN GPT-2 transformer layers and the block that runs (and recomputes) a range of them.
+
+Layers live in ``decoder.layers`` keyed by their GLOBAL index, so a pipeline chunk holding layers
+4..7 has parameters named ``decoder.layers.4.…`` exactly like the full model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.models.gpt.attention import SelfAttention
+from megatron.core.models.gpt.mlp import MLP
+from megatron.core.tensor_parallel.layers import set_parameter_attributes
+from megatron.core.tensor_parallel.random import (
+    SITE_ATTENTION_OUTPUT, SITE_MLP_OUTPUT, DropoutContext)
+
+
+class Norm(torch.nn.Module):
+    """LayerNorm (weight and bias) or RMSNorm (weight only), replicated over TP ranks."""
+
+    def __init__(self, config, *, params_dtype, device=None):
+        super().__init__()
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization {config.normalization!r} is not supported; use "
+                             f"LayerNorm or RMSNorm")
+        self.kind = config.normalization
+        self.eps = config.layernorm_epsilon
+        shape = (config.hidden_size,)
+
+        def make(value):
+            param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
+            return set_parameter_attributes(param, tensor_model_parallel=False,
+                                            initializer=("constant", value), no_weight_decay=True)
+
+        self.weight = make(1.0)
+        self.bias = make(0.0) if self.kind == "LayerNorm" else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kind == "LayerNorm":
+            return F.layer_norm(hidden, self.weight.shape, self.weight, self.bias, self.eps)
+        return F.rms_norm(hidden, self.weight.shape, self.weight, self.eps)
+
+
+class TransformerLayer(torch.nn.Module):
+    """``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))`` on ``[s, b, h]``."""
+
+    def __init__(self, config, layer_index: int, parallel_state, *, params_dtype, device=None):
+        super().__init__()
+        self.layer_number = layer_index + 1  # 1-based like Megatron; 0 is the embedding
+        self.hidden_dropout = config.hidden_dropout
+        init_std = config.init_method_std
+        output_init_std = init_std / (2.0 * config.num_layers) ** 0.5  # GPT-2's scaled init
+        common = dict(init_std=init_std, output_init_std=output_init_std,
+                      params_dtype=params_dtype, device=device)
+        self.input_layernorm = Norm(config, params_dtype=params_dtype, device=device)
+        self.self_attention = SelfAttention(config, self.layer_number, parallel_state, **common)
+        self.pre_mlp_layernorm = Norm(config, params_dtype=params_dtype, device=device)
+        self.mlp = MLP(config, parallel_state, **common)
+
+    def forward(self, hidden: torch.Tensor, dropout: DropoutContext,
+                recompute_attention_core: bool = False) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden), dropout,
+                                        recompute_attention_core)
+        hidden = hidden + dropout.hidden(attention, self.hidden_dropout, self.layer_number,
+                                         SITE_ATTENTION_OUTPUT)
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden))
+        return hidden + dropout.hidden(mlp, self.hidden_dropout, self.layer_number,
+                                       SITE_MLP_OUTPUT)
+
+
+def resolve_recompute(recompute_config) -> tuple[str | None, str | None, int]:
+    """(granularity, method, num_layers) with Megatron's legacy spellings and defaults applied.
+
+    ``checkpoint_activations`` means full/uniform, ``recompute_activations`` means selective;
+    full without a method is uniform, and a missing layer count is 1.
+    """
+    if recompute_config is None:
+        return None, None, 0
+    granularity = recompute_config.recompute_granularity
+    method = recompute_config.recompute_method
+    if granularity is None and getattr(recompute_config, "checkpoint_activations", False):
+        granularity, method = "full", method or "uniform"
+    if granularity is None and getattr(recompute_config, "recompute_activations", False):
+        granularity = "selective"
+    if granularity not in (None, "full", "selective"):
+        raise ValueError(f"recompute-granularity {granularity!r} is not one of full, selective")
+    if granularity != "full":
+        return granularity, None, 0
+    method = method or "uniform"
+    if method not in ("uniform", "block"):
+        raise ValueError(f"recompute-method {method!r} is not one of uniform, block")
+    num_layers = recompute_config.recompute_num_layers
+    num_layers = 1 if num_layers is None else num_layers
+    if num_layers < 0 or (method == "uniform" and num_layers == 0):
+        raise ValueError(f"recompute-num-layers {num_layers} must be >= 1 (uniform) or >= 0 "
+                         f"(block)")
+    return granularity, method, num_layers
+
+
+class TransformerBlock(torch.nn.Module):
+    """The layers ``layer_range`` (global indices) and, on the last stage, the final norm."""
+
+    def __init__(self, config, layer_range: range, parallel_state, recompute_config, *,
+                 final_layernorm: bool, params_dtype, device=None):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({
+            str(index): TransformerLayer(config, index, parallel_state,
+                                         params_dtype=params_dtype, device=device)
+            for index in layer_range})
+        self.final_layernorm = (Norm(config, params_dtype=params_dtype, device=device)
+                                if final_layernorm else None)
+        self.granularity, self.method, self.recompute_num_layers = \
+            resolve_recompute(recompute_config)
+
+    def forward(self, hidden: torch.Tensor, dropout: DropoutContext) -> torch.Tensor:
+        layers = list(self.layers.values())
+        selective = self.granularity == "selective"
+        if self.granularity == "full" and self.method == "uniform":
+            # Checkpoint groups of recompute_num_layers consecutive layers: only each group's
+            # input is stored, the rest is recomputed in the backward pass.
+            for start in range(0, len(layers), self.recompute_num_layers):
+                group = layers[start:start + self.recompute_num_layers]
+                hidden = checkpoint(_run_layers, group, hidden, dropout, use_reentrant=False)
+        elif self.granularity == "full":  # block: the first recompute_num_layers layers only
+            for position, layer in enumerate(layers):
+                if position < self.recompute_num_layers:
+                    hidden = checkpoint(layer, hidden, dropout, use_reentrant=False)
+                else:
+                    hidden = layer(hidden, dropout)
+        else:
+            for layer in layers:
+                hidden = layer(hidden, dropout, selective)
+        if self.final_layernorm is not None:
+            hidden = self.final_layernorm(hidden)
+        return hidden
+
+
+def _run_layers(layers, hidden, dropout):
+    for layer in layers:
+        hidden = layer(hidden, dropout)
+    return hidden

@@ -1,0 +1,134 @@
+"""Megatron's tensor-parallel layers: vocabulary-parallel embedding, column- and row-parallel linear.
+
+Every parameter created here carries the attributes the rest of the project reads:
+
+- ``tensor_model_parallel`` (bool) and ``partition_dim`` (int, -1 when replicated): how the full
+  tensor is split over the TP ranks (contiguous blocks, rank order);
+- ``no_weight_decay``: True for biases (norm parameters are marked by the model);
+- ``initializer``: ``("normal", std)`` or ``("constant", value)``, the distribution of the FULL
+  tensor; :mod:`megatron.core.models.gpt.init` draws it layout-independently.
+
+Layers are created with uninitialised storage; the model initialises all parameters at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region)
+from megatron.core.tensor_parallel.utils import divide, tensor_parallel_group
+
+
+def set_parameter_attributes(param: torch.nn.Parameter, *, tensor_model_parallel: bool,
+                             partition_dim: int = -1, initializer=("constant", 0.0),
+                             no_weight_decay: bool = False) -> torch.nn.Parameter:
+    """Attach the project's parameter attributes (see the module docstring) and return ``param``."""
+    param.tensor_model_parallel = tensor_model_parallel
+    param.partition_dim = partition_dim if tensor_model_parallel else -1
+    param.initializer = initializer
+    param.no_weight_decay = no_weight_decay
+    param.shared_embedding = False
+    return param
+
+
+def _empty_parameter(shape, dtype, device) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split over the vocabulary: rank r holds rows [r V/tp, (r+1) V/tp).
+
+    Tokens outside the rank's block look up zeros; an all-reduce sums the ranks' partial results.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel_state, *,
+                 init_std: float, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.group = tensor_parallel_group(parallel_state)
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_rank = divide(
+            num_embeddings, parallel_state.tp_size,
+            "padded vocabulary size (make it a multiple of make-vocab-size-divisible-by x TP)")
+        self.vocab_start = parallel_state.tp_rank * self.num_embeddings_per_rank
+        self.weight = set_parameter_attributes(
+            _empty_parameter((self.num_embeddings_per_rank, embedding_dim), params_dtype, device),
+            tensor_model_parallel=True, partition_dim=0, initializer=("normal", init_std))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(token_ids, self.weight)
+        local_ids = token_ids - self.vocab_start
+        not_mine = (local_ids < 0) | (local_ids >= self.num_embeddings_per_rank)
+        embedded = F.embedding(local_ids.masked_fill(not_mine, 0), self.weight)
+        embedded = embedded.masked_fill(not_mine.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(embedded, self.group)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with A's output rows (and b) split over the TP ranks.
+
+    The input is replicated (its gradient is all-reduced on the way back); the output is this
+    rank's block of the last dimension, or the full output when ``gather_output``.
+    ``forward(x, weight=...)`` uses an external weight (the tied word embedding for the logits).
+    """
+
+    def __init__(self, input_size: int, output_size: int, parallel_state, *, bias: bool,
+                 init_std: Optional[float], gather_output: bool = False,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.group = tensor_parallel_group(parallel_state)
+        self.gather_output = gather_output
+        self.output_size_per_rank = divide(output_size, parallel_state.tp_size,
+                                           "output size of a column-parallel linear layer")
+        if init_std is None:  # the weight is supplied at call time
+            self.weight = None
+        else:
+            self.weight = set_parameter_attributes(
+                _empty_parameter((self.output_size_per_rank, input_size), params_dtype, device),
+                tensor_model_parallel=True, partition_dim=0, initializer=("normal", init_std))
+        self.bias = None
+        if bias:
+            self.bias = set_parameter_attributes(
+                _empty_parameter((self.output_size_per_rank,), params_dtype, device),
+                tensor_model_parallel=True, partition_dim=0, no_weight_decay=True)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("this ColumnParallelLinear has no weight of its own; pass weight=")
+        output = F.linear(copy_to_tensor_parallel_region(x, self.group), weight, self.bias)
+        if self.gather_output:
+            output = gather_from_tensor_parallel_region(output, self.group)
+        return output
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with A's input columns split over the TP ranks.
+
+    The input is this rank's block of the last dimension (the output of a column-parallel layer);
+    partial products are all-reduced and the replicated bias is added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, parallel_state, *, bias: bool,
+                 init_std: float, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.group = tensor_parallel_group(parallel_state)
+        self.input_size_per_rank = divide(input_size, parallel_state.tp_size,
+                                          "input size of a row-parallel linear layer")
+        self.weight = set_parameter_attributes(
+            _empty_parameter((output_size, self.input_size_per_rank), params_dtype, device),
+            tensor_model_parallel=True, partition_dim=1, initializer=("normal", init_std))
+        self.bias = None
+        if bias:
+            self.bias = set_parameter_attributes(
+                _empty_parameter((output_size,), params_dtype, device),
+                tensor_model_parallel=False, no_weight_decay=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        return output if self.bias is None else output + self.bias

@@ -1,0 +1,166 @@
+"""Counter-based dropout: masks that are the same in every parallel layout.
+
+This replaces Megatron's ``CudaRNGStatesTracker``. Megatron keeps a separate, rank-specific RNG
+stream for dropout inside the tensor-parallel region, which makes TP=2 *a* valid model but not the
+*same* model as TP=1, and says nothing about pipeline or Chimera layouts. Here a dropout mask has no
+RNG state at all: each element's keep/drop bit is a pure function
+
+    bits = hash(seed, layer number, site, global sample id, element coordinates in the FULL tensor)
+    keep = bits >= round(p * 2**32)
+
+so any rank that holds any slice of any sample computes exactly the unsplit model's mask for that
+slice: TP ranks compute their attention heads' slice, pipeline stages and Chimera's two replicas of a
+stage compute identical masks for a sample, data-parallel ranks identify samples by their global id,
+and activation recomputation reproduces the masks for free. There is no RNG state to save in a
+checkpoint either: the seed and the global sample ids (which the training loop supplies) are enough.
+
+The hash is 32-bit integer mixing ("lowbias32") done with int64 torch ops. Every intermediate value
+stays below 2**63 (products of a 32-bit value and a 16- or 31-bit constant), so no signed overflow
+happens and CPU and CUDA give identical bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+# Dropout sites: which dropout of a layer a mask belongs to (part of the hash key).
+SITE_EMBEDDING = 0          # after word + position embedding (layer number 0)
+SITE_ATTENTION_PROBS = 1    # on the attention probabilities (inside the TP region)
+SITE_ATTENTION_OUTPUT = 2   # on the attention block's output before the residual add
+SITE_MLP_OUTPUT = 3         # on the MLP block's output before the residual add
+
+
+def stable_seed(*parts) -> int:
+    """A 63-bit integer derived from ``parts`` by SHA-256 (unlike ``hash()``, equal in every process)."""
+    text = "\x1f".join(str(part) for part in parts).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2 ** 63 - 1)
+
+
+def _mul32(value, constant: int):
+    """``value * constant mod 2**32`` for 32-bit ``value`` without exceeding 2**49 in between."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (value * low + (((value * high) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(value):
+    """Bijective 32-bit avalanche mix (lowbias32); works on python ints and int64 tensors alike."""
+    value = value ^ (value >> 16)
+    value = _mul32(value, 0x7FEB352D)
+    value = value ^ (value >> 15)
+    value = _mul32(value, 0x846CA68B)
+    return value ^ (value >> 16)
+
+
+def _absorb64(state, value):
+    """Fold a non-negative value below 2**63 into a 32-bit hash state, low word then high word."""
+    state = mix32(state ^ (value & MASK32))
+    return mix32(state ^ (value >> 32))
+
+
+def _linear_indices(full_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int],
+                    device) -> torch.Tensor:
+    """Row-major index, in the full per-sample tensor, of every element of the local block."""
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    for dim, (full, start, length) in enumerate(zip(full_shape, offsets, shape)):
+        if start < 0 or start + length > full:
+            raise ValueError(f"block [{start}, {start + length}) of dimension {dim} lies outside "
+                             f"the full size {full}")
+        coordinate = torch.arange(start, start + length, dtype=torch.int64, device=device)
+        index = index.unsqueeze(-1) * full + coordinate
+    return index
+
+
+@dataclass(frozen=True)
+class CounterBasedDropout:
+    """Stateless dropout whose masks depend only on (seed, layer, site, sample, coordinates).
+
+    One instance per model (built from the model seed); call :meth:`keep_mask` or :meth:`apply`.
+    """
+
+    seed: int
+
+    def _site_state(self, layer_number: int, site: int) -> int:
+        state = _absorb64(mix32(0x9E3779B9), self.seed & (2 ** 63 - 1))
+        state = mix32(state ^ (layer_number & MASK32))
+        return mix32(state ^ (site & MASK32))
+
+    def random_bits(self, layer_number: int, site: int, sample_ids: torch.Tensor,
+                    full_shape: Sequence[int], offsets: Optional[Sequence[int]] = None,
+                    shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Uniform 32-bit values (int64 tensor ``[b, *shape]``) for the block of the full tensor.
+
+        ``full_shape`` is the shape of ONE sample's full (unsharded) tensor; the local block starts
+        at ``offsets`` (default zeros) and has ``shape`` (default ``full_shape``).
+        """
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(full_shape)
+        shape = tuple(shape) if shape is not None else tuple(full_shape)
+        if not len(full_shape) == len(offsets) == len(shape):
+            raise ValueError("full_shape, offsets and shape must have the same length")
+        sample_ids = sample_ids.to(torch.int64)
+        if bool((sample_ids < 0).any()):
+            raise ValueError("sample ids must be non-negative global sample indices")
+        state = torch.full_like(sample_ids, self._site_state(layer_number, site))
+        per_sample = _absorb64(state, sample_ids)
+        index = _linear_indices(full_shape, offsets, shape, sample_ids.device)
+        per_sample = per_sample.view(-1, *([1] * len(shape)))
+        return _absorb64(per_sample, index.unsqueeze(0))
+
+    def keep_mask(self, probability: float, layer_number: int, site: int,
+                  sample_ids: torch.Tensor, full_shape: Sequence[int],
+                  offsets: Optional[Sequence[int]] = None,
+                  shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Boolean keep-mask ``[b, *shape]``: each element is dropped with ``probability``."""
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"dropout probability must lie in [0, 1], got {probability}")
+        threshold = round(probability * 2 ** 32)
+        bits = self.random_bits(layer_number, site, sample_ids, full_shape, offsets, shape)
+        return bits >= threshold
+
+    def apply(self, tensor: torch.Tensor, probability: float, layer_number: int, site: int,
+              sample_ids: torch.Tensor, full_shape: Optional[Sequence[int]] = None,
+              offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Dropout on ``tensor`` laid out ``[b, *per-sample block]``; kept values scaled by 1/(1-p).
+
+        ``full_shape``/``offsets`` place the block in the full per-sample tensor (default: the block
+        is the whole tensor).
+        """
+        if probability == 0.0:
+            return tensor
+        if probability == 1.0:
+            return tensor * 0.0
+        block = tuple(tensor.shape[1:])
+        full_shape = tuple(full_shape) if full_shape is not None else block
+        mask = self.keep_mask(probability, layer_number, site, sample_ids.to(tensor.device),
+                              full_shape, offsets, block)
+        return tensor * mask.to(tensor.dtype) * (1.0 / (1.0 - probability))
+
+    def apply_to_hidden(self, hidden: torch.Tensor, probability: float, layer_number: int,
+                        site: int, sample_ids: torch.Tensor) -> torch.Tensor:
+        """Dropout on a replicated hidden state in Megatron's ``[s, b, h]`` layout."""
+        if probability == 0.0:
+            return hidden
+        return self.apply(hidden.transpose(0, 1), probability, layer_number, site,
+                          sample_ids).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class DropoutContext:
+    """What a forward pass needs to draw dropout masks: the generator, sample ids, on/off."""
+
+    dropout: CounterBasedDropout
+    sample_ids: torch.Tensor
+    enabled: bool
+
+    def hidden(self, hidden: torch.Tensor, probability: float, layer_number: int,
+               site: int) -> torch.Tensor:
+        """Dropout on a replicated ``[s, b, h]`` hidden state (no-op when disabled)."""
+        if not self.enabled or probability == 0.0:
+            return hidden
+        return self.dropout.apply_to_hidden(hidden, probability, layer_number, site,
+                                            self.sample_ids)
