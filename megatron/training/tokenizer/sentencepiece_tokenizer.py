@@ -1,0 +1,50 @@
+"""SentencePiece tokenizer (``--tokenizer-type SentencePieceTokenizer --tokenizer-model M``).
+
+The end-of-document id is the model's end-of-sentence piece (as in Megatron's
+GPTSentencePieceTokenizer), so a model must be trained with one; ``tools/train_tokenizer.py`` does.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class SentencePieceTokenizer:
+    """Wraps a trained SentencePiece model file."""
+
+    def __init__(self, model_file: str):
+        import sentencepiece
+
+        if not model_file:
+            raise ValueError("SentencePieceTokenizer needs --tokenizer-model (a SentencePiece "
+                             ".model file; train one with tools/train_tokenizer.py)")
+        if not os.path.isfile(model_file):
+            raise FileNotFoundError(f"SentencePiece model {model_file} does not exist; pass the "
+                                    f".model file written by tools/train_tokenizer.py")
+        self.model_file = model_file
+        self.processor = sentencepiece.SentencePieceProcessor()
+        try:
+            self.processor.Load(model_file)
+        except (OSError, RuntimeError) as error:
+            raise ValueError(f"SentencePiece model {model_file} could not be loaded ({error}); "
+                             f"it must be a .model file written by SentencePiece") from None
+        self._eod = self.processor.eos_id()
+        if self._eod < 0:
+            raise ValueError(f"SentencePiece model {model_file} has no end-of-sentence piece, "
+                             f"which is needed as the end-of-document id; retrain it with an eos "
+                             f"piece (tools/train_tokenizer.py does this)")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.get_piece_size()
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no end-of-document token is added)."""
+        return self.processor.encode(text)
+
+    def detokenize(self, token_ids) -> str:
+        return self.processor.decode([int(index) for index in token_ids])
