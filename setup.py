@@ -1,13 +1,70 @@
-"""Package definition. The C++ p2p-packing extension is added in megatron/csrc (see README)."""
+"""Package definition, with the optional C++ p2p-packing extension (megatron/csrc/packing.cpp).
+
+The extension is built when torch is importable at build time, which needs
+`pip install --no-build-isolation -e .` (an isolated build environment has no torch). Without torch,
+or when compilation fails, the package installs without it: megatron.core.pipeline_parallel.packing
+then compiles it on first use, or falls back to its byte-identical pure-Python implementation.
+Set MEGATRON_SKIP_CPP_EXTENSION=1 to skip the build on purpose.
+"""
+
+import os
+import sys
 
 from setuptools import find_packages, setup
+
+PACKING_SOURCE = "megatron/csrc/packing.cpp"
+
+
+def packing_extension():
+    """(ext_modules, cmdclass) for the packing extension, or empty ones when it cannot be built."""
+    if os.environ.get("MEGATRON_SKIP_CPP_EXTENSION") == "1":
+        print("megatron-chimera: MEGATRON_SKIP_CPP_EXTENSION=1, not building the C++ packing "
+              "extension", file=sys.stderr)
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        print("megatron-chimera: torch is not importable at build time, so the C++ packing "
+              "extension is not built (it is compiled on first use instead); to build it now, "
+              "install torch first and use `pip install --no-build-isolation -e .`",
+              file=sys.stderr)
+        return [], {}
+
+    class OptionalBuildExtension(BuildExtension):
+        """Warns instead of failing the install when the optional extension does not compile."""
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as error:  # compiler errors surface as several exception types
+                if not getattr(ext, "optional", False):
+                    raise
+                print(f"megatron-chimera: building {ext.name} failed ({error}); installing "
+                      f"without it, the Python packing implementation will be used",
+                      file=sys.stderr)
+
+    extension = CppExtension(
+        name="megatron._packing_cpp",
+        sources=[PACKING_SOURCE],
+        extra_compile_args=["-O3"],
+        optional=True,
+    )
+    return [extension], {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = packing_extension()
 
 setup(
     name="megatron-chimera",
     version="0.1.0",
     description="Megatron-LM-style GPT training with Chimera bidirectional pipelines",
     packages=find_packages(include=["megatron", "megatron.*"]),
+    # The C++ source ships with the package so that compilation on first use works after a
+    # non-editable install too.
+    package_data={"megatron": ["csrc/*.cpp"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.1", "numpy", "regex", "sentencepiece", "pybind11"],
     extras_require={"test": ["pytest"], "tensorboard": ["tensorboard"], "plot": ["matplotlib"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )
