@@ -1,0 +1,368 @@
+"""Megatron's command-line flags, generated from the typed config in :mod:`megatron.core.config`.
+
+Owns the thin skin between a Megatron launch script and :class:`MegatronConfig`:
+
+- :func:`build_parser`: one ``--flag`` per config field (``num_layers`` -> ``--num-layers``), help text,
+  choices and aliases from the field metadata, one ``--help`` group per config section. Fields marked
+  ``derived`` never become flags.
+- :func:`parse_args`: parse, reject unsupported flags by name, log the flags that are accepted for
+  compatibility but ignored, and validate (:func:`megatron.training.config_validation.validate_config`).
+- :func:`config_to_argv`: the inverse, so ``parse_args(config_to_argv(c), world_size) == c``.
+- :func:`format_arguments`: Megatron's ``---- arguments ----`` block.
+- :func:`accepted_flags` and :func:`flags_markdown`: the flag set for the golden test and docs/flags.md.
+
+Nothing here reads ``sys.argv`` unless ``parse_args`` is called without ``argv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import logging
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence, TextIO
+
+from megatron.core.config import MegatronConfig
+from megatron.training.config_validation import (DEFAULT_MOCK_VOCAB_SIZE, NOT_SUPPORTED_YET,
+                                                 pad_vocab_size, set_padded_vocab_size,
+                                                 validate_config)
+from megatron.training.launch_env import world_size_from_environment
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "COMPATIBILITY_FLAGS", "IGNORED_FIELDS", "CompatibilityFlag", "accepted_flags", "build_parser",
+    "config_to_argv", "flags_markdown", "format_arguments", "pad_vocab_size", "parse_args",
+    "parse_args_unvalidated", "print_arguments", "set_padded_vocab_size", "validate_config",
+]
+
+DOCS_HINT = "see docs/flags.md for the supported flags"
+
+
+@dataclass(frozen=True)
+class CompatibilityFlag:
+    """A Megatron flag that is not part of our config: accepted so scripts keep working, then
+    reported as ignored in the log (never silently)."""
+
+    flag: str
+    reason: str
+    choices: Optional[tuple[str, ...]] = None  # takes one value from these when set
+
+    @property
+    def dest(self) -> str:
+        return "compat__" + self.flag.lstrip("-").replace("-", "_").lower()
+
+
+# Megatron performance switches for CUDA kernels this project does not have, or choices it always
+# makes one way. Ignoring them cannot change what is trained.
+COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
+    CompatibilityFlag("--no-masked-softmax-fusion",
+                      "attention uses torch's scaled_dot_product_attention; there is no fused "
+                      "softmax kernel to switch off"),
+    CompatibilityFlag("--no-bias-gelu-fusion", "bias and GeLU are not fused; nothing to switch off"),
+    CompatibilityFlag("--no-bias-dropout-fusion",
+                      "bias, dropout and residual add are not fused; nothing to switch off"),
+    CompatibilityFlag("--no-gradient-accumulation-fusion",
+                      "gradients accumulate with plain PyTorch ops; there is no fused kernel"),
+    CompatibilityFlag("--no-async-tensor-model-parallel-allreduce",
+                      "tensor-parallel all-reduces are not overlapped with the weight-gradient "
+                      "computation anyway"),
+    CompatibilityFlag("--use-flash-attn",
+                      "scaled_dot_product_attention already picks a flash kernel when the device "
+                      "has one"),
+    CompatibilityFlag("--use-cpu-initialization",
+                      "weights are always initialised layout-independently (the same full weights "
+                      "for every TP/PP layout)"),
+    CompatibilityFlag("--DDP-impl",
+                      "data-parallel gradients always use this project's contiguous-buffer "
+                      "all-reduce", choices=("local", "torch")),
+)
+
+# Config fields that are accepted, but whose feature is not implemented and is harmless to skip
+# (performance or bookkeeping only). Logged as ignored when set to a non-default value.
+IGNORED_FIELDS: dict[str, str] = {
+    "overlap_grad_reduce": "the data-parallel gradient all-reduce runs after the backward pass "
+                           "(same numbers, no overlap)",
+    "wandb_project": "Weights & Biases logging is not implemented; use --tensorboard-dir or the "
+                     "log lines",
+    "sgd_momentum": "only used by --optimizer sgd, which is not supported yet",
+}
+
+
+def _flag_for(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class _ConfigField:
+    """One flag-carrying (or derived) config field with its resolved annotation."""
+
+    section: str
+    field: dataclasses.Field
+    value_type: type          # int, float, str, bool or list
+    element_type: type        # for lists: the element type; else == value_type
+    optional: bool
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def flag(self) -> str:
+        return _flag_for(self.field.name)
+
+    @property
+    def dest(self) -> str:
+        return f"{self.section}__{self.field.name}"
+
+    @property
+    def derived(self) -> bool:
+        return bool(self.field.metadata.get("derived"))
+
+    def default(self) -> Any:
+        if self.field.default_factory is not dataclasses.MISSING:
+            return self.field.default_factory()
+        return self.field.default
+
+
+def _resolve_annotation(annotation: Any) -> tuple[type, type, bool]:
+    """``Optional[list[str]]`` -> (list, str, True); ``int`` -> (int, int, False)."""
+    optional = False
+    if typing.get_origin(annotation) is typing.Union:
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        assert len(members) == 1, f"unsupported union annotation {annotation}"
+        annotation, optional = members[0], True
+    if annotation is list or typing.get_origin(annotation) is list:
+        element_args = typing.get_args(annotation)
+        return list, (element_args[0] if element_args else str), optional
+    assert annotation in (int, float, str, bool), f"unsupported config annotation {annotation}"
+    return annotation, annotation, optional
+
+
+def config_fields() -> Iterator[_ConfigField]:
+    """Every field of every config section, in declaration order (derived fields included)."""
+    for section_field in dataclasses.fields(MegatronConfig):
+        section_class = section_field.default_factory
+        hints = typing.get_type_hints(section_class)
+        for config_field in dataclasses.fields(section_class):
+            value_type, element_type, optional = _resolve_annotation(hints[config_field.name])
+            yield _ConfigField(section_field.name, config_field, value_type, element_type,
+                               optional)
+
+
+def _help_text(spec: _ConfigField) -> str:
+    text = spec.field.metadata.get("help", "")
+    default = spec.default()
+    if spec.value_type is not bool and default is not None:
+        text += f" (default: {default})"
+    return text.replace("%", "%%")  # argparse formats help strings with %
+
+
+class _MegatronArgumentParser(argparse.ArgumentParser):
+    """Rejects unknown flags by name, saying they are unsupported, with a close match if any."""
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(self._unsupported_message(unknown))
+        return namespace
+
+    def _unsupported_message(self, unknown: list[str]) -> str:
+        flags = [item.split("=", 1)[0] for item in unknown if item.startswith("-")]
+        if not flags:
+            return f"unexpected argument(s) {' '.join(unknown)}: every value must follow its flag"
+        known = [option for action in self._actions for option in action.option_strings]
+        hints = []
+        for flag in flags:
+            close = difflib.get_close_matches(flag, known, n=1)
+            hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+        return (f"unsupported by Megatron-Chimera: {', '.join(hints)}; remove the flag(s) "
+                f"({DOCS_HINT})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser generated from the config dataclasses (plus the compatibility flags)."""
+    parser = _MegatronArgumentParser(
+        prog="pretrain_gpt.py", allow_abbrev=False,
+        description="Megatron-Chimera: Megatron-LM-style GPT training with Chimera pipelines. "
+                    f"Flags are Megatron's names; {DOCS_HINT}.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for spec in config_fields():
+        if spec.derived:
+            continue
+        if spec.section not in groups:
+            section_class = type(getattr(MegatronConfig(), spec.section))
+            groups[spec.section] = parser.add_argument_group(
+                spec.section, (section_class.__doc__ or "").strip())
+        names = [spec.flag, *spec.field.metadata.get("aliases", ())]
+        common = dict(dest=spec.dest, default=argparse.SUPPRESS, help=_help_text(spec))
+        if spec.value_type is bool:
+            assert spec.default() is False, f"bool field {spec.name} must default to False"
+            groups[spec.section].add_argument(*names, action="store_true", **common)
+            continue
+        choices = spec.field.metadata.get("choices")
+        if spec.value_type is list:
+            groups[spec.section].add_argument(*names, nargs="+", type=spec.element_type,
+                                              metavar=spec.name.upper(), **common)
+        else:
+            groups[spec.section].add_argument(*names, type=spec.value_type, choices=choices,
+                                              metavar=None if choices else spec.name.upper(),
+                                              **common)
+    compat = parser.add_argument_group(
+        "accepted for compatibility, ignored",
+        "Megatron flags that change nothing here; each one is reported in the log when given.")
+    for flag in COMPATIBILITY_FLAGS:
+        help_text = f"Ignored: {flag.reason}."
+        if flag.choices:
+            compat.add_argument(flag.flag, dest=flag.dest, choices=flag.choices,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            compat.add_argument(flag.flag, dest=flag.dest, action="store_true",
+                                default=argparse.SUPPRESS, help=help_text)
+    return parser
+
+
+def _ignored_messages(namespace: argparse.Namespace, config: MegatronConfig) -> list[str]:
+    given = vars(namespace)
+    messages = [f"{flag.flag} is accepted for compatibility and ignored by Megatron-Chimera: "
+                f"{flag.reason}" for flag in COMPATIBILITY_FLAGS if flag.dest in given]
+    for spec in config_fields():
+        if spec.name in IGNORED_FIELDS and \
+                getattr(getattr(config, spec.section), spec.name) != spec.default():
+            messages.append(f"{spec.flag} is accepted for compatibility and ignored by "
+                            f"Megatron-Chimera: {IGNORED_FIELDS[spec.name]}")
+    return messages
+
+
+def parse_args_unvalidated(argv: Optional[Sequence[str]] = None
+                           ) -> tuple[MegatronConfig, list[str]]:
+    """Parse flags into a config without validation or derived fields.
+
+    Returns the config and the "ignored" messages for the compatibility flags given. Unsupported
+    flags exit through argparse (status 2) with a message naming them.
+    """
+    namespace = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    given = vars(namespace)
+    section_values: dict[str, dict[str, Any]] = {}
+    for spec in config_fields():
+        if spec.dest in given:
+            section_values.setdefault(spec.section, {})[spec.name] = given[spec.dest]
+    sections = {section_field.name: section_field.default_factory(
+                    **section_values.get(section_field.name, {}))
+                for section_field in dataclasses.fields(MegatronConfig)}
+    config = MegatronConfig(**sections)
+    return config, _ignored_messages(namespace, config)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None,
+               world_size: Optional[int] = None) -> MegatronConfig:
+    """Parse Megatron flags into a validated :class:`MegatronConfig` with derived fields filled.
+
+    ``argv`` defaults to ``sys.argv[1:]``; ``world_size`` to the launcher's (``WORLD_SIZE`` from
+    torchrun, else ``SLURM_NTASKS``, else 1). Unsupported flags exit with argparse's status 2 and a
+    message naming them; accepted-but-ignored flags are logged as warnings on the
+    ``megatron.training.arguments`` logger; invalid combinations raise ``ValueError`` saying how to
+    fix them.
+    """
+    config, ignored = parse_args_unvalidated(argv)
+    for message in ignored:
+        logger.warning(message)
+    if world_size is None:
+        world_size = world_size_from_environment()
+    return validate_config(config, world_size)
+
+
+def _value_tokens(value: Any) -> list[str]:
+    if isinstance(value, list):
+        return [_value_tokens(item)[0] for item in value]
+    if isinstance(value, float):
+        return [repr(value)]  # repr round-trips exactly
+    return [str(value)]
+
+
+def config_to_argv(config: MegatronConfig) -> list[str]:
+    """Flags that reproduce ``config``: every non-derived field that differs from its default.
+
+    ``parse_args(config_to_argv(c), world_size=c.parallel.world_size) == c`` for any ``c`` returned
+    by :func:`parse_args` (a padded vocabulary filled later from a tokenizer is derived, not a flag).
+    """
+    argv: list[str] = []
+    for spec in config_fields():
+        if spec.derived:
+            continue
+        value = getattr(getattr(config, spec.section), spec.name)
+        if value == spec.default() or value is None:
+            continue
+        if spec.value_type is bool:
+            argv.append(spec.flag)
+        else:
+            argv.extend([spec.flag, *_value_tokens(value)])
+    return argv
+
+
+def format_arguments(config: MegatronConfig) -> str:
+    """Megatron's arguments block: every field (derived ones too), sorted by name, dot-padded."""
+    values = {spec.name: getattr(getattr(config, spec.section), spec.name)
+              for spec in config_fields()}
+    lines = ["------------------------ arguments ------------------------"]
+    for name in sorted(values, key=str.lower):
+        lines.append(f"  {name} {'.' * (48 - len(name))} {values[name]}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)
+
+
+def print_arguments(config: MegatronConfig, file: Optional[TextIO] = None) -> None:
+    """Print :func:`format_arguments` (call it on one rank only)."""
+    print(format_arguments(config), file=file or sys.stdout, flush=True)
+
+
+def accepted_flags() -> list[str]:
+    """Every option string the parser accepts (aliases and compatibility flags included), sorted."""
+    return sorted(option for action in build_parser()._actions for option in action.option_strings)
+
+
+def _markdown_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def flags_markdown() -> str:
+    """The generated tables of docs/flags.md: flags per section, ignored and rejected ones."""
+    not_supported = {feature.field: feature.shown for feature in NOT_SUPPORTED_YET}
+    lines: list[str] = []
+    current_section = None
+    for spec in config_fields():
+        if spec.derived:
+            continue
+        if spec.section != current_section:
+            current_section = spec.section
+            lines += ["", f"### {spec.section}", "", "| flag | default | meaning |",
+                      "|---|---|---|"]
+        flags = ", ".join(f"`{name}`" for name in [spec.flag,
+                                                   *spec.field.metadata.get("aliases", ())])
+        choices = spec.field.metadata.get("choices")
+        meaning = spec.field.metadata.get("help", "")
+        if choices:
+            meaning += " Choices: " + ", ".join(f"`{choice}`" for choice in choices) + "."
+        if spec.name in IGNORED_FIELDS:
+            meaning += f" **Accepted, ignored (logged):** {IGNORED_FIELDS[spec.name]}."
+        if spec.name in not_supported:
+            meaning += f" **Rejected (not supported yet): `{not_supported[spec.name]}`.**"
+        default = spec.default()
+        shown_default = "off" if spec.value_type is bool else (
+            "-" if default is None else f"`{default}`")
+        lines.append(f"| {flags} | {shown_default} | {_markdown_cell(meaning)} |")
+    lines += ["", "### accepted for compatibility, ignored (logged)", "",
+              "| flag | why it changes nothing |", "|---|---|"]
+    for flag in COMPATIBILITY_FLAGS:
+        shown = flag.flag + (" {" + ",".join(flag.choices) + "}" if flag.choices else "")
+        lines.append(f"| `{shown}` | {_markdown_cell(flag.reason)} |")
+    lines += ["", "### rejected: not supported yet", "", "| flag (value) | what to do instead |",
+              "|---|---|"]
+    for feature in NOT_SUPPORTED_YET:
+        lines.append(f"| `{feature.shown}` | {_markdown_cell(feature.instead)} |")
+    lines += ["", f"Mock-data vocabulary without a tokenizer: `--vocab-size`, default "
+                  f"{DEFAULT_MOCK_VOCAB_SIZE}.", ""]
+    return "\n".join(lines)

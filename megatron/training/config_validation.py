@@ -1,0 +1,469 @@
+"""Cross-cutting validation of a :class:`MegatronConfig`, run before any process group exists.
+
+Owns the rules that relate flags to each other and to the world size (world = TP x PP x DP, heads
+divisible by TP, global batch divisible by micro-batch x DP, pipeline schedule options, data and
+tokenizer flags, ...) and fills the derived fields (data-parallel size, micro-batches per iteration,
+default FFN size and position table, default schedule, padded vocabulary where it is already known).
+
+Every user error is a ``ValueError`` whose message names the flags involved and says how to fix it.
+The decisions about features that exist as flags but are not implemented are in
+:data:`NOT_SUPPORTED_YET` (rejected) and in :mod:`megatron.training.arguments` (accepted and logged as
+ignored); ``docs/flags.md`` documents both.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from megatron.core.config import MegatronConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# Vocabulary used by --mock-data (and no tokenizer) when --vocab-size is not given.
+DEFAULT_MOCK_VOCAB_SIZE = 1024
+
+# Tokenizers whose vocabulary size is only known once the tokenizer files are read.
+FILE_TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+
+@dataclass(frozen=True)
+class UnsupportedFeature:
+    """A Megatron flag (or flag value) that exists in the config but is not implemented yet."""
+
+    section: str
+    field: str
+    shown: str                          # how the user wrote it, e.g. "--normalization RMSNorm"
+    is_used: Callable[[Any], bool]      # true when the config asks for the feature
+    instead: str                        # what to do instead
+
+
+# Features that exist as Megatron flags (and config fields) but are not implemented: using them would
+# silently train something other than what the user asked for, so validation rejects them.
+NOT_SUPPORTED_YET: tuple[UnsupportedFeature, ...] = (
+    UnsupportedFeature("parallel", "sequence_parallel", "--sequence-parallel", bool,
+                       "remove it (tensor parallelism without sequence parallelism is supported)"),
+    UnsupportedFeature("parallel", "use_distributed_optimizer", "--use-distributed-optimizer", bool,
+                       "remove it (optimizer state is replicated over data-parallel ranks)"),
+    UnsupportedFeature("training", "rampup_batch_size", "--rampup-batch-size",
+                       lambda value: value is not None,
+                       "remove it and train with a fixed --global-batch-size"),
+    UnsupportedFeature("model", "position_embedding_type", "--position-embedding-type rope",
+                       lambda value: value == "rope",
+                       "use --position-embedding-type learned_absolute (the default)"),
+    UnsupportedFeature("model", "swiglu", "--swiglu", bool,
+                       "remove it (the MLP is GeLU with --ffn-hidden-size)"),
+    UnsupportedFeature("model", "normalization", "--normalization RMSNorm",
+                       lambda value: value == "RMSNorm", "use --normalization LayerNorm (the default)"),
+    UnsupportedFeature("model", "disable_bias_linear", "--disable-bias-linear", bool,
+                       "remove it (linear layers have biases)"),
+    UnsupportedFeature("optimizer", "optimizer", "--optimizer sgd", lambda value: value == "sgd",
+                       "use --optimizer adam (AdamW, the default)"),
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def pad_vocab_size(vocab_size: int, model_config: ModelConfig, tensor_parallel_size: int) -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of
+    ``make_vocab_size_divisible_by x tensor_parallel_size`` so every TP rank holds an equal slice."""
+    if vocab_size < 1:
+        raise ValueError(f"vocabulary size {vocab_size} must be >= 1; check the tokenizer or "
+                         f"--vocab-size")
+    multiple = model_config.make_vocab_size_divisible_by * tensor_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def set_padded_vocab_size(config: MegatronConfig, vocab_size: int) -> int:
+    """Fill ``config.model.padded_vocab_size`` once the tokenizer's vocabulary size is known.
+
+    Call this after building a GPT-2 BPE or SentencePiece tokenizer (validation cannot read their
+    files). Mutates ``config`` in place and returns the padded size.
+    """
+    padded = pad_vocab_size(vocab_size, config.model, config.parallel.tensor_model_parallel_size)
+    logger.info("padded vocab (size: %d) with %d dummy tokens (new size: %d)",
+                vocab_size, padded - vocab_size, padded)
+    config.model.padded_vocab_size = padded
+    return padded
+
+
+def _require_positive(section, names: tuple[str, ...], allow_none: bool = False) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is None and allow_none:
+            continue
+        if value is None or value < 1:
+            raise ValueError(f"{_flag(name)} must be a positive integer, got {value}; "
+                             f"set {_flag(name)} to a value >= 1")
+
+
+def _check_not_supported_yet(config: MegatronConfig) -> None:
+    for feature in NOT_SUPPORTED_YET:
+        if feature.is_used(getattr(getattr(config, feature.section), feature.field)):
+            raise ValueError(f"{feature.shown} is not supported yet by Megatron-Chimera; "
+                             f"{feature.instead}. See docs/flags.md for the supported flags.")
+
+
+def _translate_legacy_recompute(config: MegatronConfig) -> None:
+    """--checkpoint-activations / --recompute-activations become the modern flags (and are reset,
+    so the validated config has one spelling and survives a round trip through flags)."""
+    recompute = config.recompute
+    if recompute.checkpoint_activations and recompute.recompute_activations:
+        raise ValueError("--checkpoint-activations and --recompute-activations contradict each "
+                         "other (full vs selective recomputation); give only one")
+    if recompute.checkpoint_activations:
+        if recompute.recompute_granularity not in (None, "full"):
+            raise ValueError("--checkpoint-activations means --recompute-granularity full but "
+                             f"--recompute-granularity {recompute.recompute_granularity} was "
+                             "given; drop one of the two")
+        recompute.recompute_granularity = "full"
+        recompute.recompute_method = recompute.recompute_method or "uniform"
+        if recompute.recompute_num_layers is None:
+            recompute.recompute_num_layers = 1
+        recompute.checkpoint_activations = False
+    if recompute.recompute_activations:
+        if recompute.recompute_granularity not in (None, "selective"):
+            raise ValueError("--recompute-activations means --recompute-granularity selective but "
+                             f"--recompute-granularity {recompute.recompute_granularity} was "
+                             "given; drop one of the two")
+        recompute.recompute_granularity = "selective"
+        recompute.recompute_activations = False
+
+
+def _validate_model(config: MegatronConfig) -> None:
+    model = config.model
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(model, name) is None:
+            raise ValueError(f"{_flag(name)} is required; add it to the command line")
+    _require_positive(model, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                              "make_vocab_size_divisible_by"))
+    _require_positive(model, ("ffn_hidden_size", "max_position_embeddings", "vocab_size"),
+                      allow_none=True)
+    if model.hidden_size % model.num_attention_heads:
+        raise ValueError(f"--hidden-size {model.hidden_size} is not divisible by "
+                         f"--num-attention-heads {model.num_attention_heads}; choose a head count "
+                         f"that divides the hidden size")
+    if model.ffn_hidden_size is None:
+        model.ffn_hidden_size = 4 * model.hidden_size
+    if model.max_position_embeddings is None:
+        model.max_position_embeddings = model.seq_length
+    if model.max_position_embeddings < model.seq_length:
+        raise ValueError(f"--max-position-embeddings {model.max_position_embeddings} is smaller "
+                         f"than --seq-length {model.seq_length}; raise it to at least "
+                         f"{model.seq_length} (or omit it: it defaults to --seq-length)")
+    for name in ("attention_dropout", "hidden_dropout"):
+        if not 0.0 <= getattr(model, name) < 1.0:
+            raise ValueError(f"{_flag(name)} {getattr(model, name)} is not a probability in "
+                             f"[0, 1); use e.g. 0.1 or 0")
+    if model.init_method_std <= 0:
+        raise ValueError(f"--init-method-std {model.init_method_std} must be > 0")
+
+
+def _validate_parallel(config: MegatronConfig, world_size: int) -> None:
+    parallel, model = config.parallel, config.model
+    _require_positive(parallel, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if world_size < 1:
+        raise ValueError(f"world size {world_size} must be >= 1")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+            f"processes or change the parallel sizes (world size = TP x PP x DP)")
+    parallel.world_size = world_size
+    parallel.data_parallel_size = world_size // (tp * pp)
+    if model.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole "
+                         f"heads: change the head count or the tensor-parallel size")
+    if model.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; choose an FFN size that splits evenly")
+    if parallel.distributed_timeout_minutes <= 0:
+        raise ValueError(f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes} "
+                         f"must be > 0")
+    _resolve_pipeline_schedule(config)
+
+
+def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
+    """Default schedule, layer split per stage and the Chimera-only flags."""
+    parallel, num_layers = config.parallel, config.model.num_layers
+    pp = parallel.pipeline_model_parallel_size
+    layers_per_virtual_stage = parallel.num_layers_per_virtual_pipeline_stage
+    if layers_per_virtual_stage is not None:
+        if parallel.pipeline_schedule not in (None, "interleaved-1f1b"):
+            raise ValueError(
+                f"--num-layers-per-virtual-pipeline-stage selects the interleaved-1f1b schedule "
+                f"and conflicts with --pipeline-schedule {parallel.pipeline_schedule}; drop one")
+        parallel.pipeline_schedule = "interleaved-1f1b"
+    elif parallel.pipeline_schedule is None:
+        parallel.pipeline_schedule = "1f1b"
+    schedule = parallel.pipeline_schedule
+
+    if schedule == "interleaved-1f1b":
+        if layers_per_virtual_stage is None:
+            raise ValueError("--pipeline-schedule interleaved-1f1b needs "
+                             "--num-layers-per-virtual-pipeline-stage (layers per model chunk)")
+        if layers_per_virtual_stage < 1:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+        if pp < 2:
+            raise ValueError("the interleaved-1f1b schedule needs --pipeline-model-parallel-size "
+                             ">= 2; drop --num-layers-per-virtual-pipeline-stage or raise it")
+        if num_layers % (pp * layers_per_virtual_stage):
+            raise ValueError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp} x --num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}; "
+                f"every model chunk needs the same number of layers")
+        parallel.virtual_pipeline_model_parallel_size = num_layers // (
+            pp * layers_per_virtual_stage)
+    elif num_layers % pp:
+        raise ValueError(f"--num-layers {num_layers} is not divisible by "
+                         f"--pipeline-model-parallel-size {pp}; every stage needs the same number "
+                         f"of layers")
+
+    if schedule == "chimera":
+        if pp % 2:
+            raise ValueError(f"Chimera needs an even pipeline depth, got "
+                             f"--pipeline-model-parallel-size {pp}; use an even size or another "
+                             f"--pipeline-schedule")
+        pipelines = parallel.chimera_pipelines
+        if pipelines < 2 or pipelines % 2:
+            raise ValueError(f"--chimera-pipelines {pipelines} must be an even number 2f >= 2 "
+                             f"(f down and f up pipelines)")
+        if (pp // 2) % (pipelines // 2):
+            raise ValueError(f"--chimera-pipelines {pipelines} (f = {pipelines // 2}) needs f to "
+                             f"divide D/2 = {pp // 2}; use 2 or a 2f with f dividing {pp // 2}")
+        if parallel.chimera_variant == "backward-halving" and config.training.micro_batch_size % 2:
+            raise ValueError(f"--chimera-variant backward-halving splits each micro-batch in two "
+                             f"and needs an even --micro-batch-size, got "
+                             f"{config.training.micro_batch_size}")
+        if parallel.chimera_variant == "forward-doubling" and \
+                config.recompute.recompute_granularity is None:
+            logger.warning("--chimera-variant forward-doubling doubles the stored activations; "
+                           "it is meant to be combined with --recompute-granularity full")
+    else:
+        defaults = type(parallel)()
+        for name in ("chimera_pipelines", "chimera_variant", "chimera_grad_sync"):
+            if getattr(parallel, name) != getattr(defaults, name):
+                raise ValueError(f"{_flag(name)} only applies to --pipeline-schedule chimera (the "
+                                 f"schedule is {schedule}); add --pipeline-schedule chimera or "
+                                 f"drop {_flag(name)}")
+
+
+def _validate_batch(config: MegatronConfig) -> None:
+    training, parallel = config.training, config.parallel
+    _require_positive(training, ("micro_batch_size",))
+    _require_positive(training, ("global_batch_size", "train_iters", "train_samples"),
+                      allow_none=True)
+    per_step = training.micro_batch_size * parallel.data_parallel_size
+    if training.global_batch_size is None:
+        training.global_batch_size = per_step
+    if training.global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size {training.global_batch_size} is not divisible by "
+            f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
+            f"{parallel.data_parallel_size} = {per_step}; use a multiple of {per_step}")
+    training.num_microbatches = training.global_batch_size // per_step
+
+    if training.train_iters is None and training.train_samples is None:
+        raise ValueError("give the training length: --train-iters N or --train-samples N")
+    if training.train_samples is not None:
+        if training.train_samples < training.global_batch_size:
+            raise ValueError(f"--train-samples {training.train_samples} is smaller than one "
+                             f"global batch ({training.global_batch_size}); raise it")
+        iterations = training.train_samples // training.global_batch_size
+        if training.train_iters is not None and training.train_iters != iterations:
+            raise ValueError(f"--train-iters {training.train_iters} and --train-samples "
+                             f"{training.train_samples} disagree (that is {iterations} iterations "
+                             f"of {training.global_batch_size} samples); give only one")
+        training.train_iters = iterations
+    if training.fp16 and training.bf16:
+        raise ValueError("--fp16 and --bf16 are mutually exclusive; choose one")
+    if training.eval_interval < 1 or training.eval_iters < 0:
+        raise ValueError("--eval-interval must be >= 1 and --eval-iters >= 0")
+
+
+def _check_schedule_options(config: MegatronConfig) -> None:
+    """Ask the schedule builders whether they accept this depth and micro-batch count."""
+    try:
+        from megatron.core.pipeline_parallel.schedules import check_schedule_options
+    except ImportError:
+        logger.warning("pipeline schedule options were not checked: "
+                       "megatron.core.pipeline_parallel.schedules.check_schedule_options is missing")
+        return
+    parallel = config.parallel
+    # The schedules package ignores the options of other schedule families, so pass them all.
+    options = {"num_model_chunks": parallel.virtual_pipeline_model_parallel_size,
+               "num_pipelines": parallel.chimera_pipelines,
+               "variant": parallel.chimera_variant,
+               "micro_batch_size": config.training.micro_batch_size}
+    try:
+        check_schedule_options(parallel.pipeline_schedule, parallel.pipeline_model_parallel_size,
+                               config.training.num_microbatches, **options)
+    except ValueError as error:
+        raise ValueError(
+            f"--pipeline-schedule {parallel.pipeline_schedule} with --pipeline-model-parallel-size "
+            f"{parallel.pipeline_model_parallel_size} and {config.training.num_microbatches} "
+            f"micro-batches per iteration (--global-batch-size / (--micro-batch-size x "
+            f"data-parallel size)): {error}") from error
+
+
+def _validate_recompute(config: MegatronConfig) -> None:
+    recompute = config.recompute
+    if recompute.recompute_granularity == "full":
+        if recompute.recompute_method is None:
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform or "
+                             "block")
+        if recompute.recompute_num_layers is None:
+            recompute.recompute_num_layers = 1
+        _require_positive(recompute, ("recompute_num_layers",))
+        layers_per_stage = config.model.num_layers // config.parallel.pipeline_model_parallel_size
+        if recompute.recompute_method == "block" and \
+                recompute.recompute_num_layers > layers_per_stage:
+            raise ValueError(f"--recompute-num-layers {recompute.recompute_num_layers} exceeds the "
+                             f"{layers_per_stage} layers of a pipeline stage; lower it")
+    elif recompute.recompute_method is not None or recompute.recompute_num_layers is not None:
+        raise ValueError("--recompute-method and --recompute-num-layers only apply to "
+                         "--recompute-granularity full; add it or drop them")
+
+
+def _validate_optimizer(config: MegatronConfig) -> None:
+    optimizer, train_iters = config.optimizer, config.training.train_iters
+    if optimizer.lr is None:
+        raise ValueError("--lr (peak learning rate) is required, e.g. --lr 1.5e-4")
+    if optimizer.lr <= 0 or optimizer.min_lr < 0 or optimizer.min_lr > optimizer.lr:
+        raise ValueError(f"need 0 <= --min-lr ({optimizer.min_lr}) <= --lr ({optimizer.lr}) and "
+                         f"--lr > 0")
+    if optimizer.lr_decay_iters is None:
+        optimizer.lr_decay_iters = train_iters
+    if optimizer.lr_decay_iters < 1:
+        raise ValueError(f"--lr-decay-iters {optimizer.lr_decay_iters} must be >= 1")
+    if optimizer.lr_warmup_fraction is not None:
+        if optimizer.lr_warmup_iters:
+            raise ValueError("give only one of --lr-warmup-fraction and --lr-warmup-iters")
+        if not 0.0 <= optimizer.lr_warmup_fraction <= 1.0:
+            raise ValueError(f"--lr-warmup-fraction {optimizer.lr_warmup_fraction} must lie in "
+                             f"[0, 1]")
+    elif optimizer.lr_warmup_iters < 0 or optimizer.lr_warmup_iters > optimizer.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must lie in [0, "
+                         f"--lr-decay-iters {optimizer.lr_decay_iters}]; shorten the warm-up")
+    if optimizer.clip_grad < 0:
+        raise ValueError(f"--clip-grad {optimizer.clip_grad} must be >= 0 (0 disables clipping)")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(optimizer, name) < 1.0:
+            raise ValueError(f"{_flag(name)} {getattr(optimizer, name)} must lie in [0, 1)")
+    if optimizer.adam_eps <= 0:
+        raise ValueError(f"--adam-eps {optimizer.adam_eps} must be > 0")
+    if optimizer.loss_scale is not None and optimizer.loss_scale <= 0:
+        raise ValueError(f"--loss-scale {optimizer.loss_scale} must be > 0 (omit it for dynamic "
+                         f"loss scaling)")
+    if optimizer.initial_loss_scale <= 0 or optimizer.min_loss_scale <= 0 or \
+            optimizer.min_loss_scale > optimizer.initial_loss_scale:
+        raise ValueError("need 0 < --min-loss-scale <= --initial-loss-scale")
+    _require_positive(optimizer, ("loss_scale_window", "hysteresis"))
+
+
+def _parse_split(split: str) -> list[float]:
+    pieces = [piece for piece in re.split(r"[,/]", split) if piece.strip()]
+    try:
+        weights = [float(piece) for piece in pieces]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {split!r} is not train,valid,test proportions; use e.g. "
+                         f"--split 949,50,1")
+    return weights
+
+
+def _validate_data(config: MegatronConfig) -> None:
+    data, model = config.data, config.model
+    if data.mock_data and data.data_path is not None:
+        raise ValueError("--mock-data and --data-path are both given; give exactly one data source")
+    if not data.mock_data and data.data_path is None:
+        raise ValueError("no data source given: add --mock-data or --data-path PREFIX (or "
+                         "weight-prefix pairs W1 P1 W2 P2 ...)")
+    if data.data_path is not None and len(data.data_path) > 1:
+        pairs = data.data_path
+        if len(pairs) % 2:
+            raise ValueError(f"--data-path with several entries needs weight-prefix pairs "
+                             f"(W1 P1 W2 P2 ...); got {len(pairs)} entries")
+        for weight in pairs[0::2]:
+            try:
+                if float(weight) < 0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"--data-path weight {weight!r} is not a non-negative number; "
+                                 f"use W1 P1 W2 P2 ... with numeric weights") from None
+    _parse_split(data.split)
+    if data.num_workers < 0:
+        raise ValueError(f"--num-workers {data.num_workers} must be >= 0")
+
+    # Megatron infers the GPT-2 tokenizer from its two files; we also infer SentencePiece from its model.
+    if data.tokenizer_type is None:
+        if data.vocab_file is not None and data.merge_file is not None:
+            data.tokenizer_type = "GPT2BPETokenizer"
+        elif data.tokenizer_model is not None:
+            data.tokenizer_type = "SentencePieceTokenizer"
+        elif data.vocab_file is not None or data.merge_file is not None:
+            raise ValueError("the GPT-2 tokenizer needs both --vocab-file and --merge-file")
+    tokenizer = data.tokenizer_type
+    if tokenizer == "GPT2BPETokenizer" and (data.vocab_file is None or data.merge_file is None):
+        raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if tokenizer == "SentencePieceTokenizer" and data.tokenizer_model is None:
+        raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+    if tokenizer == "NullTokenizer" and model.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if tokenizer is None and not data.mock_data:
+        raise ValueError("--data-path needs a tokenizer: give --vocab-file and --merge-file (GPT-2 "
+                         "BPE) or --tokenizer-type SentencePieceTokenizer --tokenizer-model FILE")
+
+    if tokenizer in FILE_TOKENIZERS:
+        if model.vocab_size is not None:
+            raise ValueError(f"--vocab-size is only for --mock-data and the NullTokenizer; the "
+                             f"{tokenizer} reads its vocabulary from its files: drop --vocab-size")
+        # Known only after the tokenizer is built: see set_padded_vocab_size.
+        model.padded_vocab_size = None
+    elif tokenizer == "NullTokenizer":
+        # Megatron's NullTokenizer appends its end-of-document id after the --vocab-size ids.
+        model.padded_vocab_size = pad_vocab_size(
+            model.vocab_size + 1, model, config.parallel.tensor_model_parallel_size)
+    else:
+        # --mock-data without a tokenizer: token ids 0 .. vocab_size - 1.
+        if model.vocab_size is None:
+            model.vocab_size = DEFAULT_MOCK_VOCAB_SIZE
+        model.padded_vocab_size = pad_vocab_size(
+            model.vocab_size, model, config.parallel.tensor_model_parallel_size)
+
+
+def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
+    _require_positive(config.logging, ("log_interval",))
+    _require_positive(config.checkpoint, ("save_interval",), allow_none=True)
+    _require_positive(config.training, ("exit_interval",), allow_none=True)
+    if config.checkpoint.save_interval is not None and config.checkpoint.save is None:
+        logger.warning("--save-interval %d is given without --save: no checkpoints will be written",
+                       config.checkpoint.save_interval)
+
+
+def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
+    """Check every cross-flag rule and return a copy with the derived fields filled in.
+
+    Raises ``ValueError`` naming the offending flags and the fix. ``world_size`` is the number of
+    processes of the run (``TP x PP x DP``). The input config is not modified.
+    """
+    config = copy.deepcopy(config)
+    _check_not_supported_yet(config)
+    _translate_legacy_recompute(config)
+    _validate_model(config)
+    _validate_parallel(config, world_size)
+    _validate_batch(config)
+    _check_schedule_options(config)
+    _validate_recompute(config)
+    _validate_optimizer(config)
+    _validate_data(config)
+    _validate_logging_and_checkpoints(config)
+    return config
