@@ -296,6 +296,12 @@ class IndexedDatasetBuilder:
             while chunk := data_file.read(1 << 24):
                 self._data_file.write(chunk)
 
+    def abort(self) -> None:
+        """Close and delete the partial ``.bin`` after a failed run."""
+        self._data_file.close()
+        if os.path.exists(self.bin_path):
+            os.remove(self.bin_path)
+
     def finalize(self, idx_path: str) -> None:
         """Close the ``.bin`` and write the ``.idx``."""
         self._data_file.close()
