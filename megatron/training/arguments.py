@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser generated from the config dataclasses (plus the compatibility flags)."""
     parser = _MegatronArgumentParser(
         prog="pretrain_gpt.py", allow_abbrev=False,
+        # A short usage line keeps error messages readable; --help lists every flag.
+        usage="%(prog)s [flags] (see --help or docs/flags.md)",
         description="Megatron-Chimera: Megatron-LM-style GPT training with Chimera pipelines. "
                     f"Flags are Megatron's names; {DOCS_HINT}.")
     groups: dict[str, argparse._ArgumentGroup] = {}

@@ -290,12 +290,9 @@ def _validate_batch(config: MegatronConfig) -> None:
 
 def _check_schedule_options(config: MegatronConfig) -> None:
     """Ask the schedule builders whether they accept this depth and micro-batch count."""
-    try:
-        from megatron.core.pipeline_parallel.schedules import check_schedule_options
-    except ImportError:
-        logger.warning("pipeline schedule options were not checked: "
-                       "megatron.core.pipeline_parallel.schedules.check_schedule_options is missing")
-        return
+    # Imported here: the schedules package owns these rules, and validation must not import it at
+    # module level (it is pure, but keeping the flag parser's import light costs nothing).
+    from megatron.core.pipeline_parallel.schedules import check_schedule_options
     parallel = config.parallel
     # The schedules package ignores the options of other schedule families, so pass them all.
     options = {"num_model_chunks": parallel.virtual_pipeline_model_parallel_size,

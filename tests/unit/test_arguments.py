@@ -69,6 +69,38 @@ def test_345m_launch_script_parses_with_megatron_semantics():
     assert config.model.padded_vocab_size is None  # known once the tokenizer has been built
 
 
+ISSUE_COMMANDS = [
+    # (argv, world size, schedule, data-parallel size, micro-batches per iteration)
+    ("--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+     "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 "
+     "--lr 1e-3 --train-iters 5 --log-interval 1 --mock-data --seed 1234", 2, "1f1b", 1, 4),
+    ("--tensor-model-parallel-size 1 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+     "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 "
+     "--lr 1e-3 --train-iters 5 --log-interval 1 --mock-data --seed 1234", 2, "1f1b", 2, 2),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --num-layers 8 --hidden-size 64 "
+     "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 "
+     "--global-batch-size 16 --lr 1e-3 --train-iters 5 --log-interval 1 --mock-data --seed 1234",
+     4, "chimera", 1, 8),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule 1f1b --num-layers 8 --hidden-size 64 "
+     "--num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 "
+     "--global-batch-size 16 --lr 1e-3 --train-iters 5 --log-interval 1 --mock-data --seed 1234",
+     4, "1f1b", 1, 8),
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+     "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+     "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 "
+     "--train-iters 5 --log-interval 1 --mock-data --seed 1234", 4, "chimera", 1, 8),
+]
+
+
+@pytest.mark.parametrize("command,world_size,schedule,data_parallel,microbatches", ISSUE_COMMANDS)
+def test_issue_demo_commands_parse(command, world_size, schedule, data_parallel, microbatches):
+    config = parse_args(command.split(), world_size=world_size)
+    assert config.parallel.pipeline_schedule == schedule
+    assert config.parallel.data_parallel_size == data_parallel
+    assert config.training.num_microbatches == microbatches
+    assert config.model.padded_vocab_size == 1024 and config.training.seed == 1234
+
+
 def test_round_trip_of_realistic_configs():
     command_lines = [
         (GPT_345M_SCRIPT, 2),
