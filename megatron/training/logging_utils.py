@@ -1,0 +1,99 @@
+"""Megatron-LM's log lines, formatted exactly as its users' log parsers expect.
+
+Training (one line every ``--log-interval`` iterations, printed by the last rank)::
+
+     [2026-11-30 12:00:00] iteration       10/     100 | consumed samples:          640 | elapsed time
+     per iteration (ms): 412.3 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: 3.000000E-04 |
+     global batch size:    64 | lm loss: 7.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number
+     of skipped iterations:   0 | number of nan iterations:   0 |
+
+(one line). The throughput field is always printed (Megatron prints it only with
+``--log-throughput``; the flag is accepted and changes nothing). Losses are averaged over the
+iterations of the interval that were not skipped; grad norm, loss scale and learning rate are those
+after the interval's last iteration (the learning rate is the one the *next* iteration will use, as in
+Megatron); skipped and nan counts are per interval.
+
+Validation::
+
+     validation loss at iteration 10 | lm loss value: 6.543210E+00 | lm loss PPL: 6.952042E+02 |
+
+between two lines of dashes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int,
+                          elapsed_ms: float, throughput_tflops: Optional[float],
+                          learning_rate: float, global_batch_size: int, losses: dict,
+                          loss_scale: float, grad_norm: Optional[float], skipped_iterations: int,
+                          nan_iterations: int, now: Optional[datetime.datetime] = None) -> str:
+    """One Megatron training log line (``losses`` maps a name such as "lm loss" to its average)."""
+    now = now or datetime.datetime.now()
+    line = f" [{now.strftime('%Y-%m-%d %H:%M:%S')}]"
+    line += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+    line += " consumed samples: {:12d} |".format(consumed_samples)
+    line += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_ms)
+    if throughput_tflops is not None:
+        # Megatron's one decimal, except below 1 TFLOP/s (CPU runs), where it would print 0.0.
+        shown = f"{throughput_tflops:.1f}" if throughput_tflops >= 1.0 else \
+            f"{throughput_tflops:.6f}"
+        line += f" throughput per GPU (TFLOP/s/GPU): {shown} |"
+    line += " learning rate: {:.6E} |".format(learning_rate)
+    line += " global batch size: {:5d} |".format(global_batch_size)
+    for name, value in losses.items():
+        if value > 0.0 or math.isnan(value):  # Megatron omits an all-skipped (zero) average
+            line += " {}: {:.6E} |".format(name, value)
+    line += " loss scale: {:.1f} |".format(loss_scale)
+    if grad_norm is not None:
+        line += " grad norm: {:.3f} |".format(grad_norm)
+    line += " number of skipped iterations: {:3d} |".format(skipped_iterations)
+    line += " number of nan iterations: {:3d} |".format(nan_iterations)
+    return line
+
+
+def format_validation_lines(prefix: str, losses: dict) -> list[str]:
+    """Megatron's evaluation block: dashes, ``validation loss at PREFIX | ...``, dashes.
+
+    ``prefix`` is e.g. ``"iteration 10"`` or ``"iteration 100 on test set"``. Perplexity is
+    ``exp(min(20, loss))`` as in Megatron.
+    """
+    line = " validation loss at {} | ".format(prefix)
+    for name, value in losses.items():
+        line += "{} value: {:.6E} | ".format(name, value)
+        line += "{} PPL: {:.6E} | ".format(name, math.exp(min(20.0, value)))
+    dashes = "-" * (len(line) + 1)
+    return [dashes, line, dashes]
+
+
+@dataclass
+class IntervalStats:
+    """Accumulates what one log line reports over the iterations since the previous line."""
+
+    loss_sums: dict = field(default_factory=dict)
+    advanced_iterations: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    iterations: int = 0
+
+    def add(self, losses: dict, skipped: bool, got_nan: bool) -> None:
+        """Record one iteration; skipped iterations do not enter the loss average."""
+        self.iterations += 1
+        self.skipped_iterations += int(skipped)
+        self.nan_iterations += int(got_nan)
+        if not skipped:
+            self.advanced_iterations += 1
+            for name, value in losses.items():
+                self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
+        else:
+            for name in losses:
+                self.loss_sums.setdefault(name, 0.0)
+
+    def average_losses(self) -> dict:
+        return {name: total / max(1, self.advanced_iterations)
+                for name, total in self.loss_sums.items()}

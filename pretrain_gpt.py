@@ -1,0 +1,80 @@
+"""Pretrain GPT: the flat entry point Megatron-LM users launch with torchrun or srun.
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 --num-layers 2 \
+        --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
+        --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 5 --log-interval 1 \
+        --mock-data --seed 1234
+
+It supplies the three functions :func:`megatron.training.training.pretrain` needs: the model provider,
+the dataset provider and the forward step (with its loss function), as Megatron's pretrain_gpt.py does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+import torch
+
+from megatron.core.datasets.mock_dataset import build_mock_datasets
+from megatron.core.models.gpt import GPTModel
+from megatron.training.arguments import parse_args, set_padded_vocab_size
+from megatron.training.training import pretrain
+
+
+def model_provider(config, parallel_state, *, pre_process: bool = True, post_process: bool = True,
+                   layer_range=None) -> GPTModel:
+    """The GPT model, or the chunk of it a pipeline stage holds."""
+    return GPTModel(config.model, config.recompute, parallel_state, config.training.seed,
+                    layer_range=layer_range, pre_process=pre_process, post_process=post_process)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the loss mask; returns it and the value to report."""
+    losses = output_tensor.float().reshape(-1)
+    loss_mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * loss_mask) / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(microbatch: dict, model):
+    """Run the model on one micro-batch; return the per-token loss and the loss function."""
+    output_tensor = model(microbatch["tokens"], microbatch["labels"],
+                          sample_ids=microbatch["sample_ids"])
+    return output_tensor, functools.partial(loss_func, microbatch["loss_mask"])
+
+
+def datasets_provider(config, parallel_state, num_samples, tokenizer=None):
+    """Train, validation and test datasets: synthetic with --mock-data, else from --data-path."""
+    seq_length, seed = config.model.seq_length, config.training.seed
+    if config.data.mock_data:
+        vocab_size = tokenizer.vocab_size if tokenizer is not None else config.model.vocab_size
+        return build_mock_datasets(num_samples, seq_length, vocab_size, seed)
+    from megatron.core.datasets.builder import build_gpt_datasets
+    return build_gpt_datasets(config.data, seq_length, seed, num_samples, tokenizer)
+
+
+def build_run_tokenizer(config):
+    """The tokenizer named by the flags (None for --mock-data without one); fills the padded
+    vocabulary size when only the tokenizer's files know it."""
+    if config.data.tokenizer_type is None:
+        return None
+    from megatron.training.tokenizer import build_tokenizer
+    tokenizer = build_tokenizer(config.data, config.model)
+    if config.model.padded_vocab_size is None:
+        set_padded_vocab_size(config, tokenizer.vocab_size)
+    return tokenizer
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config = parse_args(argv)
+    tokenizer = build_run_tokenizer(config)
+    pretrain(config, model_provider,
+             functools.partial(datasets_provider, tokenizer=tokenizer), forward_step,
+             log=lambda line: print(line, flush=True))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
