@@ -56,6 +56,7 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
             minloglevel=2,
         )
     except RuntimeError as error:
-        raise ValueError(f"SentencePiece training failed: {error}. With a small corpus, lower "
-                         f"--vocab-size") from None
+        raise ValueError(f"SentencePiece training failed: {error}. Raise --vocab-size when it "
+                         f"is below the characters the corpus needs; lower it when the corpus "
+                         f"is too small for that many pieces") from None
     return output_prefix + ".model"

@@ -1,0 +1,139 @@
+"""tools/preprocess_data.py end to end on a small JSONL: Megatron's output names and format, EOD,
+bad lines reported with their line numbers, identical output with several workers, strict mode."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron.core.config import DataConfig, ModelConfig
+from megatron.core.datasets.builder import build_gpt_datasets
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.training.tokenizer import GPT2BPETokenizer
+from megatron.training.tokenizer.gpt2_bpe import bytes_to_unicode
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpt2_files(directory):
+    """A tiny GPT-2 vocabulary: the 256 byte symbols, a few merges, <|endoftext|>."""
+    table = bytes_to_unicode()
+    vocab = {table[byte]: byte for byte in range(256)}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a")]
+    for first, second in merges:
+        vocab[first + second] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (directory / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    return str(directory / "vocab.json"), str(directory / "merges.txt")
+
+
+GOOD_TEXTS = ["the cat sat on the mat", "a dog\nand the bird", "日本語 text 🙂", "x" * 300]
+
+
+def write_corpus(path, with_bad_lines=True):
+    lines = [json.dumps({"text": GOOD_TEXTS[0], "meta": 1}).encode()]
+    if with_bad_lines:
+        lines += [b"{this is not json"]                       # line 2
+    lines += [json.dumps({"text": GOOD_TEXTS[1]}).encode()]
+    if with_bad_lines:
+        lines += [json.dumps({"body": "no text key"}).encode(),   # line 4
+                  json.dumps({"text": 42}).encode(),               # line 5
+                  b'{"text": "\xff\xfe broken utf-8"}']            # line 6
+    lines += [b"", json.dumps({"text": GOOD_TEXTS[2]}).encode(),
+              json.dumps({"text": ""}).encode(), json.dumps({"text": GOOD_TEXTS[3]}).encode()]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def run_tool(tmp_path, corpus, prefix, *extra):
+    vocab_file, merge_file = gpt2_files(tmp_path)
+    return load_tool("preprocess_data").main([
+        "--input", str(corpus), "--json-keys", "text", "--output-prefix", str(prefix),
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file,
+        "--merge-file", merge_file, "--append-eod", "--log-interval", "1", *extra])
+
+
+def test_end_to_end_with_bad_lines(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    assert run_tool(tmp_path, corpus, tmp_path / "out" / "corpus") == 0
+    messages = capsys.readouterr().err
+    for line_number, reason in [(2, "invalid JSON"), (4, "missing key 'text'"),
+                                (5, "'text' is a int"), (6, "invalid UTF-8")]:
+        assert f"line {line_number}: {reason}" in messages
+    assert "skipped 4 bad lines" in messages and "docs/s" in messages and "MB/s" in messages
+
+    tokenizer = GPT2BPETokenizer(*gpt2_files(tmp_path))
+    dataset = IndexedDataset(str(tmp_path / "out" / "corpus_text_document"))
+    assert dataset.dtype == np.uint16
+    assert len(dataset) == len(GOOD_TEXTS)  # the empty document is skipped
+    for index, text in enumerate(GOOD_TEXTS):
+        ids = dataset[index].tolist()
+        assert ids == tokenizer.tokenize(text) + [tokenizer.eod]
+        assert tokenizer.detokenize(ids[:-1]) == text
+    assert dataset.document_indices.tolist() == list(range(len(GOOD_TEXTS) + 1))
+
+    # The output trains: GPT samples come out of it with the same tokenizer files.
+    config = DataConfig(data_path=[str(tmp_path / "out" / "corpus_text_document")], split="1,0,0",
+                        tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                        merge_file=str(tmp_path / "merges.txt"))
+    train, valid, test = build_gpt_datasets(config, 8, 1, (20, None, None), tokenizer)
+    assert len(train) == 20 and valid is None and test is None
+
+
+def test_two_workers_write_identical_files(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    with open(corpus, "ab") as handle:  # enough lines for several worker chunks
+        for index in range(300):
+            handle.write(json.dumps({"text": f"the document number {index}"}).encode() + b"\n")
+    assert run_tool(tmp_path, corpus, tmp_path / "one") == 0
+    assert run_tool(tmp_path, corpus, tmp_path / "two", "--workers", "2") == 0
+    for extension in (".bin", ".idx"):
+        assert (tmp_path / f"one_text_document{extension}").read_bytes() == \
+            (tmp_path / f"two_text_document{extension}").read_bytes()
+
+
+def test_strict_mode_stops_and_leaves_no_output(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    assert run_tool(tmp_path, corpus, tmp_path / "strict", "--strict") == 1
+    assert "line 2: invalid JSON" in capsys.readouterr().err
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("strict")]
+
+
+def test_null_tokenizer_and_missing_input(tmp_path, capsys):
+    corpus = tmp_path / "ids.jsonl"
+    corpus.write_text('{"text": "1 2 3"}\n{"text": "4 5"}\n', encoding="utf-8")
+    tool = load_tool("preprocess_data")
+    assert tool.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "ids"),
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+                      "--append-eod"]) == 0
+    dataset = IndexedDataset(str(tmp_path / "ids_text_document"))
+    assert [dataset[i].tolist() for i in range(2)] == [[1, 2, 3, 10], [4, 5, 10]]
+    assert tool.main(["--input", str(tmp_path / "absent.jsonl"), "--output-prefix", "x",
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]) == 1
+    assert "absent.jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["--input", str(corpus), "--output-prefix", "x", "--tokenizer-type",
+                   "NullTokenizer", "--split-sentences"])
+
+
+def test_int32_for_large_vocabularies(tmp_path):
+    corpus = tmp_path / "ids.jsonl"
+    corpus.write_text('{"text": "70000 1"}\n', encoding="utf-8")
+    assert load_tool("preprocess_data").main([
+        "--input", str(corpus), "--output-prefix", str(tmp_path / "big"),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "100000"]) == 0
+    dataset = IndexedDataset(str(tmp_path / "big_text_document"))
+    assert dataset.dtype == np.int32 and dataset[0].tolist() == [70000, 1]
