@@ -115,13 +115,35 @@ class RankLayout:
 
 
 @dataclass(frozen=True)
+class GroupSpec:
+    """A process group to create: its ranks and a label that keeps equal rank sets apart.
+
+    Two groups over the same ranks but with different labels are different process groups, so
+    collectives on them never pair up by accident (e.g. the replicas of Chimera stages 0 and D-1
+    live on the same ranks but each stage gets its own group).
+    """
+
+    label: str
+    ranks: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "ranks", tuple(sorted(self.ranks)))
+
+
+def _group_key(entry) -> tuple[str, tuple[int, ...]]:
+    if isinstance(entry, GroupSpec):
+        return entry.label, entry.ranks
+    return "", tuple(sorted(entry))
+
+
+@dataclass(frozen=True)
 class ParallelState:
     """Explicit handle of this rank's position and process groups.
 
     Group attributes are ``torch.distributed`` process groups, or ``None`` in a single process
     (every collective over a group of size 1 is then skipped). ``extra_groups`` holds groups created
-    on demand by later subsystems through :meth:`group_for` (e.g. Chimera replica groups), keyed by
-    the sorted tuple of their ranks.
+    by later subsystems (e.g. Chimera replica groups), keyed by (label, sorted ranks); read them with
+    :meth:`group_for`.
     """
 
     layout: RankLayout
@@ -169,25 +191,25 @@ class ParallelState:
     def world_size(self) -> int:
         return self.layout.world_size
 
-    def group_for(self, ranks: Iterable[int]) -> Any:
-        """The process group over exactly ``ranks`` (created when the state was built)."""
-        key = tuple(sorted(ranks))
-        if len(key) == 1:
+    def group_for(self, ranks: Iterable[int], label: str = "") -> Any:
+        """The process group over exactly ``ranks`` with ``label`` (created with the state)."""
+        key = _group_key(GroupSpec(label, tuple(ranks)))
+        if len(key[1]) == 1:
             return None
         if key not in self.extra_groups:
-            raise KeyError(f"no process group was created for ranks {key}; add it to "
-                           f"create_parallel_state(extra_group_ranks=...)")
+            raise KeyError(f"no process group was created for ranks {key[1]} (label {label!r}); "
+                           f"add it to create_parallel_state(extra_group_ranks=...)")
         return self.extra_groups[key]
 
 
 def create_parallel_state(layout: RankLayout, rank: int, backend: str,
-                          extra_group_ranks: Iterable[Iterable[int]] = (),
+                          extra_group_ranks: Iterable = (),
                           new_group: Optional[Callable] = None) -> ParallelState:
     """Create every process group of ``layout`` and return this rank's handle.
 
     ``torch.distributed.new_group`` must be called by all ranks for every group, in the same order,
-    so every rank walks the full list. ``extra_group_ranks`` lists further groups (each as its ranks;
-    every rank passes the same list). ``new_group`` defaults to ``torch.distributed.new_group``.
+    so every rank walks the full list. ``extra_group_ranks`` lists further groups, each as its ranks
+    or as a :class:`GroupSpec` (every rank passes the same list; repeated entries collapse). ``new_group`` defaults to ``torch.distributed.new_group``.
     """
     if new_group is None:
         import torch.distributed as dist
@@ -205,10 +227,10 @@ def create_parallel_state(layout: RankLayout, rank: int, backend: str,
     data_group = make(layout.all_groups("dp"))
     pipeline_group = make(layout.all_groups("pp"))
     extra = {}
-    for ranks in dict.fromkeys(tuple(sorted(r)) for r in extra_group_ranks):
-        group = new_group(ranks=list(ranks))
-        if rank in ranks:
-            extra[ranks] = group
+    for key in dict.fromkeys(_group_key(entry) for entry in extra_group_ranks):
+        group = new_group(ranks=list(key[1]))
+        if rank in key[1]:
+            extra[key] = group
     return ParallelState(layout=layout, rank=rank, tensor_group=tensor_group,
                          data_group=data_group, pipeline_group=pipeline_group,
                          backend=backend, extra_groups=extra)

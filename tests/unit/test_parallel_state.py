@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.core.parallel_state import ParallelState, RankCoords, RankLayout, create_parallel_state
+from megatron.core.parallel_state import GroupSpec, ParallelState, RankCoords, RankLayout, create_parallel_state
 
 
 def test_megatron_order_tensor_fastest_then_data_then_pipeline():
@@ -51,13 +51,14 @@ def test_group_creation_walks_every_group_in_the_same_order():
         return tuple(ranks)
 
     layout = RankLayout(2, 2, 2)
-    state = create_parallel_state(layout, rank=5, backend="gloo", extra_group_ranks=[[0, 5], [5, 0]],
+    state = create_parallel_state(layout, rank=5, backend="gloo", extra_group_ranks=[[0, 5], [5, 0], GroupSpec("stage-1", (5, 0))],
                                   new_group=fake_new_group)
     assert state.tensor_group == (4, 5) and state.data_group == (5, 7)
     assert state.pipeline_group == (1, 5)
-    assert created.count((0, 5)) == 1  # duplicates collapse, same on every rank
     assert state.group_for([5]) is None
     assert state.group_for([5, 0]) == (0, 5)
+    assert created.count((0, 5)) == 2  # the labelled group is a separate process group
+    assert state.group_for([0, 5], label="stage-1") is not state.group_for([0, 5])
     with pytest.raises(KeyError, match="no process group"):
         state.group_for([1, 5])
     assert ParallelState.single_process().world_size == 1
