@@ -1,0 +1,66 @@
+"""Data dependencies between compute instructions of a pipeline schedule.
+
+Owns the one definition, shared by the validator, the lowering pass and the simulator, of which
+instruction needs which: a forward of stage s > 0 needs the activation produced by the forward
+of stage s - 1 (same pipeline and micro-batch); a backward (or input-gradient backward) of a
+stage below the last needs the gradient produced by the backward of stage s + 1; every backward
+needs its own forward, and a weight-gradient backward its input-gradient backward, on the same
+rank. Instructions are identified by ``(kind, pipeline, stage, microbatch)``; chunk is derived.
+No torch import.
+"""
+
+from __future__ import annotations
+
+from .instructions import Instruction, Kind
+
+ACTIVATION = "activation"
+GRADIENT = "gradient"
+
+
+def op_key(op: Instruction) -> tuple:
+    """Identity of a compute instruction inside a schedule (independent of its chunk)."""
+    return (op.kind, op.pipeline, op.stage, op.microbatch)
+
+
+def _producer_of_gradient(schedule_keys, pipeline: int, stage: int, microbatch: int) -> tuple:
+    """The downstream op that produces the input gradient: B, or I when the backward is split."""
+    full = (Kind.BACKWARD, pipeline, stage, microbatch)
+    if schedule_keys is None or full in schedule_keys:
+        return full
+    return (Kind.BACKWARD_INPUT, pipeline, stage, microbatch)
+
+
+def remote_inputs(op: Instruction, num_stages: int, schedule_keys=None) -> list[tuple[str, tuple]]:
+    """Cross-stage inputs of ``op``: ``[(message kind, producer key)]``.
+
+    The first stage reads its input from the data and the last stage starts its backward from
+    the loss, so neither receives anything for those.
+    """
+    if op.kind is Kind.FORWARD:
+        if op.stage == 0:
+            return []
+        return [(ACTIVATION, (Kind.FORWARD, op.pipeline, op.stage - 1, op.microbatch))]
+    if op.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+        if op.stage == num_stages - 1:
+            return []
+        return [(GRADIENT, _producer_of_gradient(schedule_keys, op.pipeline, op.stage + 1,
+                                                 op.microbatch))]
+    return []  # BACKWARD_WEIGHT needs nothing from other stages
+
+
+def local_inputs(op: Instruction) -> list[tuple]:
+    """Same-rank inputs of ``op`` (keys of instructions that must run earlier on its rank)."""
+    if op.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+        return [(Kind.FORWARD, op.pipeline, op.stage, op.microbatch)]
+    if op.kind is Kind.BACKWARD_WEIGHT:
+        return [(Kind.BACKWARD_INPUT, op.pipeline, op.stage, op.microbatch)]
+    return []
+
+
+def remote_outputs(op: Instruction, num_stages: int) -> list[tuple[str, int]]:
+    """Messages ``op`` produces for other stages: ``[(message kind, consumer stage)]``."""
+    if op.kind is Kind.FORWARD and op.stage < num_stages - 1:
+        return [(ACTIVATION, op.stage + 1)]
+    if op.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and op.stage > 0:
+        return [(GRADIENT, op.stage - 1)]
+    return []

@@ -1,0 +1,178 @@
+"""Chimera bidirectional pipelines (Li & Hoefler, SC'21), following shared/reference/chimera.md.
+
+Pipelines: with 2f pipelines (option ``num_pipelines``, default 2, f dividing D/2) pipeline
+``2i`` is down pipeline i and ``2i + 1`` is up pipeline i. Down pipeline i places stage s on
+rank ``(s + i D/f) mod D``; up pipeline i is its exact reverse, stage s on rank
+``(D - 1 - s + i D/f) mod D``. With f = 1: down (0) stage s on rank s, up (1) on rank D-1-s.
+
+Units and micro-batch numbering (instruction micro-batch indices; for backward halving these
+are half micro-batches, see ``ScheduleLayout.microbatch_samples``):
+
+* A *basic unit* holds R <= D consecutive micro-batches. They are cut into 2f consecutive
+  blocks, block k going to pipeline k, of sizes ``R // 2f + (1 if k < R % 2f else 0)``. For a full
+  unit (R = D) that is: micro-batch m goes to pipeline ``(m mod D) // (D / 2f)``; with f = 1,
+  down when ``m mod D < D/2``, else up.
+* A *doubling unit* holds 2D consecutive micro-batches = two full basic blocks numbered as
+  above; each pipeline's forwards run in pairs of consecutive micro-batches of that pipeline.
+  For D = 4, f = 1: down = 0, 1, 4, 5 (pairs (0,1), (4,5)), up = 2, 3, 6, 7.
+
+Variants (N = micro-batches of size B per rank per iteration):
+
+* ``direct``: ceil(N / D) basic units, the last one partial when D does not divide N (N < D is
+  one partial unit: missing micro-batches' ops dropped from the basic unit).
+* ``forward-doubling`` (N = K D, 2 pipelines only): K // 2 doubling units, then one basic unit if K is odd.
+* ``backward-halving`` (N = K D, 2 pipelines only): the forward-doubling order over 2N half micro-batches,
+  i.e. K doubling units of 2D half micro-batches.
+
+Slot rule (F = Bk = one slot): for stage s and the pipeline's j-th micro-batch of a unit
+starting at slot ``t0``: basic unit forward at ``t0 + s + 2j`` and backward at
+``t0 + 2D - 1 - s + 2j``; doubling unit forward pair ``j // 2`` at ``t0 + s + 2 (j // 2)`` and
+backward at ``t0 + 2D - 1 - s + 2j``. Units start every 2D slots (basic) or 3D slots (doubling).
+A rank's order is its ops sorted by slot; the builder checks that no two ops share a slot.
+"""
+
+from __future__ import annotations
+
+from ..instructions import Instruction, backward, forward
+
+VARIANTS = ("direct", "forward-doubling", "backward-halving")
+
+# Slots a basic / doubling unit advances the start of the next unit by (chimera.md §3).
+_BASIC_UNIT_SLOTS = 2
+_DOUBLING_UNIT_SLOTS = 3
+
+
+def check_chimera(pipeline_size: int, num_microbatches: int, num_pipelines=2,
+                  variant="direct") -> None:
+    """Raise ValueError unless the Chimera options are valid (see the module docstring)."""
+    depth = pipeline_size
+    if depth < 2 or depth % 2 != 0:
+        raise ValueError(
+            f"chimera needs an even --pipeline-model-parallel-size >= 2 (got {depth}); "
+            f"allowed: 2, 4, 6, 8, ...")
+    if not isinstance(num_pipelines, int) or num_pipelines < 2 or num_pipelines % 2 != 0:
+        raise ValueError(
+            f"chimera needs an even number of pipelines 2f >= 2 (got {num_pipelines!r}); "
+            f"allowed: {_allowed_num_pipelines(depth)}")
+    f = num_pipelines // 2
+    if (depth // 2) % f != 0:
+        raise ValueError(
+            f"chimera with {num_pipelines} pipelines needs f = {f} to divide D/2 = {depth // 2}; "
+            f"allowed --chimera-pipelines for D = {depth}: {_allowed_num_pipelines(depth)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown chimera variant {variant!r}; allowed: {', '.join(VARIANTS)}")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"chimera needs at least one micro-batch (got {num_microbatches!r})")
+    if variant != "direct" and num_pipelines != 2:
+        raise ValueError(
+            f"chimera variant {variant} is defined for 2 pipelines only (got {num_pipelines}); "
+            f"use --chimera-pipelines 2 or --chimera-variant direct")
+    if variant != "direct" and num_microbatches % depth != 0:
+        raise ValueError(
+            f"chimera variant {variant} needs the number of micro-batches ({num_microbatches}) "
+            f"to be a multiple of D = {depth} (allowed: {depth}, {2 * depth}, {3 * depth}, ...); "
+            f"use --chimera-variant direct for other counts")
+
+
+def _allowed_num_pipelines(depth: int) -> str:
+    half = depth // 2
+    return ", ".join(str(2 * f) for f in range(1, half + 1) if half % f == 0)
+
+
+def chimera_placements(pipeline_size: int, num_pipelines: int = 2) -> tuple[tuple[int, ...], ...]:
+    """``placements[pipeline][stage]`` -> rank, for 2f = num_pipelines pipelines of D stages."""
+    depth = pipeline_size
+    shift = depth // (num_pipelines // 2)
+    placements = []
+    for pair in range(num_pipelines // 2):
+        placements.append(tuple((stage + pair * shift) % depth for stage in range(depth)))
+        placements.append(tuple((depth - 1 - stage + pair * shift) % depth
+                                for stage in range(depth)))
+    return tuple(placements)
+
+
+def _split_basic_block(first: int, count: int, num_pipelines: int) -> list[list[int]]:
+    """Micro-batches first .. first+count-1 cut into consecutive per-pipeline blocks."""
+    blocks, start = [], first
+    for pipeline in range(num_pipelines):
+        size = count // num_pipelines + (1 if pipeline < count % num_pipelines else 0)
+        blocks.append(list(range(start, start + size)))
+        start += size
+    return blocks
+
+
+def chimera_units(pipeline_size: int, num_microbatches: int, num_pipelines: int = 2,
+                  variant: str = "direct") -> list[tuple[str, list[list[int]]]]:
+    """The units of the iteration in order: ``(kind, microbatches_per_pipeline)`` with kind
+    "basic" or "doubling" and instruction micro-batch indices per pipeline, in execution order."""
+    check_chimera(pipeline_size, num_microbatches, num_pipelines, variant)
+    depth = pipeline_size
+    units = []
+    if variant == "direct":
+        for first in range(0, num_microbatches, depth):
+            count = min(depth, num_microbatches - first)
+            units.append(("basic", _split_basic_block(first, count, num_pipelines)))
+        return units
+    num_instruction_microbatches = num_microbatches * (2 if variant == "backward-halving" else 1)
+    num_basic_blocks = num_instruction_microbatches // depth
+    first = 0
+    for _ in range(num_basic_blocks // 2):
+        low = _split_basic_block(first, depth, num_pipelines)
+        high = _split_basic_block(first + depth, depth, num_pipelines)
+        units.append(("doubling", [a + b for a, b in zip(low, high)]))
+        first += 2 * depth
+    if num_basic_blocks % 2:
+        units.append(("basic", _split_basic_block(first, depth, num_pipelines)))
+    return units
+
+
+def build_chimera(pipeline_size: int, num_microbatches: int, num_pipelines: int = 2,
+                  variant: str = "direct") -> list[list[Instruction]]:
+    """Per-rank instruction lists of Chimera (see the module docstring for the numbering)."""
+    depth = pipeline_size
+    placements = chimera_placements(depth, num_pipelines)
+    # Chunk of (pipeline, stage) on its rank: position in the rank's modules ordered by pipeline.
+    chunk_of = {}
+    for rank in range(depth):
+        hosted = [(p, s) for p in range(num_pipelines) for s in range(depth)
+                  if placements[p][s] == rank]
+        chunk_of.update({module: index for index, module in enumerate(hosted)})
+
+    timed = [[] for _ in range(depth)]  # per rank: (slot, position inside slot, instruction)
+    unit_start = 0
+    for kind, pipeline_microbatches in chimera_units(depth, num_microbatches, num_pipelines,
+                                                     variant):
+        for pipeline, microbatches in enumerate(pipeline_microbatches):
+            for stage in range(depth):
+                rank, chunk = placements[pipeline][stage], chunk_of[(pipeline, stage)]
+                for j, microbatch in enumerate(microbatches):
+                    if kind == "basic":
+                        forward_slot, position = stage + 2 * j, 0
+                    else:
+                        forward_slot, position = stage + 2 * (j // 2), j % 2
+                    backward_slot = 2 * depth - 1 - stage + 2 * j
+                    timed[rank].append((unit_start + forward_slot, position,
+                                        forward(pipeline, stage, microbatch, chunk)))
+                    timed[rank].append((unit_start + backward_slot, 0,
+                                        backward(pipeline, stage, microbatch, chunk)))
+        unit_start += depth * (_BASIC_UNIT_SLOTS if kind == "basic" else _DOUBLING_UNIT_SLOTS)
+
+    schedule = []
+    for rank, ops in enumerate(timed):
+        ops.sort(key=lambda item: (item[0], item[1]))
+        _check_no_slot_conflict(rank, ops)
+        schedule.append([op for _, _, op in ops])
+    return schedule
+
+
+def _check_no_slot_conflict(rank: int, ops) -> None:
+    """Internal invariant: a slot holds one op, or one forward pair of one (pipeline, stage)."""
+    by_slot = {}
+    for slot, _, op in ops:
+        by_slot.setdefault(slot, []).append(op)
+    for slot, slot_ops in by_slot.items():
+        pair = (len(slot_ops) == 2 and all(op.kind.is_forward for op in slot_ops)
+                and slot_ops[0].module == slot_ops[1].module)
+        assert len(slot_ops) == 1 or pair, (
+            f"chimera slot conflict on rank {rank} at slot {slot}: "
+            f"{' '.join(map(str, slot_ops))}")

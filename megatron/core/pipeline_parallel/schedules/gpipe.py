@@ -1,0 +1,15 @@
+"""GPipe: every rank runs all forwards, then all backwards (micro-batches in order).
+
+One pipeline (id 0), stage s on rank s. Peak stored activations N on every rank.
+"""
+
+from __future__ import annotations
+
+from ..instructions import Instruction, backward, forward
+
+
+def build_gpipe(pipeline_size: int, num_microbatches: int) -> list[list[Instruction]]:
+    """Per-rank instruction lists of GPipe with D = pipeline_size and N = num_microbatches."""
+    return [[forward(0, rank, m) for m in range(num_microbatches)]
+            + [backward(0, rank, m) for m in range(num_microbatches)]
+            for rank in range(pipeline_size)]

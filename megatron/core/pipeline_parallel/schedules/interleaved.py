@@ -1,0 +1,66 @@
+"""Interleaved 1F1B (Megatron's virtual pipeline).
+
+Each rank hosts ``num_model_chunks`` = v chunks; virtual stage c * D + r runs on rank r as its
+chunk c, so one pipeline (id 0) has D * v stages placed round-robin. The op order is Megatron's:
+micro-batches advance through the chunks in groups of D, a rank runs
+``min(2 (D - 1 - r) + (v - 1) D, N v)`` warm-up forwards (all N v when N == D), then one
+forward / one backward pairs, then the remaining backwards.
+
+Constraints (as in Megatron): v >= 2, D >= 2 and N a multiple of D.
+"""
+
+from __future__ import annotations
+
+from ..instructions import Instruction, backward, forward
+
+
+def check_interleaved(pipeline_size: int, num_microbatches: int, num_model_chunks) -> None:
+    """Raise ValueError unless (D, N, v) is a valid interleaved 1F1B configuration."""
+    if not isinstance(num_model_chunks, int) or num_model_chunks < 2:
+        raise ValueError(
+            f"interleaved-1f1b needs num_model_chunks >= 2 (got {num_model_chunks!r}); "
+            f"use the 1f1b schedule for one chunk per rank")
+    if pipeline_size < 2:
+        raise ValueError(
+            f"interleaved-1f1b needs --pipeline-model-parallel-size >= 2 (got {pipeline_size})")
+    if num_microbatches % pipeline_size != 0:
+        raise ValueError(
+            f"interleaved-1f1b needs the number of micro-batches ({num_microbatches}) to be a "
+            f"multiple of --pipeline-model-parallel-size ({pipeline_size}); allowed: "
+            f"{pipeline_size}, {2 * pipeline_size}, {3 * pipeline_size}, ...")
+
+
+def _virtual_op(virtual_index: int, pipeline_size: int, num_model_chunks: int, rank: int,
+                is_forward: bool):
+    group = pipeline_size * num_model_chunks
+    chunk = (virtual_index % group) // pipeline_size
+    if not is_forward:
+        chunk = num_model_chunks - 1 - chunk
+    microbatch = (virtual_index // group) * pipeline_size + virtual_index % pipeline_size
+    make = forward if is_forward else backward
+    return make(0, chunk * pipeline_size + rank, microbatch, chunk)
+
+
+def build_interleaved(pipeline_size: int, num_microbatches: int,
+                      num_model_chunks: int) -> list[list[Instruction]]:
+    """Per-rank instruction lists of interleaved 1F1B."""
+    check_interleaved(pipeline_size, num_microbatches, num_model_chunks)
+    total = num_microbatches * num_model_chunks
+    schedule = []
+    for rank in range(pipeline_size):
+        if num_microbatches == pipeline_size:
+            num_warmup = total  # Megatron runs all forwards first in this case
+        else:
+            num_warmup = min(2 * (pipeline_size - 1 - rank)
+                             + (num_model_chunks - 1) * pipeline_size, total)
+
+        def op(index, is_forward):
+            return _virtual_op(index, pipeline_size, num_model_chunks, rank, is_forward)
+
+        ops = [op(k, True) for k in range(num_warmup)]
+        for k in range(total - num_warmup):
+            ops.append(op(num_warmup + k, True))
+            ops.append(op(k, False))
+        ops += [op(k, False) for k in range(total - num_warmup, total)]
+        schedule.append(ops)
+    return schedule
