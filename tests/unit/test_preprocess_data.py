@@ -137,3 +137,31 @@ def test_int32_for_large_vocabularies(tmp_path):
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "100000"]) == 0
     dataset = IndexedDataset(str(tmp_path / "big_text_document"))
     assert dataset.dtype == np.int32 and dataset[0].tolist() == [70000, 1]
+
+
+def test_megatron_written_dataset_trains_with_gpt2_files(tmp_path):
+    """A uint16 pair laid out field by field as Megatron writes it, read with GPT-2 files."""
+    import struct
+
+    tokenizer = GPT2BPETokenizer(*gpt2_files(tmp_path))
+    documents = [tokenizer.tokenize(text) + [tokenizer.eod] for text in GOOD_TEXTS * 3]
+    lengths = [len(d) for d in documents]
+    pointers = [2 * sum(lengths[:i]) for i in range(len(lengths))]
+    prefix = tmp_path / "megatron_text_document"
+    (tmp_path / "megatron_text_document.bin").write_bytes(
+        b"".join(struct.pack(f"<{len(d)}H", *d) for d in documents))
+    (tmp_path / "megatron_text_document.idx").write_bytes(
+        b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(documents), len(documents) + 1)
+        + struct.pack(f"<{len(lengths)}i", *lengths) + struct.pack(f"<{len(pointers)}q", *pointers)
+        + struct.pack(f"<{len(documents) + 1}q", *range(len(documents) + 1)))
+    config = DataConfig(data_path=[str(prefix)], split="1,0,0", tokenizer_type="GPT2BPETokenizer",
+                        vocab_file=str(tmp_path / "vocab.json"),
+                        merge_file=str(tmp_path / "merges.txt"))
+    train, _, _ = build_gpt_datasets(config, 16, 7, (None, None, None), tokenizer)
+    stream = [token for document in documents for token in document]
+    assert len(train) == (len(stream) - 1) // 16
+    shuffled_stream = [token for d in train.document_index for token in documents[int(d)]]
+    for index in range(len(train)):
+        start = int(train.shuffle_index[index]) * 16
+        assert train[index]["text"].tolist() == shuffled_stream[start:start + 17]
+    assert tokenizer.detokenize(shuffled_stream).count("<|endoftext|>") == len(documents)

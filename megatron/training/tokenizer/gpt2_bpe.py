@@ -71,7 +71,7 @@ def _load_merges(merge_file: str) -> dict[tuple[str, str], int]:
     ranks: dict[tuple[str, str], int] = {}
     with open(merge_file, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
-            line = line.rstrip("\n")
+            line = line.rstrip("\r\n")
             if not line or (line_number == 1 and line.startswith("#version")):
                 continue
             parts = line.split(" ")
