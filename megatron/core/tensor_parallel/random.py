@@ -14,14 +14,15 @@ stage compute identical masks for a sample, data-parallel ranks identify samples
 and activation recomputation reproduces the masks for free. There is no RNG state to save in a
 checkpoint either: the seed and the global sample ids (which the training loop supplies) are enough.
 
-The hash is 32-bit integer mixing ("lowbias32") done with int64 torch ops. Every intermediate value
-stays below 2**63 (products of a 32-bit value and a 16- or 31-bit constant), so no signed overflow
-happens and CPU and CUDA give identical bits.
+The hash is 32-bit integer mixing with int64 torch ops (see :meth:`CounterBasedDropout.random_bits`
+for the exact recipe). Every intermediate value stays below 2**63 (a 32-bit value times a constant
+below 2**31), so no signed overflow happens and CPU and CUDA give identical bits.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -42,19 +43,17 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2 ** 63 - 1)
 
 
-def _mul32(value, constant: int):
-    """``value * constant mod 2**32`` for 32-bit ``value`` without exceeding 2**49 in between."""
-    low, high = constant & 0xFFFF, constant >> 16
-    return (value * low + (((value * high) & 0xFFFF) << 16)) & MASK32
-
-
 def mix32(value):
-    """Bijective 32-bit avalanche mix (lowbias32); works on python ints and int64 tensors alike."""
+    """Bijective 32-bit avalanche mix; works on python ints and int64 tensors alike.
+
+    The shift/multiply constants are a published low-bias 32-bit hash (C. Wellons' hash-prospector);
+    both multipliers are below 2**31, so a 32-bit value times one of them stays below 2**63.
+    """
     value = value ^ (value >> 16)
-    value = _mul32(value, 0x7FEB352D)
+    value = (value * 0x21F0AAAD) & MASK32
     value = value ^ (value >> 15)
-    value = _mul32(value, 0x846CA68B)
-    return value ^ (value >> 16)
+    value = (value * 0x735A2D97) & MASK32
+    return value ^ (value >> 15)
 
 
 def _absorb64(state, value):
@@ -96,7 +95,18 @@ class CounterBasedDropout:
         """Uniform 32-bit values (int64 tensor ``[b, *shape]``) for the block of the full tensor.
 
         ``full_shape`` is the shape of ONE sample's full (unsharded) tensor; the local block starts
-        at ``offsets`` (default zeros) and has ``shape`` (default ``full_shape``).
+        at ``offsets`` (default zeros) and has ``shape`` (default ``full_shape``). Recipe, with
+        ``mix`` = :func:`mix32` and every value a 32-bit word::
+
+            site   = mix(mix(mix(mix(mix(0x9E3779B9) ^ seed_lo) ^ seed_hi) ^ layer) ^ site_id)
+            s      = mix(mix(site ^ sample_lo) ^ sample_hi)      # per sample
+            t      = mix(s ^ 0x68E31DA4)                          # per sample, second key
+            u      = mix(index_lo ^ s)        # index: row-major position in the full tensor
+            u      = mix(u ^ index_hi)        # only when the full tensor has > 2**32 elements
+            bits   = mix(u ^ t)
+
+        The second key ``t`` keeps masks of different samples unrelated (with ``s`` alone, one
+        sample's mask would be a XOR-permutation of another's).
         """
         offsets = tuple(offsets) if offsets is not None else (0,) * len(full_shape)
         shape = tuple(shape) if shape is not None else tuple(full_shape)
@@ -106,10 +116,13 @@ class CounterBasedDropout:
         if bool((sample_ids < 0).any()):
             raise ValueError("sample ids must be non-negative global sample indices")
         state = torch.full_like(sample_ids, self._site_state(layer_number, site))
-        per_sample = _absorb64(state, sample_ids)
+        first_key = _absorb64(state, sample_ids).view(-1, *([1] * len(shape)))
+        second_key = mix32(first_key ^ 0x68E31DA4)
         index = _linear_indices(full_shape, offsets, shape, sample_ids.device)
-        per_sample = per_sample.view(-1, *([1] * len(shape)))
-        return _absorb64(per_sample, index.unsqueeze(0))
+        bits = mix32((index & MASK32) ^ first_key)
+        if math.prod(full_shape) > 2 ** 32:
+            bits = mix32(bits ^ (index >> 32))
+        return mix32(bits ^ second_key)
 
     def keep_mask(self, probability: float, layer_number: int, site: int,
                   sample_ids: torch.Tensor, full_shape: Sequence[int],
