@@ -47,6 +47,8 @@ constexpr int64_t kMaxDims = 64;
 // second small copy.
 constexpr int64_t kHeaderPrefetchBytes = 4096;
 constexpr char kMagic[4] = {'M', 'C', 'P', 'K'};
+// Above this size copy_ is used even for contiguous CPU tensors, since it can use several threads.
+constexpr int64_t kMemcpyMaxBytes = 1 << 20;
 
 static_assert(sizeof(void*) == 8, "the packing format assumes a 64-bit host");
 
@@ -174,9 +176,14 @@ void check_buffer(const at::Tensor& buffer) {
 
 // Copies the first `nbytes` bytes of a (possibly device) buffer to host memory.
 std::vector<uint8_t> host_prefix(const at::Tensor& buffer, int64_t nbytes) {
-  at::Tensor prefix = buffer.narrow(0, 0, nbytes).to(at::kCPU).contiguous();
   std::vector<uint8_t> bytes(static_cast<size_t>(nbytes));
-  if (nbytes > 0) std::memcpy(bytes.data(), prefix.data_ptr<uint8_t>(), static_cast<size_t>(nbytes));
+  if (nbytes == 0) return bytes;
+  if (buffer.is_cpu()) {  // read in place: no tensor objects on the hot path
+    std::memcpy(bytes.data(), buffer.data_ptr<uint8_t>(), static_cast<size_t>(nbytes));
+  } else {
+    at::Tensor prefix = buffer.narrow(0, 0, nbytes).to(at::kCPU).contiguous();
+    std::memcpy(bytes.data(), prefix.data_ptr<uint8_t>(), static_cast<size_t>(nbytes));
+  }
   return bytes;
 }
 
@@ -343,7 +350,14 @@ at::Tensor pack(const std::vector<at::Tensor>& tensors, c10::optional<at::Device
   for (size_t index = 0; index < tensors.size(); ++index) {
     const at::Tensor& tensor = tensors[index];
     const int64_t offset = layout.offsets[index];
-    if (nbytes[index] > 0) {
+    // Small contiguous CPU tensors are copied with memcpy: for them the cost of creating the
+    // destination view and dispatching copy_ exceeds the copy itself. Lazily conjugated or negated
+    // tensors must go through copy_, which materializes the conjugation/negation.
+    const bool plain_host_copy = on_cpu && tensor.is_cpu() && tensor.is_contiguous() && !tensor.is_conj() &&
+                                 !tensor.is_neg() && nbytes[index] <= kMemcpyMaxBytes;
+    if (plain_host_copy && nbytes[index] > 0) {
+      std::memcpy(buffer.data_ptr<uint8_t>() + offset, tensor.data_ptr(), static_cast<size_t>(nbytes[index]));
+    } else if (nbytes[index] > 0) {
       buffer.narrow(0, offset, nbytes[index]).view(tensor.scalar_type()).view(tensor.sizes()).copy_(tensor);
     }
     // Padding is zeroed so that the bytes are deterministic (and identical to the Python twin).
