@@ -33,14 +33,17 @@ def packing_extension():
     class OptionalBuildExtension(BuildExtension):
         """Warns instead of failing the install when the optional extension does not compile."""
 
-        def build_extension(self, ext):
+        # torch checks the compiler in build_extensions before building anything, so the whole
+        # step is guarded, not only build_extension.
+        def build_extensions(self):
             try:
-                super().build_extension(ext)
-            except Exception as error:  # compiler errors surface as several exception types
-                if not getattr(ext, "optional", False):
+                super().build_extensions()
+            except Exception as error:  # compiler problems surface as several exception types
+                if not all(getattr(ext, "optional", False) for ext in self.extensions):
                     raise
-                print(f"megatron-chimera: building {ext.name} failed ({error}); installing "
-                      f"without it, the Python packing implementation will be used",
+                print(f"megatron-chimera: building the C++ packing extension failed "
+                      f"({type(error).__name__}: {error}); installing without it, it will be "
+                      f"compiled on first use if possible, else the Python implementation is used",
                       file=sys.stderr)
 
     extension = CppExtension(
