@@ -123,6 +123,19 @@ def test_cache_reuse_and_invalidation(tmp_path, monkeypatch):
     assert len(calls) == 5
 
 
+def test_unreadable_cache_is_rebuilt(tmp_path, capsys):
+    indexed, _ = write_dataset(tmp_path / "d")
+    cache = tmp_path / "cache"
+    built = GPTDataset(indexed, np.arange(60), 16, 100, seed=1, cache_dir=str(cache))
+    (sample_file,) = [f for f in os.listdir(cache) if f.endswith("sample_index.npy")]
+    (cache / sample_file).write_bytes(b"garbage")
+    rebuilt = GPTDataset(indexed, np.arange(60), 16, 100, seed=1, cache_dir=str(cache))
+    assert "rebuilding" in capsys.readouterr().err
+    np.testing.assert_array_equal(rebuilt[3]["text"], built[3]["text"])
+    reloaded = GPTDataset(indexed, np.arange(60), 16, 100, seed=1, cache_dir=str(cache))
+    assert isinstance(reloaded.sample_index, np.memmap)
+
+
 def test_too_small_split_raises(tmp_path):
     indexed, _ = write_dataset(tmp_path / "d", num_documents=3, max_length=4)
     with pytest.raises(ValueError, match="fewer than one sample"):

@@ -114,13 +114,15 @@ def test_strict_mode_stops_and_leaves_no_output(tmp_path, capsys):
 
 def test_null_tokenizer_and_missing_input(tmp_path, capsys):
     corpus = tmp_path / "ids.jsonl"
-    corpus.write_text('{"text": "1 2 3"}\n{"text": "4 5"}\n', encoding="utf-8")
+    corpus.write_text('{"text": "1 2 3"}\n{"text": "not ids"}\n{"text": "4 5"}\n',
+                      encoding="utf-8")
     tool = load_tool("preprocess_data")
     assert tool.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "ids"),
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
                       "--append-eod"]) == 0
     dataset = IndexedDataset(str(tmp_path / "ids_text_document"))
     assert [dataset[i].tolist() for i in range(2)] == [[1, 2, 3, 10], [4, 5, 10]]
+    assert "line 2: cannot tokenise 'text'" in capsys.readouterr().err
     assert tool.main(["--input", str(tmp_path / "absent.jsonl"), "--output-prefix", "x",
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]) == 1
     assert "absent.jsonl" in capsys.readouterr().err

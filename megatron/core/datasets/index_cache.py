@@ -73,10 +73,16 @@ def load_or_build(cache_dir: Optional[str], stem: str, description: dict, names:
         return build()
     description_path, array_paths = cache_paths(cache_dir, stem, description, names)
     if os.path.isfile(description_path) and all(os.path.isfile(p) for p in array_paths.values()):
-        if log:
-            log(f"loading cached {stem} indices from {description_path[:-len('-description.json')]}*")
-        return {name: np.load(path, mmap_mode="r", allow_pickle=False)
-                for name, path in array_paths.items()}
+        try:
+            arrays = {name: np.load(path, mmap_mode="r", allow_pickle=False)
+                      for name, path in array_paths.items()}
+            if log:
+                log(f"loaded cached {stem} indices from "
+                    f"{description_path[:-len('-description.json')]}*")
+            return arrays
+        except (OSError, ValueError) as error:
+            print(f"WARNING: unreadable dataset index cache {description_path} ({error}); "
+                  f"rebuilding it", file=sys.stderr)
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)

@@ -84,7 +84,10 @@ class _LineEncoder:
             text = document[key]
             if not isinstance(text, str):
                 return line_number, len(raw), f"{key!r} is a {type(text).__name__}, not a string"
-            ids = self.tokenizer.tokenize(text) if text else []
+            try:
+                ids = self.tokenizer.tokenize(text) if text else []
+            except ValueError as error:  # e.g. the NullTokenizer given words instead of ids
+                return line_number, len(raw), f"cannot tokenise {key!r}: {error}"
             if ids and self.append_eod:
                 ids.append(self.tokenizer.eod)
             encoded[key] = np.asarray(ids, dtype=self.dtype)
