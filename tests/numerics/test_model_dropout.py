@@ -127,3 +127,13 @@ def test_full_tensors_beyond_two_to_the_32_elements_use_the_high_index_word():
             flat = (offsets[0] + i) * full_shape[1] + offsets[1] + j
             assert flat >= 2 ** 32
             assert bits[0, i, j].item() == python_bits(3, 2, 1, 9, flat, 2 ** 33)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="hardware-gated: CPU/CUDA bit identity needs a CUDA device")
+def test_cuda_bits_equal_cpu_bits():
+    dropout = CounterBasedDropout(seed=2 ** 35 + 3)
+    sample_ids = torch.tensor([0, 17, 2 ** 34])
+    cpu = dropout.random_bits(5, 1, sample_ids, (8, 64, 64), (2, 0, 0), (4, 64, 64))
+    cuda = dropout.random_bits(5, 1, sample_ids.cuda(), (8, 64, 64), (2, 0, 0), (4, 64, 64))
+    assert torch.equal(cuda.cpu(), cpu)
