@@ -144,3 +144,13 @@ def test_missing_files_raise_naming_file(tmp_path):
         IndexedDataset(prefix)
     with pytest.raises(FileNotFoundError, match="nothing.idx"):
         IndexedDataset(str(tmp_path / "nothing"))
+
+
+def test_pickles_by_path(tmp_path):
+    import pickle
+
+    dataset = IndexedDataset(handwritten_pair(tmp_path))
+    payload = pickle.dumps(dataset)
+    assert len(payload) < 200 + len(str(tmp_path))  # the path, not the data
+    copy = pickle.loads(payload)
+    assert [copy[i].tolist() for i in range(4)] == SEQUENCES

@@ -202,6 +202,13 @@ class IndexedDataset:
         else:
             self._data_map = np.zeros(0, dtype=self.dtype)
 
+    def __getstate__(self) -> dict:
+        # Pickling (e.g. into spawned data-loader workers) sends the path, not the mapped data.
+        return {"path_prefix": self.path_prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path_prefix"])
+
     # -- access --------------------------------------------------------------------------------
 
     def __len__(self) -> int:
