@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from megatron.core.config import DataConfig, ModelConfig
+from megatron.core.config import DataConfig
 from megatron.core.datasets.builder import build_gpt_datasets
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.training.tokenizer import GPT2BPETokenizer
