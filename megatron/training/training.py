@@ -84,6 +84,7 @@ class TrainingResult:
     history: list[IterationRecord] = field(default_factory=list)
     validation: list[tuple[str, dict]] = field(default_factory=list)
     exited_early: bool = False
+    components: Optional[TrainingComponents] = None  # the trained model, optimizer, ...
 
 
 def is_logging_rank(parallel_state) -> bool:
@@ -232,7 +233,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
     parallel_state, device = components.parallel_state, components.device
     start_time = time.time() if start_time is None else start_time
     flops_per_iteration = gpt_flops_per_iteration(config.model, training.global_batch_size)
-    result = TrainingResult(state=state)
+    result = TrainingResult(state=state, components=components)
     interval = IntervalStats()
     _synchronize(device)
     interval_start = time.perf_counter()
