@@ -50,6 +50,7 @@ class VocabParallelEmbedding(torch.nn.Module):
                  init_std: float, params_dtype=torch.float32, device=None):
         super().__init__()
         self.group = tensor_parallel_group(parallel_state)
+        self.tp_size = parallel_state.tp_size
         self.num_embeddings = num_embeddings
         self.num_embeddings_per_rank = divide(
             num_embeddings, parallel_state.tp_size,
@@ -60,7 +61,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             tensor_model_parallel=True, partition_dim=0, initializer=("normal", init_std))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
+        if self.tp_size == 1:
             return F.embedding(token_ids, self.weight)
         local_ids = token_ids - self.vocab_start
         not_mine = (local_ids < 0) | (local_ids >= self.num_embeddings_per_rank)
