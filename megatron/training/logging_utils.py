@@ -97,3 +97,46 @@ class IntervalStats:
     def average_losses(self) -> dict:
         return {name: total / max(1, self.advanced_iterations)
                 for name, total in self.loss_sums.items()}
+
+
+def build_tensorboard_writer(logging_config, is_writer_rank: bool):
+    """A TensorBoard ``SummaryWriter`` for ``--tensorboard-dir`` on the logging rank, else None.
+
+    Every rank checks that TensorBoard is installed, so a missing package stops the run everywhere
+    with the fix instead of being ignored.
+    """
+    if logging_config.tensorboard_dir is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("--tensorboard-dir needs the tensorboard package; install it (pip install "
+                         "tensorboard, or the project's [tensorboard] extra) or drop "
+                         "--tensorboard-dir") from None
+    if not is_writer_rank:
+        return None
+    return SummaryWriter(log_dir=logging_config.tensorboard_dir, max_queue=1000)
+
+
+def write_training_scalars(writer, iteration: int, *, losses: dict, learning_rate: float,
+                           global_batch_size: int, loss_scale: float,
+                           grad_norm: Optional[float]) -> None:
+    """Megatron's TensorBoard tags for one log interval (``writer`` may be None)."""
+    if writer is None:
+        return
+    writer.add_scalar("learning-rate", learning_rate, iteration)
+    writer.add_scalar("batch-size", global_batch_size, iteration)
+    for name, value in losses.items():
+        writer.add_scalar(name, value, iteration)
+    writer.add_scalar("loss-scale", loss_scale, iteration)
+    if grad_norm is not None:
+        writer.add_scalar("grad-norm", grad_norm, iteration)
+
+
+def write_validation_scalars(writer, iteration: int, losses: dict) -> None:
+    """``<name> validation`` and ``<name> validation ppl`` as Megatron writes them."""
+    if writer is None:
+        return
+    for name, value in losses.items():
+        writer.add_scalar(f"{name} validation", value, iteration)
+        writer.add_scalar(f"{name} validation ppl", math.exp(min(20.0, value)), iteration)

@@ -33,8 +33,9 @@ from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler,
 from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_per_gpu
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
                                           training_device)
-from megatron.training.logging_utils import (IntervalStats, format_iteration_line,
-                                             format_validation_lines)
+from megatron.training.logging_utils import (IntervalStats, build_tensorboard_writer,
+                                             format_iteration_line, format_validation_lines,
+                                             write_training_scalars, write_validation_scalars)
 from megatron.training.microbatches import build_microbatches
 from megatron.training.runtime import (NoPipelineRuntime, autocast_context, model_parameters)
 
@@ -211,13 +212,15 @@ def _should_exit_for_duration(config, start_time: float, device: torch.device) -
 
 
 def _run_evaluation(components, forward_step_func, dataset, state: TrainingState, prefix: str,
-                    result: TrainingResult, log: Callable, advance: bool) -> None:
+                    result: TrainingResult, log: Callable, advance: bool,
+                    tensorboard_writer=None) -> None:
     eval_iters = components.config.training.eval_iters
     first = state.consumed_valid_samples if advance else 0
     losses = evaluate(components, forward_step_func, dataset, first, eval_iters)
     if advance:
         state.consumed_valid_samples += eval_iters * components.config.training.global_batch_size
     result.validation.append((prefix, losses))
+    write_validation_scalars(tensorboard_writer, state.iteration, losses)
     if is_logging_rank(components.parallel_state):
         for line in format_validation_lines(prefix, losses):
             log(line)
@@ -225,7 +228,7 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
 
 def train(components: TrainingComponents, forward_step_func, train_dataset, valid_dataset,
           state: TrainingState, *, log: Callable = print, checkpointing=None,
-          start_time: Optional[float] = None) -> TrainingResult:
+          start_time: Optional[float] = None, tensorboard_writer=None) -> TrainingResult:
     """Iterate from ``state`` to ``--train-iters``, logging, evaluating, saving and exiting as the
     flags say. Returns the final state and per-iteration records."""
     config = components.config
@@ -257,15 +260,21 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         if state.iteration % logging_config.log_interval == 0:
             _synchronize(device)
             elapsed = (time.perf_counter() - interval_start) / interval.iterations
+            learning_rate = components.optimizer.param_groups[0]["lr"]
+            losses = interval.average_losses()
+            write_training_scalars(tensorboard_writer, state.iteration, losses=losses,
+                                   learning_rate=learning_rate,
+                                   global_batch_size=training.global_batch_size,
+                                   loss_scale=record.loss_scale, grad_norm=record.grad_norm)
             if is_logging_rank(parallel_state):
                 log(format_iteration_line(
                     iteration=state.iteration, train_iters=training.train_iters,
                     consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0,
                     throughput_tflops=throughput_tflops_per_gpu(
                         flops_per_iteration, elapsed, parallel_state.world_size),
-                    learning_rate=components.optimizer.param_groups[0]["lr"],
+                    learning_rate=learning_rate,
                     global_batch_size=training.global_batch_size,
-                    losses=interval.average_losses(), loss_scale=record.loss_scale,
+                    losses=losses, loss_scale=record.loss_scale,
                     grad_norm=record.grad_norm, skipped_iterations=interval.skipped_iterations,
                     nan_iterations=interval.nan_iterations))
             interval = IntervalStats()
@@ -274,7 +283,8 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         if (valid_dataset is not None and training.eval_iters > 0 and training.eval_interval
                 and state.iteration % training.eval_interval == 0):
             _run_evaluation(components, forward_step_func, valid_dataset, state,
-                            f"iteration {state.iteration}", result, log, advance=True)
+                            f"iteration {state.iteration}", result, log, advance=True,
+                            tensorboard_writer=tensorboard_writer)
             interval_start = time.perf_counter()  # evaluation time is not training time
 
         save_interval = config.checkpoint.save_interval
@@ -317,7 +327,7 @@ def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
 
 def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
              parallel_state=None, runtime_class=None, checkpointing=None,
-             log: Callable = print) -> TrainingResult:
+             log: Callable = print, tensorboard_writer=None) -> TrainingResult:
     """Train a model as Megatron-LM's ``pretrain`` does.
 
     Args:
@@ -332,6 +342,8 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
         checkpointing: hook object with ``load(components)`` and ``save(components, state)``;
             required when ``--save`` or ``--load`` is given.
         log: where the last rank's log lines go.
+        tensorboard_writer: anything with ``add_scalar(tag, value, step)``; default: a
+            ``SummaryWriter`` on the last rank when ``--tensorboard-dir`` is given.
     """
     start_time = time.time()
     if checkpointing is None and (config.checkpoint.save or config.checkpoint.load):
@@ -346,6 +358,9 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
         parallel_state = initialize_megatron(
             config, extra_group_ranks=runtime_class.required_group_ranks(config, layout))
     device = training_device(parallel_state.backend, local_rank_from_environment(config))
+    if tensorboard_writer is None:
+        tensorboard_writer = build_tensorboard_writer(config.logging,
+                                                      is_logging_rank(parallel_state))
     runtime = runtime_class(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime, model_provider, device)
     if is_logging_rank(parallel_state):
@@ -360,15 +375,20 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
     train_dataset, valid_dataset, test_dataset = _build_datasets(config, parallel_state,
                                                                  datasets_provider)
     result = train(components, forward_step_func, train_dataset, valid_dataset, state, log=log,
-                   checkpointing=checkpointing, start_time=start_time)
+                   checkpointing=checkpointing, start_time=start_time,
+                   tensorboard_writer=tensorboard_writer)
     if result.exited_early:
+        if tensorboard_writer is not None and hasattr(tensorboard_writer, "flush"):
+            tensorboard_writer.flush()
         return result
     eval_iters = config.training.eval_iters
     if valid_dataset is not None and eval_iters > 0:
         _run_evaluation(components, forward_step_func, valid_dataset, state,
                         f"iteration {state.iteration} on validation set", result, log,
-                        advance=True)
+                        advance=True, tensorboard_writer=tensorboard_writer)
     if test_dataset is not None and eval_iters > 0:
         _run_evaluation(components, forward_step_func, test_dataset, state,
                         f"iteration {state.iteration} on test set", result, log, advance=False)
+    if tensorboard_writer is not None and hasattr(tensorboard_writer, "flush"):
+        tensorboard_writer.flush()
     return result

@@ -177,3 +177,45 @@ def test_mock_dataset_is_deterministic_learnable_and_split_specific():
     assert any(not np.array_equal(train[i]["text"], valid[i]["text"]) for i in range(5))
     with pytest.raises(IndexError):
         dataset[100]
+
+
+class _ListWriter:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, step, value))
+
+
+def test_tensorboard_scalars_use_megatron_tags():
+    config = parse_args((TINY.replace("--eval-iters 0", "--eval-iters 1") +
+                         " --lr 1e-3 --train-iters 2 --eval-interval 2").split(), world_size=1)
+    writer = _ListWriter()
+    result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                      pretrain_gpt.forward_step, parallel_state=ParallelState.single_process(),
+                      log=lambda _: None, tensorboard_writer=writer)
+    tags = {(tag, step) for tag, step, _ in writer.scalars}
+    for step in (1, 2):
+        assert {("lm loss", step), ("learning-rate", step), ("loss-scale", step),
+                ("grad-norm", step), ("batch-size", step)} <= tags
+    assert ("lm loss validation", 2) in tags and ("lm loss validation ppl", 2) in tags
+    loss_1 = next(v for tag, step, v in writer.scalars if tag == "lm loss" and step == 1)
+    assert loss_1 == result.history[0].losses["lm loss"]
+
+
+def test_tensorboard_dir_needs_the_package_or_writes_events(tmp_path):
+    from megatron.training.logging_utils import build_tensorboard_writer
+    config = parse_args((TINY + f" --lr 1e-3 --train-iters 1 --tensorboard-dir {tmp_path}")
+                        .split(), world_size=1)
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="pip install tensorboard"):
+            build_tensorboard_writer(config.logging, True)
+    else:
+        writer = build_tensorboard_writer(config.logging, True)
+        writer.add_scalar("x", 1.0, 1)
+        writer.close()
+        assert any(tmp_path.iterdir())
+    assert build_tensorboard_writer(parse_args((TINY + " --lr 1e-3 --train-iters 1").split(),
+                                               world_size=1).logging, True) is None
