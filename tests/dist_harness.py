@@ -5,7 +5,7 @@
 them in a gloo process group through a file store, calls ``fn(rank, world_size, *args)`` and returns
 the list of per-rank return values. Any exception in any rank, or a rank that does not finish within
 ``timeout`` seconds, fails the call with every rank's traceback; stuck ranks are killed, never waited on.
-Return values travel through a pipe, so they must be picklable (tensors are fine).
+Return values travel through a pipe as pickle bytes, so they must be picklable (tensors are fine).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -28,7 +29,9 @@ def _child(fn, rank, world_size, store_path, collective_timeout, args, results):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        # Plain pickle bytes: a queue would send tensors through shared memory that dies with
+        # this process before the parent reads it.
+        results.put((rank, "ok", pickle.dumps(value)))
         dist.destroy_process_group()
     except BaseException:  # report everything, including assertion failures
         results.put((rank, "error", traceback.format_exc()))
@@ -72,4 +75,4 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 60.0):
         for rank in sorted(failures):
             lines.append(f"--- rank {rank} ---\n{failures[rank]}")
         raise AssertionError("\n".join(lines))
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

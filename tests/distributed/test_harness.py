@@ -38,3 +38,12 @@ def test_exception_is_reported_with_traceback():
 def test_hanging_rank_is_killed():
     with pytest.raises(AssertionError, match=r"ranks \[1\] did not finish"):
         run_distributed(_hang_on_one, 2, timeout=3)
+
+
+def _many_tensors(rank, world_size):
+    return {f"t{i}": torch.full((64, 64), float(rank + i)) for i in range(40)}
+
+
+def test_tensors_come_back_after_the_rank_exits():
+    results = run_distributed(_many_tensors, 2, timeout=30)
+    assert results[1]["t39"][0, 0].item() == 40.0

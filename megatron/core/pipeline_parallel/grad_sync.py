@@ -1,0 +1,174 @@
+"""Gradient synchronisation of pipeline stages: who holds what, which groups, and the reducers.
+
+Every stage of a schedule is held by one pipeline rank per pipeline (Chimera: stage s on ranks s
+and D-1-s; 2f pipelines: on 2f ranks; one-directional schedules: on one rank), and the whole
+pipeline is replicated over the data-parallel ranks. The *replica group* of a stage is every rank
+(with this rank's tensor-parallel coordinate) holding a copy of it: for Chimera the 2W ranks of
+chimera.md §5, for 1F1B just the data-parallel group. Each stage gets its own labelled process group,
+so the all-reduces of different stages can never pair up, whatever order ranks issue them in.
+
+Loss normalisation: each micro-batch's loss is divided by the number of micro-batches of this
+data-parallel rank (all pipelines together), so summing a stage's gradient over its replicas and
+dividing by the data-parallel size gives exactly the single-process gradient of the mean loss.
+
+Tied embeddings: with a pipeline, the word embedding (stage 0) and the output layer (last stage) are
+copies of one weight held by different modules, on different ranks (and on Chimera's end ranks, two
+copies on the same rank). :class:`TiedEmbeddingReducer` sums the local copies, all-reduces over
+every rank holding one and writes the total back into each copy, so they stay identical.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import GradientReducer
+from megatron.core.distributed.collectives import group_size
+from megatron.core.parallel_state import GroupSpec
+
+TIED_EMBEDDING_LABEL = "tied-embedding"
+
+
+def stage_label(stage: int) -> str:
+    return f"stage-{stage}-replicas"
+
+
+def stage_holders(schedule_layout, stage: int) -> list[int]:
+    """Pipeline ranks holding a copy of ``stage`` (one per pipeline)."""
+    return sorted({schedule_layout.placement(p, stage)
+                   for p in range(schedule_layout.num_pipelines)})
+
+
+def tied_embedding_holders(schedule_layout) -> list[int]:
+    """Pipeline ranks holding the word embedding or a tied output-layer copy of it."""
+    return sorted(set(stage_holders(schedule_layout, 0))
+                  | set(stage_holders(schedule_layout, schedule_layout.num_stages - 1)))
+
+
+def required_group_specs(schedule_layout, rank_layout, tied: bool) -> list[GroupSpec]:
+    """Every process group the pipeline runtime needs, in the same order on every rank."""
+    specs = []
+    for stage in range(schedule_layout.num_stages):
+        for ranks in rank_layout.all_pipeline_ranks_groups(stage_holders(schedule_layout, stage)):
+            specs.append(GroupSpec(stage_label(stage), tuple(ranks)))
+    if tied and schedule_layout.num_stages > 1:
+        for ranks in rank_layout.all_pipeline_ranks_groups(tied_embedding_holders(schedule_layout)):
+            specs.append(GroupSpec(TIED_EMBEDDING_LABEL, tuple(ranks)))
+    return specs
+
+
+def stage_group(parallel_state, schedule_layout, stage: int):
+    """This rank's process group over the replicas of ``stage`` (None when it has one member)."""
+    ranks = parallel_state.layout.pipeline_ranks_group(stage_holders(schedule_layout, stage),
+                                                       parallel_state.rank)
+    return parallel_state.group_for(ranks, label=stage_label(stage))
+
+
+def tied_embedding_group(parallel_state, schedule_layout):
+    ranks = parallel_state.layout.pipeline_ranks_group(tied_embedding_holders(schedule_layout),
+                                                       parallel_state.rank)
+    return parallel_state.group_for(ranks, label=TIED_EMBEDDING_LABEL)
+
+
+def is_shared_embedding(param: torch.nn.Parameter) -> bool:
+    return bool(getattr(param, "shared_embedding", False))
+
+
+def tied_copies(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """The copies of the tied embedding weight in this rank's chunks (empty when untied)."""
+    return [p for chunk in chunks for p in chunk.parameters() if is_shared_embedding(p)]
+
+
+class TiedEmbeddingReducer:
+    """Keeps the tied word-embedding copies identical: local sum, all-reduce, write back."""
+
+    def __init__(self, copies: Sequence[torch.nn.Parameter], group, divide_by: float):
+        self.copies = list(copies)
+        self.group = group
+        self.divide_by = float(divide_by)
+        self._total = None
+        self._handle = None
+
+    @property
+    def started(self) -> bool:
+        return self._total is not None
+
+    def start(self) -> None:
+        grads = [p.grad for p in self.copies if p.grad is not None]
+        if not grads:
+            # A copy may have no gradient yet (e.g. forward-only); treat it as zero.
+            grads = [torch.zeros_like(self.copies[0])]
+        total = torch.stack(grads).sum(0) / self.divide_by
+        if group_size(self.group) > 1:
+            self._handle = dist.all_reduce(total, group=self.group, async_op=True)
+        self._total = total
+
+    def wait(self) -> None:
+        if self._total is None:
+            self.start()
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        for param in self.copies:
+            if param.grad is None:
+                param.grad = self._total.clone()
+            else:
+                param.grad.copy_(self._total)
+        self._total = None
+
+    def zero_grad(self) -> None:
+        for param in self.copies:
+            if param.grad is not None:
+                param.grad.zero_()
+
+
+def build_stage_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence, parallel_state,
+                         schedule_layout) -> tuple[dict, list]:
+    """One reducer per hosted module over its stage's replica group, plus the tied reducer.
+
+    Returns ``(reducer by module key, all reducers)``; the tied-embedding reducer (if any) is the
+    last element of the list and not in the dict (it is started once every module is done).
+    """
+    by_key = {}
+    for chunk, key in zip(chunks, keys):
+        params = [p for p in chunk.parameters() if p.requires_grad and not is_shared_embedding(p)]
+        by_key[key] = GradientReducer(params, stage_group(parallel_state, schedule_layout,
+                                                          key.stage),
+                                      divide_by=parallel_state.dp_size)
+    reducers = list(by_key.values())
+    copies = tied_copies(chunks)
+    if copies:
+        reducers.append(TiedEmbeddingReducer(
+            copies, tied_embedding_group(parallel_state, schedule_layout),
+            divide_by=parallel_state.dp_size))
+    return by_key, reducers
+
+
+def grad_norm_owners(chunks: Sequence[torch.nn.Module], keys: Sequence,
+                     tp_rank: int) -> set[int]:
+    """ids of the parameters whose gradient counts toward the global norm on this rank.
+
+    A stage's replicas hold equal gradients after synchronisation, so only pipeline 0's copy
+    counts; the tied embedding counts once, on stage 0 of pipeline 0; a parameter replicated over
+    tensor-parallel ranks counts on tensor-parallel rank 0 only.
+    """
+    owners = set()
+    for chunk, key in zip(chunks, keys):
+        if key.pipeline != 0:
+            continue
+        for param in chunk.parameters():
+            if is_shared_embedding(param) and key.stage != 0:
+                continue
+            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+                owners.add(id(param))
+    return owners
+
+
+def reducer_params(reducers: Iterable) -> list:
+    """Every parameter some reducer covers (for checks)."""
+    params = []
+    for reducer in reducers:
+        params.extend(getattr(reducer, "params", getattr(reducer, "copies", [])))
+    return params

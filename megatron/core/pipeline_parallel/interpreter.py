@@ -1,0 +1,267 @@
+"""The interpreter: executes one rank's lowered instruction list, whatever the schedule.
+
+The lowered list (:mod:`megatron.core.pipeline_parallel.lowering`) holds four kinds of op:
+compute :class:`Instruction` (forward / backward of one micro-batch through one of the rank's model
+chunks), :class:`P2PGroup` (one batched exchange with pipeline peers), :class:`GradSyncStart` (launch
+a module's gradient reduction) and :class:`GradSyncWait` (the end of the list). There is no
+schedule-specific branch here: GPipe, 1F1B, interleaved 1F1B and every Chimera variant run through
+the same loop.
+
+State lives in dictionaries keyed by (pipeline, stage, micro-batch): received tensors waiting for
+their consumer, stored activations waiting for their backward, and produced tensors waiting for
+their send. Everything is released as soon as it is consumed; an activation that has been sent keeps
+no data (only its autograd graph, which the backward needs). Stored-activation bytes (what autograd
+saves for the backward, parameters excluded) are counted per micro-batch, and their peak is kept.
+
+Any exception is re-raised with the rank's op list printed as a grid, the failing step marked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .grid import format_op_grid
+from .instructions import Instruction, Kind
+from .lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup
+from .model_chunks import ModuleKey
+from .p2p import ExpectedTensor, OutgoingTensor
+
+ACTIVATION, GRADIENT = "activation", "gradient"
+
+
+class PipelineExecutionError(RuntimeError):
+    """An op failed; the message shows this rank's list with the failing step marked."""
+
+
+def backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward through ``output`` with gradient ``grad``, even if ``output``'s data was freed.
+
+    ``torch.autograd.backward`` checks the gradient's shape against the tensor's (now empty) data,
+    so call the engine directly, as Megatron-LM does for the same reason; the graph keeps the
+    recorded shape.
+    """
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True)
+
+
+def free_tensor_data(tensor: torch.Tensor) -> None:
+    """Drop the storage of an already-sent activation; its autograd graph stays."""
+    tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
+
+
+class _SavedActivationCounter:
+    """Counts the bytes autograd saves during a forward (parameters excluded)."""
+
+    def __init__(self, parameter_pointers: set):
+        self.parameter_pointers = parameter_pointers
+        self.nbytes = 0
+        self._seen = set()
+
+    def pack(self, tensor: torch.Tensor):
+        if tensor.layout == torch.strided and tensor.data_ptr() not in self.parameter_pointers:
+            key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
+            if key not in self._seen:
+                self._seen.add(key)
+                self.nbytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _StageCall:
+    """What ``forward_step_func(microbatch, model)`` calls as ``model``: one chunk, fed the token ids
+    when it is a first stage, the received activation otherwise; labels only on a last stage."""
+
+    def __init__(self, chunk: torch.nn.Module, input_tensor: Optional[torch.Tensor]):
+        self.chunk = chunk
+        self.input_tensor = input_tensor
+
+    def __call__(self, tokens, labels=None, *, sample_ids=None):
+        inputs = tokens if self.chunk.pre_process else self.input_tensor
+        return self.chunk(inputs, labels if self.chunk.post_process else None,
+                          sample_ids=sample_ids)
+
+
+@dataclass
+class TimelineRecord:
+    """One executed op with measured times (seconds since the iteration started)."""
+
+    op: str
+    start: float
+    end: float
+
+
+@dataclass
+class ExecutionContext:
+    """Everything one iteration of one rank needs besides its op list.
+
+    ``microbatches[k]`` is instruction micro-batch k (see ``ScheduleLayout.microbatch_samples``);
+    ``loss_divisor`` is the number of instruction micro-batches of this data-parallel rank, so the
+    summed gradients are those of the mean loss.
+    """
+
+    chunks: dict  # ModuleKey -> model chunk
+    num_stages: int
+    transport: object
+    forward_step_func: Callable
+    microbatches: Sequence[dict]
+    loss_divisor: int
+    activation_shape: tuple
+    wire_dtype: torch.dtype
+    scale_loss: Callable = lambda loss: loss
+    reducers: dict = field(default_factory=dict)  # ModuleKey -> reducer
+    final_reducers: Sequence = ()  # started at GradSyncWait (tied embedding)
+    forward_only: bool = False
+    autocast: Callable = contextlib.nullcontext
+    record_timeline: bool = False
+
+
+class Interpreter:
+    """Runs one rank's lowered ops for one iteration (see the module docstring)."""
+
+    def __init__(self, context: ExecutionContext):
+        self.context = context
+        self.received: dict = {}  # (kind, pipeline, stage, microbatch) -> tensor
+        self.produced: dict = {}  # (kind, pipeline, stage, microbatch) -> tensor to send
+        self.stored: dict = {}  # (pipeline, stage, microbatch) -> (input, output, nbytes)
+        self.loss_dicts: list = []
+        self.timeline: list[TimelineRecord] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_stored = 0
+        self._parameter_pointers = {p.data_ptr() for chunk in context.chunks.values()
+                                    for p in chunk.parameters()}
+
+    def run(self, lowered: Sequence[Sequence], rank: int) -> list[dict]:
+        """Execute ``lowered[rank]`` (``lowered`` holds every rank's list, for error reports);
+        return the loss dicts of the micro-batches whose loss this rank computed."""
+        if self.context.forward_only:
+            lowered = [forward_only_ops(rank_ops) for rank_ops in lowered]
+        ops = lowered[rank]
+        origin = time.perf_counter()
+        for index, op in enumerate(ops):
+            start = time.perf_counter()
+            try:
+                self._execute(op)
+            except Exception as error:
+                raise PipelineExecutionError(
+                    f"pipeline rank failed at step {index} ({op}): {type(error).__name__}: "
+                    f"{error}\n" + format_op_grid(
+                        [[str(o) for o in rank_ops] for rank_ops in lowered], {(rank, index)},
+                        title=f"lowered schedule (rank x step), failing step of rank {rank} "
+                              f"marked")) from error
+            if self.context.record_timeline:
+                self.timeline.append(TimelineRecord(str(op), start - origin,
+                                                    time.perf_counter() - origin))
+        leftovers = [key for key in (*self.received, *self.produced, *self.stored)]
+        if leftovers:
+            raise PipelineExecutionError(f"the schedule left unconsumed tensors {leftovers[:8]}; "
+                                         f"the lowered list is inconsistent")
+        return self.loss_dicts
+
+    def _execute(self, op) -> None:
+        if isinstance(op, Instruction):
+            if op.kind is Kind.FORWARD:
+                self._forward(op)
+            elif op.kind is Kind.BACKWARD:
+                self._backward(op)
+            else:
+                raise NotImplementedError(f"{op.kind.name} (split backward) is not executed yet")
+        elif isinstance(op, P2PGroup):
+            self._communicate(op)
+        elif isinstance(op, GradSyncStart):
+            self.context.reducers[ModuleKey(op.pipeline, op.stage)].start()
+        elif isinstance(op, GradSyncWait):
+            for reducer in self.context.final_reducers:
+                reducer.start()
+        else:
+            raise TypeError(f"unknown lowered op {op!r}")
+
+    def _forward(self, op: Instruction) -> None:
+        context = self.context
+        chunk = context.chunks[ModuleKey(op.pipeline, op.stage)]
+        is_last = op.stage == context.num_stages - 1
+        input_tensor = None
+        if op.stage > 0:
+            input_tensor = self.received.pop((ACTIVATION, op.pipeline, op.stage - 1, op.microbatch))
+            if not context.forward_only:
+                input_tensor.requires_grad_(True)
+        counter = _SavedActivationCounter(self._parameter_pointers)
+        grad_mode = torch.no_grad() if context.forward_only else contextlib.nullcontext()
+        with grad_mode, counter.hooks():
+            with context.autocast():
+                output, loss_func = context.forward_step_func(
+                    context.microbatches[op.microbatch], _StageCall(chunk, input_tensor))
+            if is_last:
+                loss, loss_dict = loss_func(output)
+                self.loss_dicts.append(loss_dict)
+                output = context.scale_loss(loss / context.loss_divisor)
+        if not is_last:
+            self.produced[(ACTIVATION, op.pipeline, op.stage, op.microbatch)] = output
+        if not context.forward_only:
+            self.stored[(op.pipeline, op.stage, op.microbatch)] = (input_tensor, output,
+                                                                   counter.nbytes)
+            self.live_bytes += counter.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.peak_stored = max(self.peak_stored, len(self.stored))
+
+    def _backward(self, op: Instruction) -> None:
+        input_tensor, output, nbytes = self.stored.pop((op.pipeline, op.stage, op.microbatch))
+        if op.stage == self.context.num_stages - 1:
+            output.backward()
+        else:
+            grad = self.received.pop((GRADIENT, op.pipeline, op.stage + 1, op.microbatch))
+            backward_from(output, grad.to(output.dtype))
+        self.live_bytes -= nbytes
+        if op.stage > 0:
+            self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_tensor.grad
+
+    def _communicate(self, group: P2PGroup) -> None:
+        context = self.context
+        sends, receives, receive_keys, sent_outputs = [], [], [], []
+        for p2p in group.ops:
+            message = p2p.message
+            key = (message.kind, message.pipeline, message.stage, message.microbatch)
+            if p2p.direction == SEND:
+                tensor = self.produced.pop(key)
+                if message.kind == ACTIVATION and not context.forward_only:
+                    sent_outputs.append(tensor)
+                sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
+                                            .contiguous(), str(p2p)))
+            else:
+                assert p2p.direction == RECV
+                receives.append(ExpectedTensor(p2p.peer, context.activation_shape,
+                                               context.wire_dtype, str(p2p)))
+                receive_keys.append(key)
+        received = context.transport.exchange(sends, receives)
+        self.received.update(zip(receive_keys, received))
+        for output in sent_outputs:
+            free_tensor_data(output)
+
+
+def forward_only_ops(ops: Sequence) -> list:
+    """The ops of a forward-only pass (evaluation): forwards and activation messages only.
+
+    Dropping whole messages on both sides keeps every group matched, and removing ops never adds
+    a wait, so the result is deadlock-free whenever the full list is.
+    """
+    result = []
+    for op in ops:
+        if isinstance(op, Instruction) and op.kind is Kind.FORWARD:
+            result.append(op)
+        elif isinstance(op, P2PGroup):
+            kept = tuple(p2p for p2p in op.ops if p2p.message.kind == ACTIVATION)
+            if kept:
+                result.append(P2PGroup(kept))
+    return result

@@ -1,0 +1,53 @@
+"""Which transformer layers each pipeline stage holds, and building a rank's model chunks.
+
+A schedule's :class:`~megatron.core.pipeline_parallel.schedules.ScheduleLayout` says which
+(pipeline, stage) modules a pipeline rank hosts: one stage for GPipe and 1F1B, v chunks for
+interleaved 1F1B, two stages for Chimera (down stage r and up stage D-1-r), 2f for 2f pipelines.
+Layers are split evenly over the stages; stage 0 also holds the embedding, the last stage the final
+norm and output layer. Every chunk keeps the full model's parameter names and is initialised exactly
+like the single-process model (layout-independent initialisation), so the replicas of a Chimera stage
+start equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> range:
+    """Global indices of the transformer layers of ``stage`` (layers split evenly)."""
+    if num_layers % num_stages:
+        raise ValueError(
+            f"--num-layers {num_layers} cannot be split evenly over {num_stages} pipeline stages; "
+            f"use a multiple of {num_stages} layers or change the pipeline size / virtual stages")
+    per_stage = num_layers // num_stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+@dataclass(frozen=True)
+class ModuleKey:
+    """A (pipeline, stage) module of a schedule: the weights one instruction uses."""
+
+    pipeline: int
+    stage: int
+
+
+def build_model_chunks(model_provider: Callable, config, parallel_state, schedule_layout,
+                       device: torch.device) -> tuple[list[torch.nn.Module], list[ModuleKey]]:
+    """This rank's chunks, in the schedule's chunk order, and the module key of each.
+
+    ``model_provider(config, parallel_state, *, pre_process, post_process, layer_range)`` builds
+    one chunk (``pretrain_gpt.model_provider``).
+    """
+    num_stages = schedule_layout.num_stages
+    chunks, keys = [], []
+    for pipeline, stage in schedule_layout.hosted(parallel_state.pp_rank):
+        layers = stage_layer_range(config.model.num_layers, num_stages, stage)
+        chunk = model_provider(config, parallel_state, pre_process=stage == 0,
+                               post_process=stage == num_stages - 1, layer_range=layers)
+        chunks.append(chunk.to(device))
+        keys.append(ModuleKey(pipeline, stage))
+    return chunks, keys

@@ -1,0 +1,146 @@
+"""The pipeline runtime: plugs a schedule into the training loop.
+
+:class:`PipelineRuntime` implements the runtime protocol of :mod:`megatron.training.runtime` for
+every schedule (``--pipeline-schedule 1f1b|gpipe|interleaved-1f1b|chimera``): it builds the schedule
+once (build -> validate -> lower, all pure data), builds the model chunks this pipeline rank hosts,
+one gradient reducer per hosted module over that stage's replica group (plus the tied-embedding
+reducer), and runs each iteration through the :class:`~.interpreter.Interpreter`.
+
+Data: the training loop hands over this data-parallel rank's N micro-batches of --micro-batch-size
+(order in :mod:`megatron.training.microbatches`). Instruction micro-batch k covers samples
+``ScheduleLayout.microbatch_samples(k, micro_batch_size)`` of that share (k-th micro-batch, or the
+k-th half for Chimera's backward halving), so the union over all pipelines is exactly the global
+batch. Each micro-batch loss is divided by the number of instruction micro-batches; the reducers
+sum over a stage's replicas and divide by the data-parallel size, which equals non-pipelined
+training on the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+
+from megatron.core.parallel_state import RankLayout
+
+from .grad_sync import build_stage_reducers, grad_norm_owners, required_group_specs
+from .interpreter import ExecutionContext, Interpreter
+from .lowering import lower_schedule
+from .model_chunks import build_model_chunks
+from .p2p import P2PTransport
+from .packing import select_packer
+from .schedules import build_schedule, schedule_layout
+from .validator import validate_schedule
+
+
+def schedule_options(parallel_config) -> dict:
+    """The schedule builder's options from ``config.parallel``."""
+    name = parallel_config.pipeline_schedule or "1f1b"
+    if name == "interleaved-1f1b":
+        return {"num_model_chunks": parallel_config.virtual_pipeline_model_parallel_size}
+    if name == "chimera":
+        return {"num_pipelines": parallel_config.chimera_pipelines,
+                "variant": parallel_config.chimera_variant}
+    return {}
+
+
+def layout_for(config):
+    """The :class:`ScheduleLayout` of the configured schedule."""
+    parallel = config.parallel
+    return schedule_layout(parallel.pipeline_schedule or "1f1b",
+                           parallel.pipeline_model_parallel_size, **schedule_options(parallel))
+
+
+def lowered_schedule_for(config) -> list[list]:
+    """Build, validate and lower the configured schedule (every rank's op list)."""
+    parallel = config.parallel
+    name = parallel.pipeline_schedule or "1f1b"
+    layout = layout_for(config)
+    num_microbatches = config.training.num_microbatches
+    schedule = build_schedule(name, parallel.pipeline_model_parallel_size, num_microbatches,
+                              **schedule_options(parallel))
+    validate_schedule(schedule, layout, num_microbatches)
+    return lower_schedule(schedule, layout, parallel.chimera_grad_sync)
+
+
+def _is_tied(config) -> bool:
+    return not config.model.untie_embeddings_and_output_weights
+
+
+class PipelineRuntime:
+    """Runs the configured pipeline schedule (see the module docstring)."""
+
+    @staticmethod
+    def required_group_ranks(config, layout: RankLayout) -> list:
+        return required_group_specs(layout_for(config), layout, _is_tied(config))
+
+    def __init__(self, config, parallel_state, device: torch.device):
+        self.config = config
+        self.parallel_state = parallel_state
+        self.device = device
+        self.layout = layout_for(config)
+        self.lowered = lowered_schedule_for(config)
+        self.packer = select_packer(config.parallel.p2p_packing)
+        self.transport = P2PTransport(parallel_state, self.packer, device)
+        self.keys: list = []
+        self.reducers_by_key: dict = {}
+        self._norm_owners: set = set()
+        self.last_interpreter = None
+
+    def describe(self) -> str:
+        """The log lines naming the schedule and the active packing."""
+        parallel = self.config.parallel
+        name = parallel.pipeline_schedule or "1f1b"
+        details = ", ".join(f"{k}={v}" for k, v in schedule_options(parallel).items())
+        return (f"> pipeline schedule: {name}" + (f" ({details})" if details else "")
+                + f", {self.layout.num_pipelines} pipeline(s) x {self.layout.num_stages} stages, "
+                f"grad sync {parallel.chimera_grad_sync}\n> {self.packer.describe()}")
+
+    def build_model_chunks(self, model_provider: Callable) -> list[torch.nn.Module]:
+        chunks, self.keys = build_model_chunks(model_provider, self.config, self.parallel_state,
+                                               self.layout, self.device)
+        return chunks
+
+    def build_gradient_reducers(self, model_chunks) -> list:
+        self.reducers_by_key, reducers = build_stage_reducers(
+            model_chunks, self.keys, self.parallel_state, self.layout)
+        self._norm_owners = grad_norm_owners(model_chunks, self.keys, self.parallel_state.tp_rank)
+        return reducers
+
+    def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
+        return id(param) in self._norm_owners
+
+    def instruction_microbatches(self, microbatches: Sequence[dict]) -> list[dict]:
+        """Instruction micro-batches from the loop's micro-batches (halves for backward halving)."""
+        count = self.layout.num_schedule_microbatches(len(microbatches))
+        if count == len(microbatches):
+            return list(microbatches)
+        micro_batch_size = microbatches[0]["tokens"].shape[0]
+        share = {key: torch.cat([mb[key] for mb in microbatches]) for key in microbatches[0]}
+        result = []
+        for index in range(count):
+            samples = self.layout.microbatch_samples(index, micro_batch_size)
+            result.append({key: value[samples.start:samples.stop] for key, value in share.items()})
+        return result
+
+    def forward_backward(self, *, forward_step_func, model_chunks, microbatches: Sequence[dict],
+                         scale_loss: Callable, gradient_reducers, forward_only: bool,
+                         autocast: Callable = contextlib.nullcontext) -> list[dict]:
+        model = self.config.model
+        instruction_batches = self.instruction_microbatches(microbatches)
+        batch = instruction_batches[0]["tokens"].shape[0]
+        final = [r for r in gradient_reducers if r not in self.reducers_by_key.values()]
+        context = ExecutionContext(
+            chunks=dict(zip(self.keys, model_chunks)), num_stages=self.layout.num_stages,
+            transport=self.transport, forward_step_func=forward_step_func,
+            microbatches=instruction_batches, loss_divisor=len(instruction_batches),
+            activation_shape=(model.seq_length, batch, model.hidden_size),
+            wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
+            reducers=self.reducers_by_key, final_reducers=final, forward_only=forward_only,
+            autocast=autocast)
+        interpreter = Interpreter(context)
+        losses = interpreter.run(self.lowered, self.parallel_state.pp_rank)
+        if not forward_only:
+            self.last_interpreter = interpreter
+        return losses
