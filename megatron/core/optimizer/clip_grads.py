@@ -38,18 +38,18 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter],
     ``params`` are this rank's parameters; only those for which ``owns_grad_norm`` is true contribute.
     Returns ``nan``/``inf`` when a gradient is not finite.
     """
-    squares = torch.zeros(1, dtype=torch.float64)
-    device = None
-    for param in params:
-        if param.grad is None or not owns_grad_norm(param):
-            continue
-        norm = torch.linalg.vector_norm(param.grad.detach().float())
-        squares = squares.to(norm.device) + norm.double() ** 2
-        device = norm.device
-    if device is not None:
-        squares = squares.to(device)
-    elif parallel_state.backend == "nccl":
-        squares = squares.cuda()
+    grads = [param.grad.detach() for param in params
+             if param.grad is not None and owns_grad_norm(param)]
+    if grads:
+        device = grads[0].device
+        # Per-tensor norms in one fused call, then squares summed in float64 so the total is as
+        # independent of how the model is split as possible.
+        norms = torch._foreach_norm([g if g.dtype == torch.float32 else g.float() for g in grads])
+        squares = torch.stack([n.to(device) for n in norms]).double().pow(2).sum().reshape(1)
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if parallel_state.backend == "nccl" else torch.device("cpu")
+        squares = torch.zeros(1, dtype=torch.float64, device=device)
     # gloo and nccl both reduce float64.
     all_reduce_over(squares, [parallel_state.tensor_group, parallel_state.pipeline_group])
     return float(squares.sqrt().item())

@@ -129,13 +129,22 @@ class MegatronOptimizer:
 
     def _unscale_and_check_overflow(self) -> bool:
         grads = self._grads()
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
-        local_inf = any(not torch.isfinite(g).all() for g in grads)
-        device = grads[0].device if grads else torch.device("cpu")
-        flag = torch.tensor([1.0 if local_inf else 0.0], device=device)
-        all_reduce_world(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        device = grads[0].device if grads else (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.parallel_state.backend == "nccl" else torch.device("cpu"))
+        found_inf = torch.zeros(1, device=device)
+        by_device: dict = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        for grad_device, device_grads in by_device.items():
+            # One fused pass: multiply by 1/scale and flag any inf/nan, without a host sync per
+            # tensor.
+            flag = torch.zeros(1, device=grad_device)
+            inverse_scale = torch.full((1,), 1.0 / self.grad_scaler.scale, device=grad_device)
+            torch._amp_foreach_non_finite_check_and_unscale_(device_grads, flag, inverse_scale)
+            found_inf = torch.maximum(found_inf, flag.to(device))
+        all_reduce_world(found_inf, op=torch.distributed.ReduceOp.MAX)
+        return bool(found_inf.item() > 0)
 
     def step(self) -> StepResult:
         """Unscale, check, clip and update; see the module docstring."""
