@@ -31,6 +31,10 @@ from megatron.core.optimizer import default_owns_grad_norm
 # (scalar loss, {"lm loss": detached scalar, ...}), as in Megatron-LM's pretrain_gpt.py.
 ForwardStepFunc = Callable[[dict, torch.nn.Module], tuple]
 
+# Elements per all-reduce bucket with --overlap-grad-reduce (Megatron's default is 40M elements;
+# smaller buckets start earlier in the backward).
+OVERLAP_BUCKET_SIZE = 40_000_000
+
 
 class TrainingRuntime(Protocol):
     """What the training loop needs from a runtime (duck-typed; this class documents it).
@@ -108,8 +112,11 @@ class NoPipelineRuntime:
         return [model.to(self.device)]
 
     def build_gradient_reducers(self, model_chunks) -> list[GradientReducer]:
+        overlap = self.config.parallel.overlap_grad_reduce and self.parallel_state.dp_size > 1
         return [GradientReducer(model_parameters(model_chunks), self.parallel_state.data_group,
-                                divide_by=self.parallel_state.dp_size)]
+                                divide_by=self.parallel_state.dp_size,
+                                bucket_size=OVERLAP_BUCKET_SIZE if overlap else None,
+                                overlap=overlap)]
 
     def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
         return self._owns(param)
@@ -136,7 +143,10 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, model:
     num_microbatches = len(microbatches)
     reported = []
     grad_context = torch.no_grad if forward_only else contextlib.nullcontext
-    for microbatch in microbatches:
+    for index, microbatch in enumerate(microbatches):
+        if not forward_only and index == num_microbatches - 1:
+            for reducer in gradient_reducers:  # overlap: buckets start during this backward
+                reducer.start_when_ready()
         with grad_context():
             with autocast():
                 output, loss_func = forward_step_func(microbatch, model)

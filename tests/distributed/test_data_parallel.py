@@ -48,8 +48,9 @@ def single_process_run():
     return _train(TINY, 1, ParallelState.single_process())
 
 
-@pytest.mark.parametrize("layout", ["", "--tensor-model-parallel-size 2"],
-                         ids=["dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["", "--tensor-model-parallel-size 2",
+                                    "--overlap-grad-reduce"],
+                         ids=["dp2", "tp2", "dp2-overlap"])
 def test_two_ranks_reproduce_one_process(single_process_run, layout):
     reference_records, reference_params = single_process_run
     results = run_distributed(_rank_train, 2, f"{TINY} {layout}", timeout=120)
@@ -115,3 +116,32 @@ def _overflow_on_rank_one(rank, world_size):
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
     assert run_distributed(_overflow_on_rank_one, 2) == [(False, True, 32.0)] * 2
+
+
+def _overlap_ranks(rank, world_size, overlap):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    reducer = GradientReducer(model.parameters(), dist.group.WORLD, divide_by=world_size,
+                              bucket_size=8, overlap=overlap)
+    launched_during_backward = []
+    for step in range(2):
+        reducer.zero_grad()
+        for microbatch in range(2):
+            if microbatch == 1:
+                reducer.start_when_ready()
+            model(torch.full((1, 3), float(rank + microbatch + step))).sum().backward()
+        launched_during_backward.append(sum(b.handle is not None for b in reducer.buckets))
+        reducer.start()
+        reducer.wait()
+    return [p.grad.numpy().copy() for p in model.parameters()], launched_during_backward
+
+
+def test_overlapped_reduction_starts_in_the_backward_and_gives_the_same_gradients():
+    plain = run_distributed(_overlap_ranks, 2, False)
+    overlapped = run_distributed(_overlap_ranks, 2, True)
+    buckets = 3  # 10 + 20 + 16 elements (last layer first) in buckets of >= 8
+    for (grads, launched), (reference, not_launched) in zip(overlapped, plain):
+        assert not_launched == [0, 0]
+        assert launched == [buckets, buckets]
+        for grad, expected in zip(grads, reference):
+            assert (grad == expected).all()

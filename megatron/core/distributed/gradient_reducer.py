@@ -9,6 +9,11 @@ over *this* group. The training loop uses one over all parameters and the data-p
 pipeline runtime can build one per Chimera stage over the group of that stage's replicas. ``start()``
 launches the all-reduces without blocking; ``wait()`` completes them. Gradients are divided by
 ``divide_by`` before the sum (as Megatron does), which keeps fp16/bf16 buffers from overflowing.
+
+With ``overlap=True`` (``--overlap-grad-reduce``) the reductions can overlap the backward pass: after
+``start_when_ready()``, a bucket's all-reduce is launched from a post-accumulate-grad hook as soon as
+the next backward has produced all of its gradients; ``start()`` then launches whatever is left. The
+numbers are identical to the non-overlapped reduction.
 """
 
 from __future__ import annotations
@@ -21,6 +26,17 @@ import torch.distributed as dist
 from megatron.core.distributed.collectives import group_size
 
 
+class _Completed:
+    """Stands in for the handle of a reduction that had nothing to communicate."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DONE = _Completed()
+
+
 class _Bucket:
     """A contiguous slice of a flat buffer holding the gradients of some parameters."""
 
@@ -28,6 +44,7 @@ class _Bucket:
         self.data = buffer[start:end]
         self.params = params
         self.handle = None
+        self.pending = len(params)  # gradients still to arrive in the armed backward
 
 
 class GradientReducer:
@@ -39,10 +56,12 @@ class GradientReducer:
         divide_by: gradients are divided by this before the sum (e.g. the data-parallel size, to
             average; or 1 to sum).
         bucket_size: elements per all-reduce; ``None`` puts each dtype's gradients in one bucket.
+        overlap: launch each bucket from the backward pass once armed by ``start_when_ready()``.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: Any = None,
-                 divide_by: float = 1.0, bucket_size: Optional[int] = None):
+                 divide_by: float = 1.0, bucket_size: Optional[int] = None,
+                 overlap: bool = False):
         self.params = [p for p in params if p.requires_grad]
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("GradientReducer got the same parameter twice")
@@ -52,7 +71,14 @@ class GradientReducer:
         self.buckets: list[_Bucket] = []
         self._offsets: dict[int, tuple[torch.Tensor, int]] = {}
         self._started = False
+        self._armed = False
         self._build(bucket_size)
+        self.overlap = overlap
+        if overlap:
+            bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+            for param in self.params:
+                param.register_post_accumulate_grad_hook(
+                    lambda param, bucket=bucket_of[id(param)]: self._on_grad_ready(bucket))
 
     def _build(self, bucket_size: Optional[int]) -> None:
         by_dtype: dict[tuple, list] = {}
@@ -101,18 +127,43 @@ class GradientReducer:
     def started(self) -> bool:
         return self._started
 
+    def start_when_ready(self) -> None:
+        """Arm the overlap: during the next backward, launch each bucket once its gradients are
+        complete (call before the last micro-batch's backward). No-op without ``overlap``."""
+        if not self.overlap:
+            return
+        for param in self.params:
+            self._rebind(param)  # the hooks' buckets must hold the gradients autograd writes
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self._armed = True
+
+    def _on_grad_ready(self, bucket: _Bucket) -> None:
+        if not self._armed or bucket.handle is not None:
+            return
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.divide_by != 1.0:
+            bucket.data.div_(self.divide_by)
+        if group_size(self.group) > 1:
+            bucket.handle = dist.all_reduce(bucket.data, group=self.group, async_op=True)
+        else:
+            bucket.handle = _DONE
+
     def start(self) -> None:
-        """Divide the gradients and launch the all-reduce of every bucket without blocking."""
+        """Divide the gradients and launch the all-reduce of every bucket not yet launched."""
         if self._started:
             raise RuntimeError("GradientReducer.start() called twice without wait()")
-        for param in self.params:
-            self._rebind(param)
-        reduce = group_size(self.group) > 1
+        if not self._armed:
+            for param in self.params:
+                self._rebind(param)
+        self._armed = False
         for bucket in self.buckets:
-            if self.divide_by != 1.0:
-                bucket.data.div_(self.divide_by)
-            if reduce:
-                bucket.handle = dist.all_reduce(bucket.data, group=self.group, async_op=True)
+            if bucket.handle is None:
+                self._launch(bucket)
         self._started = True
 
     def wait(self) -> None:
