@@ -255,9 +255,10 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _gather_rng_states_over_data_parallel(parallel_state) -> Optional[list]:
-    """Every data-parallel rank's RNG state, on data-parallel rank 0 (None elsewhere)."""
-    state = capture_rng_state()
+def _gather_rng_states_over_data_parallel(parallel_state, state: Optional[dict]
+                                          ) -> Optional[list]:
+    """Every data-parallel rank's ``state`` (its RNG state), on data-parallel rank 0 (None
+    elsewhere). Collective over the data-parallel group."""
     if parallel_state.dp_size == 1 or not _distributed(parallel_state):
         return [state]
     coords = parallel_state.coords
@@ -331,13 +332,21 @@ class Checkpointer:
                 error = _describe(caught)
         _raise_if_any_failed(parallel_state, error, f"preparing checkpoint directory {staging_dir}")
 
-        written, error = None, None
+        # Every rank takes part in the gather even if capturing failed (no rank left waiting);
+        # errors are reported to every rank by the all-gather below.
+        written, error, rng_state = None, None, None
         try:
-            rng_states = _gather_rng_states_over_data_parallel(parallel_state)
-            if parallel_state.dp_rank == 0:
-                written = self._write_rank_file(components, state, staging_dir, rng_states)
-        except Exception as caught:  # reported to every rank below
+            rng_state = capture_rng_state()
+        except Exception as caught:
             error = _describe(caught)
+        rng_states = _gather_rng_states_over_data_parallel(parallel_state, rng_state)
+        if error is None and parallel_state.dp_rank == 0:
+            try:
+                if any(entry is None for entry in rng_states):
+                    raise RuntimeError("a data-parallel rank could not capture its RNG state")
+                written = self._write_rank_file(components, state, staging_dir, rng_states)
+            except Exception as caught:
+                error = _describe(caught)
         try:
             gathered = _all_gather(parallel_state, (error, written))
             _raise_for_failures([message for message, _ in gathered],
