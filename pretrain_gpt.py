@@ -19,7 +19,8 @@ import torch
 
 from megatron.core.datasets.mock_dataset import build_mock_datasets
 from megatron.core.models.gpt import GPTModel
-from megatron.training.arguments import parse_args, set_padded_vocab_size
+from megatron.training.arguments import parse_args, print_arguments, set_padded_vocab_size
+from megatron.training.launch_env import read_launch_environment
 from megatron.training.training import pretrain
 
 
@@ -71,6 +72,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
     tokenizer = build_run_tokenizer(config)
+    if read_launch_environment().rank == 0:
+        print_arguments(config)  # as Megatron, once, after the derived sizes are known
     pretrain(config, model_provider,
              functools.partial(datasets_provider, tokenizer=tokenizer), forward_step,
              log=lambda line: print(line, flush=True))
