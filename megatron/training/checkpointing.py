@@ -439,7 +439,8 @@ class Checkpointer:
         tracker does not exist. Collective: every rank must call it; an error on any rank raises
         on every rank.
         """
-        from megatron.training.training import TrainingState  # the loop imports us lazily too
+        # imported here, not at the top, so that training.py may import this module
+        from megatron.training.training import TrainingState
 
         checkpoint_config = self.config.checkpoint
         root = checkpoint_config.load
@@ -528,6 +529,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint file {path} holds iteration "
                                   f"{payload['iteration']}, but its directory is iteration "
                                   f"{iteration}; the checkpoint directory was mixed up")
+        _check_model_flags(path, payload.get("config", {}).get("model", {}),
+                           dataclasses.asdict(components.config.model))
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             _check_model_state(path, key, payload[key], chunk)
         return payload
@@ -611,6 +614,24 @@ def _verify_file(path: str, recorded: dict) -> None:
     if file_crc32(path) != recorded["crc32"]:
         raise CheckpointError(f"checkpoint file {path} does not match its CRC-32 in "
                               f"{METADATA_FILENAME}; it is corrupt")
+
+
+# Architecture flags a checkpoint's weights depend on (Megatron's check_checkpoint_args checks
+# the same kind of list); the other flags may change on resume.
+ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                      "max_position_embeddings", "padded_vocab_size",
+                      "untie_embeddings_and_output_weights", "normalization",
+                      "position_embedding_type", "swiglu", "disable_bias_linear")
+
+
+def _check_model_flags(path: str, saved: dict, current: dict) -> None:
+    """Name the architecture flags that differ from the saved run's, before any shape check."""
+    differences = [f"--{name.replace('_', '-')} {saved[name]} (this run: {current[name]})"
+                   for name in ARCHITECTURE_FLAGS
+                   if name in saved and name in current and saved[name] != current[name]]
+    if differences:
+        raise CheckpointError(f"checkpoint file {path} was saved with a different model: "
+                              f"{'; '.join(differences)}; use the saved run's model flags")
 
 
 def _check_model_state(path: str, key: str, saved: dict, chunk: torch.nn.Module) -> None:

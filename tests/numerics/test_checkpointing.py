@@ -343,3 +343,12 @@ def test_saving_an_existing_iteration_replaces_it(tmp_path):
     payload = torch.load(checkpoint_file(str(save_dir), 3, 0, 0, 1), weights_only=True)
     for name, value in second.components.model_chunks[0].state_dict().items():
         assert torch.equal(payload["model"][name], value), name
+
+
+def test_different_model_flags_are_named(saved_run):
+    save_dir, _, _ = saved_run
+    config = _config(f"--load {save_dir} --hidden-size 64")
+    with pytest.raises(RuntimeError) as error:
+        Checkpointer(config, log=lambda _: None).load(_fresh_components(config))
+    assert "--hidden-size 32 (this run: 64)" in str(error.value)
+    assert "--ffn-hidden-size 128 (this run: 256)" in str(error.value)
