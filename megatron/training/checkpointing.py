@@ -533,6 +533,8 @@ class Checkpointer:
                            dataclasses.asdict(components.config.model))
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             _check_model_state(path, key, payload[key], chunk)
+        if not (self.config.checkpoint.finetune or self.config.checkpoint.no_load_optim):
+            _check_optimizer_groups(path, payload["optimizer"], components.optimizer)
         return payload
 
     def _apply(self, components, payload: dict, training_state_class):
@@ -632,6 +634,17 @@ def _check_model_flags(path: str, saved: dict, current: dict) -> None:
     if differences:
         raise CheckpointError(f"checkpoint file {path} was saved with a different model: "
                               f"{'; '.join(differences)}; use the saved run's model flags")
+
+
+def _check_optimizer_groups(path: str, saved: dict, optimizer) -> None:
+    """Same parameter groups (count and sizes) as this run's optimizer."""
+    saved_sizes = [len(group["params"]) for group in saved["optimizer"]["param_groups"]]
+    current_sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if saved_sizes != current_sizes:
+        raise CheckpointError(
+            f"checkpoint file {path}: the optimizer has parameter groups of sizes {saved_sizes}, "
+            f"this run's optimizer {current_sizes}; pass --no-load-optim to start the optimizer "
+            f"afresh")
 
 
 def _check_model_state(path: str, key: str, saved: dict, chunk: torch.nn.Module) -> None:

@@ -352,3 +352,25 @@ def test_different_model_flags_are_named(saved_run):
         Checkpointer(config, log=lambda _: None).load(_fresh_components(config))
     assert "--hidden-size 32 (this run: 64)" in str(error.value)
     assert "--ffn-hidden-size 128 (this run: 256)" in str(error.value)
+
+
+def _rewrite_payload(save_dir, path, change):
+    """Edit a checkpoint file and record its new size and CRC, as if saved that way."""
+    payload = torch.load(path, weights_only=True)
+    change(payload)
+    torch.save(payload, path)
+    metadata_path = save_dir / "iter_0000003" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["files"]["mp_rank_00/model_optim_rng.pt"] = {"size": os.path.getsize(path),
+                                                          "crc32": file_crc32(path)}
+    metadata_path.write_text(json.dumps(metadata))
+
+
+def test_different_optimizer_groups_are_refused_unless_no_load_optim(saved_run, tmp_path):
+    save_dir, path = _copy_checkpoint(saved_run, tmp_path)
+    _rewrite_payload(save_dir, path,
+                     lambda payload: payload["optimizer"]["optimizer"]["param_groups"].pop())
+    message = _load_error(save_dir)
+    assert path in message and "--no-load-optim" in message
+    components, state, _ = _load_with(save_dir, "--no-load-optim")
+    assert state.iteration == 3
