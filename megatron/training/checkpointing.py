@@ -425,7 +425,12 @@ class Checkpointer:
         if os.path.exists(final_dir):
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final_dir, replaced)
-        os.replace(staging_dir, final_dir)
+        try:
+            os.replace(staging_dir, final_dir)
+        except OSError:
+            if os.path.exists(replaced):  # put the old copy back where the tracker expects it
+                os.replace(replaced, final_dir)
+            raise
         _fsync_directory(root)
         write_tracker(root, state.iteration)
         shutil.rmtree(replaced, ignore_errors=True)

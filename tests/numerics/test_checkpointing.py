@@ -4,6 +4,7 @@ mismatches, corrupt files, failing saves, and ranks that hold two model chunks."
 import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -256,7 +257,6 @@ def test_describe_layout_names_tp_pp_and_schedule():
 
 
 def _copy_checkpoint(saved_run, tmp_path):
-    import shutil
     save_dir = tmp_path / "copy"
     shutil.copytree(saved_run[0], save_dir)
     return save_dir, checkpoint_file(str(save_dir), 3, 0, 0, 1)
