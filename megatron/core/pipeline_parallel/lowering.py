@@ -1,0 +1,321 @@
+"""Lowering: add point-to-point communication and gradient synchronisation to a schedule.
+
+Input: a validated schedule (per-rank :class:`Instruction` lists) and its ``ScheduleLayout``.
+Output: per rank, a list of *lowered ops*, which is exactly what the runtime interpreter runs:
+
+* :class:`~megatron.core.pipeline_parallel.instructions.Instruction` -- a compute step (forward
+  or backward of one micro-batch through the rank's model chunk ``instruction.chunk``). A
+  forward of stage 0 reads its micro-batch from the data; a forward of the last stage computes
+  the loss; a backward of the last stage starts from that loss. Nothing is communicated for them.
+* :class:`P2PGroup` -- a tuple of :class:`P2POp` (send or receive of one :class:`Message` to or
+  from a peer pipeline rank) to be issued together as ONE ``batch_isend_irecv`` and waited on
+  before the next op. Never empty.
+* :class:`GradSyncStart` -- start (non-blocking) the gradient reduction of the module
+  (pipeline, stage): the data-parallel reduction and, for Chimera, the all-reduce over all
+  replicas of that stage (every pipeline's copy of stage ``stage``).
+* :class:`GradSyncWait` -- wait for every gradient reduction this rank started; always the
+  last op. The optimizer step follows the list.
+
+How groups are formed (chimera.md §6, generalised). The pass first computes a reference
+timeline: every rank runs its list in order, each op as soon as its inputs exist, with planning
+costs (forward 1, backward 2 by default; for the Chimera basic unit with equal costs this is the
+slot rule). Each message gets the *round* T = start time of the op that consumes it. The sender
+issues it at the last point in its list where all its ops ending by T are done, the receiver
+just before its first op starting at or after T. All messages of one round that a rank sends or
+receives at one point form one group; a point can hold several groups, one per round, in round
+order. Hence on every link both sides have identical groups message for message, so packing the
+tensors bound for one peer into one message per group is safe. No rank can block forever:
+every op before a round-T group starts before T and only needs messages of earlier rounds, so
+by induction over rounds every group is eventually posted by both sides. Within a group, ops
+are sorted by (peer, send before receive, message kind, pipeline, stage, micro-batch); on
+every directed link the send order therefore equals the receive order.
+
+Gradient synchronisation policies (chimera.md §5): ``eager-opt`` (default): start a module's sync
+right after the communication that follows its last backward, unless at most one compute op
+follows on the rank (the two middle Chimera workers; nothing to overlap with), in which case it
+goes to the end; ``eager``: always right after the last backward; ``end``: all at the end.
+Every rank issues its syncs late stage first (descending stage; with 2f > 2 pipelines a sync
+waits for the higher-stage syncs of its rank), so ranks that share one process group for
+several stages issue them in the same order. Non-Chimera schedules always sync at the end.
+
+No torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dependencies import ACTIVATION, GRADIENT, op_key, remote_inputs, remote_outputs
+from .instructions import Instruction, Kind
+
+GRAD_SYNC_POLICIES = ("eager-opt", "eager", "end")
+SEND, RECV = "send", "recv"
+
+
+@dataclass(frozen=True, order=True)
+class Message:
+    """Identity of one tensor sent between stages.
+
+    ``stage`` is the PRODUCING stage: an activation is the output of the forward of (pipeline,
+    stage, microbatch) and is consumed by stage + 1; a gradient is the input gradient computed
+    by the backward of (pipeline, stage, microbatch) and is consumed by stage - 1.
+    """
+
+    kind: str  # "activation" or "gradient"
+    pipeline: int
+    stage: int
+    microbatch: int
+
+    @property
+    def consumer_stage(self) -> int:
+        return self.stage + 1 if self.kind == ACTIVATION else self.stage - 1
+
+    def __str__(self) -> str:
+        letter = "a" if self.kind == ACTIVATION else "g"
+        return f"{letter}{self.pipeline}.{self.stage}.{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Message":
+        kinds = {"a": ACTIVATION, "g": GRADIENT}
+        try:
+            pipeline, stage, microbatch = (int(part) for part in text[1:].split("."))
+            return cls(kinds[text[0]], pipeline, stage, microbatch)
+        except (KeyError, ValueError, IndexError):
+            raise ValueError(f"cannot parse message {text!r}; expected e.g. 'a0.1.3' or 'g1.2.0'")
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One send or receive of ``message`` to / from pipeline rank ``peer``."""
+
+    direction: str  # "send" or "recv"
+    peer: int
+    message: Message
+
+    def __str__(self) -> str:
+        return f"{'>' if self.direction == SEND else '<'}{self.peer}:{self.message}"
+
+    @classmethod
+    def parse(cls, text: str) -> "P2POp":
+        if text[:1] not in "<>" or ":" not in text:
+            raise ValueError(f"cannot parse p2p op {text!r}; expected '>PEER:MSG' or '<PEER:MSG'")
+        peer, message = text[1:].split(":", 1)
+        return cls(SEND if text[0] == ">" else RECV, int(peer), Message.parse(message))
+
+
+@dataclass(frozen=True)
+class P2PGroup:
+    """Sends and receives issued together (one batch_isend_irecv); completes as a whole."""
+
+    ops: tuple[P2POp, ...]
+
+    def __post_init__(self) -> None:
+        assert self.ops, "a P2PGroup is never empty"
+
+    def __str__(self) -> str:
+        return "[" + ",".join(str(op) for op in self.ops) + "]"
+
+
+@dataclass(frozen=True)
+class GradSyncStart:
+    """Start the gradient reduction of module (pipeline, stage), run by the rank's ``chunk``."""
+
+    pipeline: int
+    stage: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        text = f"S{self.pipeline}.{self.stage}"
+        return text if self.chunk == 0 else f"{text}.{self.chunk}"
+
+
+@dataclass(frozen=True)
+class GradSyncWait:
+    """Wait for every gradient reduction started by this rank."""
+
+    def __str__(self) -> str:
+        return "WAIT"
+
+
+def parse_lowered_op(text: str):
+    """Inverse of ``str()`` for every lowered op type."""
+    text = text.strip()
+    if text == "WAIT":
+        return GradSyncWait()
+    if text.startswith("["):
+        if not text.endswith("]") or len(text) < 3:
+            raise ValueError(f"cannot parse p2p group {text!r}")
+        return P2PGroup(tuple(P2POp.parse(part) for part in text[1:-1].split(",")))
+    if text.startswith("S"):
+        parts = [int(part) for part in text[1:].split(".")]
+        if len(parts) not in (2, 3):
+            raise ValueError(f"cannot parse grad sync {text!r}; expected 'S<pipeline>.<stage>'")
+        return GradSyncStart(*parts)
+    return Instruction.parse(text)
+
+
+def format_lowered(lowered) -> str:
+    """One line per rank, lowered ops separated by spaces (round-trips with parse_lowered)."""
+    return "\n".join(" ".join(str(op) for op in ops) for ops in lowered) + "\n"
+
+
+def parse_lowered(text: str) -> list[list]:
+    """Inverse of :func:`format_lowered`."""
+    return [[parse_lowered_op(token) for token in line.split()]
+            for line in text.splitlines() if line.strip()]
+
+
+def _op_cost(op: Instruction, forward_cost: float, backward_cost: float) -> float:
+    if op.kind is Kind.FORWARD:
+        return forward_cost
+    if op.kind is Kind.BACKWARD:
+        return backward_cost
+    return backward_cost / 2  # input-gradient and weight-gradient halves of a backward
+
+
+def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
+                       backward_cost: float = 2) -> list[list[tuple[float, float]]]:
+    """(start, end) of every op when each rank runs its list in order and every op starts as
+    soon as its rank is free and its inputs exist (messages arrive instantly)."""
+    keys = {op_key(op) for ops in schedule for op in ops}
+    finished = {}  # op key -> end time
+    times = [[] for _ in schedule]
+    counters = [0] * len(schedule)
+    clock = [0.0] * len(schedule)
+    progress = True
+    while progress:
+        progress = False
+        for rank, ops in enumerate(schedule):
+            while counters[rank] < len(ops):
+                op = ops[counters[rank]]
+                needed = [key for _, key in remote_inputs(op, num_stages, keys)]
+                if not all(key in finished for key in needed):
+                    break
+                start = max([clock[rank]] + [finished[key] for key in needed])
+                end = start + _op_cost(op, forward_cost, backward_cost)
+                finished[op_key(op)] = end
+                times[rank].append((start, end))
+                clock[rank] = end
+                counters[rank] += 1
+                progress = True
+    if any(counters[rank] < len(ops) for rank, ops in enumerate(schedule)):
+        raise ValueError("schedule dependencies cannot be satisfied; run validate_schedule "
+                         "for a report")
+    return times
+
+
+def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
+                   plan_forward_cost: float = 1, plan_backward_cost: float = 2) -> list[list]:
+    """Per rank, the lowered op list (compute, P2PGroup, GradSyncStart, GradSyncWait).
+
+    ``plan_forward_cost`` / ``plan_backward_cost`` only shape where communication is grouped
+    (see the module docstring); any positive values give a correct, deadlock-free result.
+    """
+    if grad_sync_policy not in GRAD_SYNC_POLICIES:
+        raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
+                         f"{', '.join(GRAD_SYNC_POLICIES)}")
+    times = reference_timeline(schedule, layout.num_stages, plan_forward_cost, plan_backward_cost)
+    groups = _p2p_groups(schedule, layout, times)
+    lowered = []
+    for rank, ops in enumerate(schedule):
+        rank_ops = []
+        for position in range(len(ops) + 1):
+            for _, group_ops in sorted(groups.get((rank, position), {}).items()):
+                rank_ops.append(P2PGroup(tuple(sorted(group_ops, key=_p2p_sort_key))))
+            if position < len(ops):
+                rank_ops.append(ops[position])
+        lowered.append(_add_grad_sync(rank_ops, layout, grad_sync_policy))
+    return lowered
+
+
+def _p2p_sort_key(op: P2POp):
+    message = op.message
+    return (op.peer, 0 if op.direction == SEND else 1, message.kind, message.pipeline,
+            message.stage, message.microbatch)
+
+
+def _p2p_groups(schedule, layout, times) -> dict:
+    """{(rank, position): {round: [P2POp]}}: a group is issued before op ``position``."""
+    where = {}  # op key -> (rank, index)
+    for rank, ops in enumerate(schedule):
+        for index, op in enumerate(ops):
+            where[op_key(op)] = (rank, index)
+    starts = [[start for start, _ in rank_times] for rank_times in times]
+    ends = [[end for _, end in rank_times] for rank_times in times]
+    keys = set(where)
+    groups = {}
+    for consumer_rank, ops in enumerate(schedule):
+        for consumer_index, op in enumerate(ops):
+            for kind, producer in remote_inputs(op, layout.num_stages, keys):
+                producer_rank, _ = where[producer]
+                assert producer_rank != consumer_rank, (
+                    f"{op} and its producer run on the same rank {consumer_rank}")
+                message = Message(kind, producer[1], producer[2], producer[3])
+                round_time = starts[consumer_rank][consumer_index]
+                # Receiver: just before the consumer (the first op starting at round_time).
+                recv_position = consumer_index
+                # Sender: after every op that ends by the round (includes the producer).
+                send_position = _count_at_most(ends[producer_rank], round_time)
+                groups.setdefault((consumer_rank, recv_position), {}).setdefault(
+                    round_time, []).append(P2POp(RECV, producer_rank, message))
+                groups.setdefault((producer_rank, send_position), {}).setdefault(
+                    round_time, []).append(P2POp(SEND, consumer_rank, message))
+    return groups
+
+
+def _count_at_most(sorted_values, limit) -> int:
+    """Number of values <= limit in an increasing list (with a tolerance for float sums)."""
+    low, high = 0, len(sorted_values)
+    while low < high:
+        middle = (low + high) // 2
+        if sorted_values[middle] <= limit + 1e-9:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def _add_grad_sync(rank_ops: list, layout, policy: str) -> list:
+    """Insert GradSyncStart per module (per policy) and the final GradSyncWait."""
+    compute_positions = [i for i, op in enumerate(rank_ops) if isinstance(op, Instruction)]
+    last_backward = {}  # module -> index in rank_ops of its last backward-type op
+    for index in compute_positions:
+        op = rank_ops[index]
+        if op.kind is not Kind.FORWARD:
+            last_backward[op.module] = index
+    # Syncs are issued in descending stage order on every rank (so ranks sharing a process
+    # group for several stages pair the right buckets): a sync goes at its eager position or
+    # right after the previous (higher-stage) sync, whichever is later.
+    insert_at_by_module = {}
+    earliest = 0
+    for module in sorted(last_backward, key=lambda m: -m[1]):
+        index = last_backward[module]
+        later_compute = sum(1 for position in compute_positions if position > index)
+        eager = layout.name == "chimera" and later_compute > 0 and (
+            policy == "eager" or (policy == "eager-opt" and later_compute > 1))
+        if eager:
+            # After the communication that directly follows the backward (its gradient send).
+            insert_at = index + 1
+            while insert_at < len(rank_ops) and isinstance(rank_ops[insert_at], P2PGroup):
+                insert_at += 1
+        else:
+            insert_at = len(rank_ops)
+        earliest = max(earliest, insert_at)
+        insert_at_by_module[module] = earliest
+    eager_after = {}  # index in rank_ops before which syncs are inserted -> modules
+    for module, insert_at in insert_at_by_module.items():
+        eager_after.setdefault(insert_at, []).append(module)
+    result = []
+    for index, op in enumerate(rank_ops):
+        for module in sorted(eager_after.get(index, []), key=lambda m: -m[1]):
+            result.append(_sync_start(module, layout))
+        result.append(op)
+    for module in sorted(eager_after.get(len(rank_ops), []), key=lambda m: -m[1]):
+        result.append(_sync_start(module, layout))
+    result.append(GradSyncWait())
+    return result
+
+
+def _sync_start(module, layout) -> GradSyncStart:
+    pipeline, stage = module
+    return GradSyncStart(pipeline, stage, layout.chunk(pipeline, stage))

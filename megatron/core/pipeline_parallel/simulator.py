@@ -1,0 +1,211 @@
+"""Simulate all ranks of a lowered schedule together with costs.
+
+Semantics (what ``simulate`` assumes about the runtime):
+
+* Compute: a rank runs its ops in order; a forward costs ``forward_cost``, a backward
+  ``backward_cost`` (split backward halves cost half each). Costs are per instruction: a
+  doubled forward step of forward doubling is two forward instructions, 2F in total. For
+  backward halving the instructions are half micro-batches; pass halved costs (see
+  :func:`simulate_schedule`, which does it from the layout).
+* Point-to-point, rendezvous: a rank posts all ops of a P2PGroup at once and then waits; a send
+  and its receive complete together at max(post time of sender's group, post time of
+  receiver's group) + ``p2p_cost``; the group completes when all its ops have. A compute op
+  whose input message has not been received is a lowering error.
+* Gradient sync: GradSyncStart takes no time on the rank; the all-reduce of stage s completes
+  ``allreduce_cost`` after the last of the ranks that start a sync of stage s (any pipeline)
+  has started it. GradSyncWait waits for all syncs the rank started.
+
+Results: per-rank timelines (op, start, end) of every op, the makespan (latest end over ranks),
+the bubble ratio = idle compute time / total time over ranks
+= 1 - sum of compute time / (number of ranks x makespan) (time spent in communication counts as
+idle), and the peak number of stored activations per rank (forwards whose backward has not
+finished: +1 at a forward, -1 at a backward or at a weight-gradient backward), in instruction
+micro-batches.
+
+A rank that can never proceed raises :class:`DeadlockError` printing the rank x step grid
+with every stuck op marked. No torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .dependencies import ACTIVATION, op_key, remote_inputs
+from .grid import format_op_grid
+from .instructions import Instruction, Kind
+from .lowering import RECV, SEND, GradSyncStart, GradSyncWait, Message, P2PGroup, P2POp
+
+
+class DeadlockError(RuntimeError):
+    """The lowered schedule cannot finish; the message shows the stuck ops."""
+
+
+class LoweringError(RuntimeError):
+    """A compute op would run without the message it needs."""
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    op: object
+    start: float
+    end: float
+
+
+@dataclass
+class SimulationResult:
+    timelines: list[list[TimelineEntry]]
+    makespan: float
+    bubble_ratio: float
+    peak_activations: list[int]
+    compute_time: list[float] = field(default_factory=list)
+
+    def compute_timelines(self) -> list[list[TimelineEntry]]:
+        """Timelines restricted to compute instructions."""
+        return [[entry for entry in timeline if isinstance(entry.op, Instruction)]
+                for timeline in self.timelines]
+
+
+def _compute_cost(op: Instruction, forward_cost, backward_cost):
+    if op.kind is Kind.FORWARD:
+        return forward_cost
+    if op.kind is Kind.BACKWARD:
+        return backward_cost
+    return backward_cost / 2
+
+
+def peak_activations(ops) -> int:
+    """Most activations stored at once by a rank running ``ops`` in order."""
+    stored = peak = 0
+    for op in ops:
+        if not isinstance(op, Instruction):
+            continue
+        if op.kind is Kind.FORWARD:
+            stored += 1
+            peak = max(peak, stored)
+        elif op.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+            stored -= 1
+    return peak
+
+
+def _num_stages(lowered) -> dict:
+    stages = {}
+    for ops in lowered:
+        for op in ops:
+            if isinstance(op, Instruction):
+                stages[op.pipeline] = max(stages.get(op.pipeline, 0), op.stage + 1)
+    return stages
+
+
+def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
+             allreduce_cost: float = 0) -> SimulationResult:
+    """Run every rank of ``lowered`` together; see the module docstring for the semantics."""
+    num_ranks = len(lowered)
+    stages_per_pipeline = _num_stages(lowered)
+    all_keys = {op_key(op) for ops in lowered for op in ops if isinstance(op, Instruction)}
+    sync_participants = {}
+    for rank, ops in enumerate(lowered):
+        for op in ops:
+            if isinstance(op, GradSyncStart):
+                sync_participants.setdefault(op.stage, set()).add(rank)
+
+    posted = {}  # (rank, P2POp) -> post time
+    received = [set() for _ in range(num_ranks)]  # messages received per rank
+    sync_starts = {}  # stage -> {rank: start time}
+    started_syncs = [[] for _ in range(num_ranks)]
+    timelines = [[] for _ in range(num_ranks)]
+    clock = [0.0] * num_ranks
+    counters = [0] * num_ranks
+    busy = [0.0] * num_ranks
+
+    def partner(rank, p2p: P2POp):
+        direction = RECV if p2p.direction == SEND else SEND
+        return (p2p.peer, P2POp(direction, rank, p2p.message))
+
+    def try_step(rank) -> bool:
+        op = lowered[rank][counters[rank]]
+        now = clock[rank]
+        if isinstance(op, Instruction):
+            pipeline_stages = stages_per_pipeline[op.pipeline]
+            for kind, producer in remote_inputs(op, pipeline_stages, all_keys):
+                message = Message(kind, producer[1], producer[2], producer[3])
+                if message not in received[rank]:
+                    raise LoweringError(f"rank {rank} runs {op} without having received "
+                                        f"{message}")
+            end = now + _compute_cost(op, forward_cost, backward_cost)
+            busy[rank] += end - now
+        elif isinstance(op, P2PGroup):
+            for p2p in op.ops:
+                posted.setdefault((rank, p2p), now)
+            partner_times = [posted.get(partner(rank, p2p)) for p2p in op.ops]
+            if any(time is None for time in partner_times):
+                return False
+            end = max(max(now, time) for time in partner_times) + p2p_cost
+            received[rank].update(p2p.message for p2p in op.ops if p2p.direction == RECV)
+        elif isinstance(op, GradSyncStart):
+            sync_starts.setdefault(op.stage, {})[rank] = now
+            started_syncs[rank].append(op.stage)
+            end = now
+        elif isinstance(op, GradSyncWait):
+            completions = []
+            for stage in started_syncs[rank]:
+                starts = sync_starts.get(stage, {})
+                if set(starts) != sync_participants[stage]:
+                    return False
+                completions.append(max(starts.values()) + allreduce_cost)
+            end = max([now] + completions)
+        else:
+            raise TypeError(f"unknown lowered op {op!r} on rank {rank}")
+        timelines[rank].append(TimelineEntry(op, now, end))
+        clock[rank] = end
+        counters[rank] += 1
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(num_ranks):
+            while counters[rank] < len(lowered[rank]) and try_step(rank):
+                progress = True
+    stuck = [(rank, counters[rank]) for rank in range(num_ranks)
+             if counters[rank] < len(lowered[rank])]
+    if stuck:
+        rows = [[str(op) for op in ops] for ops in lowered]
+        raise DeadlockError(
+            "deadlock: ranks " + ", ".join(str(rank) for rank, _ in stuck)
+            + " wait forever at the marked ops\n"
+            + format_op_grid(rows, stuck, max_columns=24, title="rank x step grid:"))
+
+    makespan = max(clock, default=0.0)
+    total = num_ranks * makespan
+    bubble = (1 - sum(busy) / total) if total > 0 else 0.0
+    return SimulationResult(timelines, makespan, bubble,
+                            [peak_activations(ops) for ops in lowered], busy)
+
+
+def simulate_schedule(name: str, pipeline_size: int, num_microbatches: int,
+                      forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
+                      allreduce_cost: float = 0, grad_sync_policy: str = "eager-opt",
+                      **options):
+    """Build, validate, lower and simulate one schedule; returns (schedule, lowered, result).
+
+    ``forward_cost`` / ``backward_cost`` are per micro-batch of --micro-batch-size; instruction
+    costs are scaled by the layout's micro-batch fraction (half for backward halving).
+    """
+    from .schedules import build_schedule, schedule_layout
+    from .validator import validate_schedule
+
+    schedule = build_schedule(name, pipeline_size, num_microbatches, **options)
+    layout = schedule_layout(name, pipeline_size, **options)
+    validate_schedule(schedule, layout, num_microbatches)
+    fraction = float(layout.microbatch_fraction)
+    lowered = lower_schedule_for(schedule, layout, grad_sync_policy, forward_cost * fraction,
+                                 backward_cost * fraction)
+    result = simulate(lowered, forward_cost * fraction, backward_cost * fraction, p2p_cost,
+                      allreduce_cost)
+    return schedule, lowered, result
+
+
+def lower_schedule_for(schedule, layout, grad_sync_policy, forward_cost, backward_cost):
+    """Lower with the given costs as planning costs (helper of :func:`simulate_schedule`)."""
+    from .lowering import lower_schedule
+    return lower_schedule(schedule, layout, grad_sync_policy, forward_cost, backward_cost)
