@@ -121,3 +121,23 @@ def parse_schedule(text: str) -> list[list[Instruction]]:
             continue
         schedule.append([Instruction.parse(token) for token in line.split()])
     return schedule
+
+
+def format_schedule_csv(schedule) -> str:
+    """CSV form of a schedule: one row per rank, ``rank,<op>,<op>,...`` (text form per cell)."""
+    return "".join(",".join([str(rank)] + [str(op) for op in ops]) + "\n"
+                   for rank, ops in enumerate(schedule))
+
+
+def parse_schedule_csv(text: str) -> list[list[Instruction]]:
+    """Inverse of :func:`format_schedule_csv`; rows must list ranks 0, 1, 2, ... in order."""
+    schedule = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cells = [cell.strip() for cell in line.split(",")]
+        if cells[0] != str(len(schedule)):
+            raise ValueError(f"CSV row for rank {cells[0]!r} found where rank {len(schedule)} "
+                             f"was expected; rows must be ranks 0, 1, 2, ... in order")
+        schedule.append([Instruction.parse(cell) for cell in cells[1:] if cell])
+    return schedule

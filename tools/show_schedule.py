@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Draw a pipeline schedule: text grid, CSV, Chrome trace (Perfetto) or PNG timeline.
+
+Builds the schedule with the project's builders, validates it, lowers it (point-to-point groups
+and gradient syncs, exactly what the runtime executes) and simulates all ranks with the given
+costs. Examples:
+
+    python tools/show_schedule.py --schedule chimera --pipeline-model-parallel-size 4 \\
+        --num-microbatches 4 --backward-cost 2
+    python tools/show_schedule.py --schedule 1f1b --pipeline-model-parallel-size 8 \\
+        --num-microbatches 16 --format json --output 1f1b.json   # open in ui.perfetto.dev
+
+Text: one column per time unit (the largest unit dividing all costs), one row per pipeline
+rank, then makespan, bubble ratio (idle compute time / total time over ranks) and peak stored
+activations per rank. Labels: F/B + micro-batch, then for Chimera 'v' (down) or '^' (up)
+followed by the pipeline pair index when there are more than two pipelines, for interleaved
+1F1B 'c' + model chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.core.pipeline_parallel.grid import format_time_grid, time_unit  # noqa: E402
+from megatron.core.pipeline_parallel.instructions import (  # noqa: E402
+    Instruction, format_schedule_csv)
+from megatron.core.pipeline_parallel.lowering import GRAD_SYNC_POLICIES  # noqa: E402
+from megatron.core.pipeline_parallel.schedules import (  # noqa: E402
+    CHIMERA_VARIANTS, SCHEDULE_NAMES, check_schedule_options, schedule_layout)
+from megatron.core.pipeline_parallel.simulator import simulate_schedule  # noqa: E402
+
+FORMATS = ("text", "csv", "json", "png")
+# Colours per pipeline (down pipelines blue-ish, up pipelines orange-ish), forward lighter.
+_PIPELINE_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+                     "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, required=True,
+                        help="Pipeline depth D.")
+    parser.add_argument("--num-microbatches", type=int, required=True,
+                        help="Micro-batches N per data-parallel rank per iteration.")
+    parser.add_argument("--chimera-pipelines", type=int, default=2,
+                        help="Number of Chimera pipelines 2f (f down, f up); f must divide D/2.")
+    parser.add_argument("--chimera-variant", choices=CHIMERA_VARIANTS, default="direct")
+    parser.add_argument("--num-model-chunks", type=int, default=2,
+                        help="Model chunks per rank for interleaved-1f1b.")
+    parser.add_argument("--forward-cost", type=float, default=1.0,
+                        help="Time of one forward of one stage on one micro-batch.")
+    parser.add_argument("--backward-cost", type=float, default=2.0,
+                        help="Time of one backward of one stage on one micro-batch.")
+    parser.add_argument("--p2p-cost", type=float, default=0.0,
+                        help="Time of one point-to-point group.")
+    parser.add_argument("--allreduce-cost", type=float, default=0.0,
+                        help="Time of one stage's gradient all-reduce.")
+    parser.add_argument("--grad-sync", choices=GRAD_SYNC_POLICIES, default="eager-opt",
+                        help="When Chimera starts a stage's gradient all-reduce.")
+    parser.add_argument("--format", choices=FORMATS, default="text")
+    parser.add_argument("--output", default=None,
+                        help="Output file (default: standard output; required for png).")
+    args = parser.parse_args(argv)
+    if args.format == "png" and not args.output:
+        parser.error("--format png needs --output FILE.png")
+    try:
+        check_schedule_options(args.schedule, args.pipeline_model_parallel_size,
+                               args.num_microbatches, **schedule_options(args))
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def schedule_options(args) -> dict:
+    if args.schedule == "chimera":
+        return {"num_pipelines": args.chimera_pipelines, "variant": args.chimera_variant}
+    if args.schedule == "interleaved-1f1b":
+        return {"num_model_chunks": args.num_model_chunks}
+    return {}
+
+
+def op_label(op: Instruction, name: str, num_pipelines: int) -> str:
+    """Short label of a compute instruction for grids and pictures (see module docstring)."""
+    text = f"{op.kind.value}{op.microbatch}"
+    if name == "chimera":
+        text += "v" if op.pipeline % 2 == 0 else "^"
+        if num_pipelines > 2:
+            text += str(op.pipeline // 2)
+    elif name == "interleaved-1f1b":
+        text += f"c{op.chunk}"
+    return text
+
+
+def describe(args) -> str:
+    parts = [f"{args.schedule}", f"D={args.pipeline_model_parallel_size}",
+             f"N={args.num_microbatches}"]
+    if args.schedule == "chimera":
+        parts += [f"pipelines={args.chimera_pipelines}", f"variant={args.chimera_variant}",
+                  f"grad-sync={args.grad_sync}"]
+    if args.schedule == "interleaved-1f1b":
+        parts.append(f"chunks={args.num_model_chunks}")
+    parts += [f"F={args.forward_cost:g}", f"B={args.backward_cost:g}"]
+    return " ".join(parts)
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if abs(value - round(value)) > 1e-9 else str(int(round(value)))
+
+
+def render_text(args, layout, result) -> str:
+    timelines = [[(entry.op, entry.start, entry.end) for entry in timeline]
+                 for timeline in result.compute_timelines()]
+    unit = time_unit([end - start for timeline in timelines for _, start, end in timeline])
+    grid = format_time_grid(
+        timelines, unit, label=lambda op: op_label(op, layout.name, layout.num_pipelines),
+        makespan=result.makespan)
+    fraction = layout.microbatch_fraction
+    peaks = " ".join(str(peak) for peak in result.peak_activations)
+    lines = [f"# {describe(args)} (one column = {_number(float(unit))} time units)", grid,
+             f"makespan {_number(result.makespan)}",
+             f"bubble ratio {result.bubble_ratio:.4f}",
+             f"peak activations per rank (micro-batches): {peaks}"]
+    if fraction != 1:
+        lines[-1] = (f"peak activations per rank (half micro-batches of size B/2): {peaks}")
+    return "\n".join(lines) + "\n"
+
+
+def render_json(args, layout, result) -> str:
+    """Chrome trace events (open in https://ui.perfetto.dev or chrome://tracing)."""
+    microseconds_per_unit = 1000.0
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": describe(args)}}]
+    for rank, timeline in enumerate(result.timelines):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                       "args": {"name": f"pipeline rank {rank}"}})
+        for entry in timeline:
+            op = entry.op
+            event = {"name": str(op), "ph": "X", "pid": 0, "tid": rank,
+                     "ts": entry.start * microseconds_per_unit,
+                     "dur": (entry.end - entry.start) * microseconds_per_unit}
+            if isinstance(op, Instruction):
+                event["name"] = op_label(op, layout.name, layout.num_pipelines)
+                event["cat"] = "forward" if op.kind.is_forward else "backward"
+                event["args"] = {"instruction": str(op), "pipeline": op.pipeline,
+                                 "stage": op.stage, "microbatch": op.microbatch}
+            else:
+                event["cat"] = type(op).__name__
+            events.append(event)
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                       "otherData": {"makespan": result.makespan,
+                                     "bubble_ratio": result.bubble_ratio,
+                                     "peak_activations": result.peak_activations}}, indent=1)
+
+
+def render_png(args, layout, result, path: str) -> None:
+    import matplotlib  # lazily: only the png format needs it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timelines = result.compute_timelines()
+    figure_width = max(6.0, min(40.0, result.makespan * 0.35))
+    figure, axes = plt.subplots(figsize=(figure_width, 0.5 * len(timelines) + 1.2))
+    for rank, timeline in enumerate(timelines):
+        for entry in timeline:
+            op = entry.op
+            colour = _PIPELINE_COLOURS[op.pipeline % len(_PIPELINE_COLOURS)]
+            axes.barh(rank, entry.end - entry.start, left=entry.start, height=0.8,
+                      color=colour, alpha=0.45 if op.kind.is_forward else 0.95,
+                      edgecolor="black", linewidth=0.5)
+            axes.text((entry.start + entry.end) / 2, rank,
+                      op_label(op, layout.name, layout.num_pipelines),
+                      ha="center", va="center", fontsize=7)
+    axes.set_yticks(range(len(timelines)))
+    axes.set_yticklabels([f"P{rank}" for rank in range(len(timelines))])
+    axes.invert_yaxis()
+    axes.set_xlim(0, result.makespan)
+    axes.set_xlabel("time")
+    axes.set_title(f"{describe(args)}\nmakespan {_number(result.makespan)}, "
+                   f"bubble ratio {result.bubble_ratio:.3f} (light = forward, dark = backward)",
+                   fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    options = schedule_options(args)
+    schedule, _, result = simulate_schedule(
+        args.schedule, args.pipeline_model_parallel_size, args.num_microbatches,
+        forward_cost=args.forward_cost, backward_cost=args.backward_cost,
+        p2p_cost=args.p2p_cost, allreduce_cost=args.allreduce_cost,
+        grad_sync_policy=args.grad_sync, **options)
+    layout = schedule_layout(args.schedule, args.pipeline_model_parallel_size, **options)
+    if args.format == "png":
+        render_png(args, layout, result, args.output)
+        return 0
+    if args.format == "text":
+        text = render_text(args, layout, result)
+    elif args.format == "csv":
+        text = format_schedule_csv(schedule)
+    else:
+        text = render_json(args, layout, result)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
