@@ -1,0 +1,174 @@
+"""Tier 0: lowering of schedules into p2p groups and gradient-sync instructions."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+
+from megatron.core.pipeline_parallel.dependencies import ACTIVATION, GRADIENT
+from megatron.core.pipeline_parallel.instructions import Instruction
+from megatron.core.pipeline_parallel.lowering import (
+    RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup, format_lowered, lower_schedule,
+    parse_lowered)
+from megatron.core.pipeline_parallel.schedules import build_schedule, schedule_layout
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "schedules")
+
+CONFIGS = [
+    ("gpipe", 4, 5, {}),
+    ("1f1b", 4, 3, {}),
+    ("1f1b", 8, 16, {}),
+    ("interleaved-1f1b", 4, 8, {"num_model_chunks": 2}),
+    ("interleaved-1f1b", 3, 6, {"num_model_chunks": 3}),
+    ("chimera", 2, 2, {}),
+    ("chimera", 4, 4, {}),
+    ("chimera", 6, 5, {}),
+    ("chimera", 8, 24, {}),
+    ("chimera", 8, 20, {}),
+    ("chimera", 4, 12, {"variant": "forward-doubling"}),
+    ("chimera", 8, 16, {"variant": "forward-doubling"}),
+    ("chimera", 6, 12, {"variant": "backward-halving"}),
+    ("chimera", 8, 8, {"num_pipelines": 4}),
+    ("chimera", 8, 13, {"num_pipelines": 8}),
+]
+
+
+def lowered_for(name, depth, num_microbatches, options, policy="eager-opt"):
+    schedule = build_schedule(name, depth, num_microbatches, **options)
+    layout = schedule_layout(name, depth, **options)
+    return schedule, layout, lower_schedule(schedule, layout, policy)
+
+
+def link_sequences(lowered):
+    """{(sender, receiver): [[messages of one group on that link], ...]} from each side."""
+    sent, received = {}, {}
+    for rank, ops in enumerate(lowered):
+        for op in ops:
+            if not isinstance(op, P2PGroup):
+                continue
+            per_link_send, per_link_recv = {}, {}
+            for p2p in op.ops:
+                if p2p.direction == SEND:
+                    per_link_send.setdefault((rank, p2p.peer), []).append(p2p.message)
+                else:
+                    per_link_recv.setdefault((p2p.peer, rank), []).append(p2p.message)
+            for link, messages in per_link_send.items():
+                sent.setdefault(link, []).append(messages)
+            for link, messages in per_link_recv.items():
+                received.setdefault(link, []).append(messages)
+    return sent, received
+
+
+@pytest.mark.parametrize("name, depth, num_microbatches, options", CONFIGS)
+def test_groups_match_on_both_sides_of_every_link(name, depth, num_microbatches, options):
+    schedule, layout, lowered = lowered_for(name, depth, num_microbatches, options)
+    for ops in lowered:
+        for op in ops:
+            if isinstance(op, P2PGroup):
+                assert op.ops, "empty group"
+                # deterministic order inside a group: sorted, no duplicates
+                assert len(set(op.ops)) == len(op.ops)
+    sent, received = link_sequences(lowered)
+    # identical groups message for message, in the same order, on every directed link
+    assert sent == received
+    all_sent = Counter(m for groups in sent.values() for group in groups for m in group)
+    assert all(count == 1 for count in all_sent.values())
+
+
+@pytest.mark.parametrize("name, depth, num_microbatches, options", CONFIGS)
+def test_messages_are_exactly_the_cross_stage_edges(name, depth, num_microbatches, options):
+    schedule, layout, lowered = lowered_for(name, depth, num_microbatches, options)
+    expected = set()
+    for ops in schedule:
+        for op in ops:
+            if op.kind.is_forward and not layout.is_last_stage(op.stage):
+                expected.add((ACTIVATION, op.pipeline, op.stage, op.microbatch))
+            if not op.kind.is_forward and not layout.is_first_stage(op.stage):
+                expected.add((GRADIENT, op.pipeline, op.stage, op.microbatch))
+    got = set()
+    for rank, ops in enumerate(lowered):
+        for op in ops:
+            if isinstance(op, P2PGroup):
+                for p2p in op.ops:
+                    message = p2p.message
+                    producer = layout.placement(message.pipeline, message.stage)
+                    consumer = layout.placement(message.pipeline, message.consumer_stage)
+                    assert (rank, p2p.peer) == ((producer, consumer) if p2p.direction == SEND
+                                                else (consumer, producer))
+                    got.add((message.kind, message.pipeline, message.stage, message.microbatch))
+    assert got == expected
+
+
+@pytest.mark.parametrize("name, depth, num_microbatches, options", CONFIGS)
+@pytest.mark.parametrize("policy", ["eager-opt", "eager", "end"])
+def test_grad_sync_once_per_module_then_wait(name, depth, num_microbatches, options, policy):
+    schedule, layout, lowered = lowered_for(name, depth, num_microbatches, options, policy)
+    for rank, ops in enumerate(lowered):
+        assert isinstance(ops[-1], GradSyncWait)
+        assert sum(isinstance(op, GradSyncWait) for op in ops) == 1
+        syncs = [op for op in ops if isinstance(op, GradSyncStart)]
+        assert sorted((s.pipeline, s.stage) for s in syncs) == sorted(layout.hosted(rank))
+        assert all(s.chunk == layout.chunk(s.pipeline, s.stage) for s in syncs)
+        # late stage first on every rank, so ranks sharing a group issue the same order
+        assert [s.stage for s in syncs] == sorted((s.stage for s in syncs), reverse=True)
+        # a sync starts only after the last backward of its module
+        for index, op in enumerate(ops):
+            if isinstance(op, GradSyncStart):
+                assert not any(isinstance(later, Instruction) and later.module == op_module(op)
+                               for later in ops[index:])
+        # compute order is untouched
+        assert [op for op in ops if isinstance(op, Instruction)] == schedule[rank]
+
+
+def op_module(sync):
+    return (sync.pipeline, sync.stage)
+
+
+def syncs_before_last_compute(ops):
+    last_compute = max(i for i, op in enumerate(ops) if isinstance(op, Instruction))
+    return [str(op) for op in ops[:last_compute] if isinstance(op, GradSyncStart)]
+
+
+def test_grad_sync_policies_on_chimera_d4():
+    # eager-opt: ranks 0 and 3 start their late stage's sync early, middle ranks at the end.
+    _, _, lowered = lowered_for("chimera", 4, 4, {}, "eager-opt")
+    assert [syncs_before_last_compute(ops) for ops in lowered] == [["S1.3.1"], [], [], ["S0.3"]]
+    _, _, lowered = lowered_for("chimera", 4, 4, {}, "eager")
+    assert [syncs_before_last_compute(ops) for ops in lowered] == \
+        [["S1.3.1"], ["S1.2.1"], ["S0.2"], ["S0.3"]]
+    _, _, lowered = lowered_for("chimera", 4, 4, {}, "end")
+    assert [syncs_before_last_compute(ops) for ops in lowered] == [[], [], [], []]
+    assert [str(op) for op in lowered[1][-3:]] == ["S1.2.1", "S0.1", "WAIT"]
+
+
+@pytest.mark.parametrize("policy", ["eager-opt", "eager"])
+def test_non_chimera_schedules_sync_at_the_end(policy):
+    _, _, lowered = lowered_for("interleaved-1f1b", 4, 8, {"num_model_chunks": 2}, policy)
+    for rank, ops in enumerate(lowered):
+        assert [str(op) for op in ops[-3:]] == [f"S0.{4 + rank}.1", f"S0.{rank}", "WAIT"]
+
+
+def test_first_and_last_stage_have_no_data_or_loss_p2p():
+    _, layout, lowered = lowered_for("1f1b", 3, 2, {})
+    # rank 0 never receives an activation; the last rank never receives a gradient
+    for p2p in (p2p for op in lowered[0] if isinstance(op, P2PGroup) for p2p in op.ops):
+        assert not (p2p.direction == RECV and p2p.message.kind == ACTIVATION)
+    for p2p in (p2p for op in lowered[2] if isinstance(op, P2PGroup) for p2p in op.ops):
+        assert not (p2p.direction == RECV and p2p.message.kind == GRADIENT)
+
+
+def test_lowered_text_round_trip_and_golden():
+    _, _, lowered = lowered_for("chimera", 4, 4, {})
+    text = format_lowered(lowered)
+    assert parse_lowered(text) == lowered
+    with open(os.path.join(GOLDEN, "chimera_D4_N4_lowered.txt")) as handle:
+        golden = [line for line in handle if not line.startswith("#")]
+    assert text == "".join(golden)
+
+
+def test_unknown_policy():
+    schedule = build_schedule("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="allowed: eager-opt, eager, end"):
+        lower_schedule(schedule, schedule_layout("1f1b", 2), "later")
