@@ -61,12 +61,10 @@ class Instruction:
     chunk: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kind, Kind):
+        if type(self.kind) is not Kind:
             object.__setattr__(self, "kind", Kind(self.kind))
-        for name in ("pipeline", "stage", "microbatch", "chunk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"Instruction.{name} must be a non-negative int, got {value!r}")
+        if min(self.pipeline, self.stage, self.microbatch, self.chunk) < 0:
+            raise ValueError(f"Instruction fields must be non-negative: {self!r}")
 
     @property
     def module(self) -> tuple[int, int]:

@@ -43,6 +43,7 @@ No torch import.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from .dependencies import ACTIVATION, GRADIENT, op_key, remote_inputs, remote_outputs
@@ -178,6 +179,8 @@ def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
     """(start, end) of every op when each rank runs its list in order and every op starts as
     soon as its rank is free and its inputs exist (messages arrive instantly)."""
     keys = {op_key(op) for ops in schedule for op in ops}
+    needs = [[[key for _, key in remote_inputs(op, num_stages, keys)] for op in ops]
+             for ops in schedule]
     finished = {}  # op key -> end time
     times = [[] for _ in schedule]
     counters = [0] * len(schedule)
@@ -188,7 +191,7 @@ def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
         for rank, ops in enumerate(schedule):
             while counters[rank] < len(ops):
                 op = ops[counters[rank]]
-                needed = [key for _, key in remote_inputs(op, num_stages, keys)]
+                needed = needs[rank][counters[rank]]
                 if not all(key in finished for key in needed):
                     break
                 start = max([clock[rank]] + [finished[key] for key in needed])
@@ -290,7 +293,7 @@ def _add_grad_sync(rank_ops: list, layout, policy: str) -> list:
     earliest = 0
     for module in sorted(last_backward, key=lambda m: -m[1]):
         index = last_backward[module]
-        later_compute = sum(1 for position in compute_positions if position > index)
+        later_compute = len(compute_positions) - bisect.bisect_right(compute_positions, index)
         eager = layout.name == "chimera" and later_compute > 0 and (
             policy == "eager" or (policy == "eager-opt" and later_compute > 1))
         if eager:

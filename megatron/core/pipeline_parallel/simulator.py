@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dependencies import ACTIVATION, op_key, remote_inputs
+from .dependencies import op_key, remote_inputs
 from .grid import format_op_grid
 from .instructions import Instruction, Kind
-from .lowering import RECV, SEND, GradSyncStart, GradSyncWait, Message, P2PGroup, P2POp
+from .lowering import RECV, SEND, GradSyncStart, GradSyncWait, Message, P2PGroup
 
 
 class DeadlockError(RuntimeError):
@@ -96,20 +96,58 @@ def _num_stages(lowered) -> dict:
     return stages
 
 
+def _message_key(message: Message) -> tuple:
+    return (message.kind, message.pipeline, message.stage, message.microbatch)
+
+
+def _prepare(lowered):
+    """Per rank, a compact form of each op for the event loop (tuples hash much faster than
+    dataclasses): ("compute", op, needed message keys) | ("group", op, [(own key, partner
+    key, received message key or None)]) | ("sync", op) | ("wait", op)."""
+    stages_per_pipeline = _num_stages(lowered)
+    all_keys = {op_key(op) for ops in lowered for op in ops if isinstance(op, Instruction)}
+    prepared = []
+    for rank, ops in enumerate(lowered):
+        rank_ops = []
+        for op in ops:
+            if isinstance(op, Instruction):
+                needed = tuple((kind, producer[1], producer[2], producer[3]) for kind, producer
+                               in remote_inputs(op, stages_per_pipeline[op.pipeline], all_keys))
+                rank_ops.append(("compute", op, needed))
+            elif isinstance(op, P2PGroup):
+                entries = []
+                for p2p in op.ops:
+                    message = _message_key(p2p.message)
+                    if p2p.direction == SEND:
+                        own, other = (rank, p2p.peer, message), (rank, p2p.peer, message, RECV)
+                        entries.append(((*own, SEND), other, None))
+                    else:
+                        own, other = (p2p.peer, rank, message), (p2p.peer, rank, message, SEND)
+                        entries.append(((*own, RECV), other, message))
+                rank_ops.append(("group", op, entries))
+            elif isinstance(op, GradSyncStart):
+                rank_ops.append(("sync", op))
+            elif isinstance(op, GradSyncWait):
+                rank_ops.append(("wait", op))
+            else:
+                raise TypeError(f"unknown lowered op {op!r} on rank {rank}")
+        prepared.append(rank_ops)
+    return prepared
+
+
 def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
              allreduce_cost: float = 0) -> SimulationResult:
     """Run every rank of ``lowered`` together; see the module docstring for the semantics."""
     num_ranks = len(lowered)
-    stages_per_pipeline = _num_stages(lowered)
-    all_keys = {op_key(op) for ops in lowered for op in ops if isinstance(op, Instruction)}
+    prepared = _prepare(lowered)
     sync_participants = {}
     for rank, ops in enumerate(lowered):
         for op in ops:
             if isinstance(op, GradSyncStart):
                 sync_participants.setdefault(op.stage, set()).add(rank)
 
-    posted = {}  # (rank, P2POp) -> post time
-    received = [set() for _ in range(num_ranks)]  # messages received per rank
+    posted = {}  # (sender, receiver, message key, direction) -> post time
+    received = [set() for _ in range(num_ranks)]  # message keys received per rank
     sync_starts = {}  # stage -> {rank: start time}
     started_syncs = [[] for _ in range(num_ranks)]
     timelines = [[] for _ in range(num_ranks)]
@@ -117,44 +155,40 @@ def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cos
     counters = [0] * num_ranks
     busy = [0.0] * num_ranks
 
-    def partner(rank, p2p: P2POp):
-        direction = RECV if p2p.direction == SEND else SEND
-        return (p2p.peer, P2POp(direction, rank, p2p.message))
-
     def try_step(rank) -> bool:
-        op = lowered[rank][counters[rank]]
+        entry = prepared[rank][counters[rank]]
+        kind, op = entry[0], entry[1]
         now = clock[rank]
-        if isinstance(op, Instruction):
-            pipeline_stages = stages_per_pipeline[op.pipeline]
-            for kind, producer in remote_inputs(op, pipeline_stages, all_keys):
-                message = Message(kind, producer[1], producer[2], producer[3])
+        if kind == "compute":
+            for message in entry[2]:
                 if message not in received[rank]:
                     raise LoweringError(f"rank {rank} runs {op} without having received "
-                                        f"{message}")
+                                        f"{Message(*message)}")
             end = now + _compute_cost(op, forward_cost, backward_cost)
             busy[rank] += end - now
-        elif isinstance(op, P2PGroup):
-            for p2p in op.ops:
-                posted.setdefault((rank, p2p), now)
-            partner_times = [posted.get(partner(rank, p2p)) for p2p in op.ops]
-            if any(time is None for time in partner_times):
-                return False
-            end = max(max(now, time) for time in partner_times) + p2p_cost
-            received[rank].update(p2p.message for p2p in op.ops if p2p.direction == RECV)
-        elif isinstance(op, GradSyncStart):
+        elif kind == "group":
+            latest = now
+            for own, other, _ in entry[2]:
+                posted.setdefault(own, now)
+            for _, other, _ in entry[2]:
+                partner_time = posted.get(other)
+                if partner_time is None:
+                    return False
+                latest = max(latest, partner_time)
+            end = latest + p2p_cost
+            received[rank].update(message for _, _, message in entry[2] if message is not None)
+        elif kind == "sync":
             sync_starts.setdefault(op.stage, {})[rank] = now
             started_syncs[rank].append(op.stage)
             end = now
-        elif isinstance(op, GradSyncWait):
+        else:
             completions = []
             for stage in started_syncs[rank]:
                 starts = sync_starts.get(stage, {})
-                if set(starts) != sync_participants[stage]:
+                if len(starts) != len(sync_participants[stage]):
                     return False
                 completions.append(max(starts.values()) + allreduce_cost)
             end = max([now] + completions)
-        else:
-            raise TypeError(f"unknown lowered op {op!r} on rank {rank}")
         timelines[rank].append(TimelineEntry(op, now, end))
         clock[rank] = end
         counters[rank] += 1
@@ -164,7 +198,7 @@ def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cos
     while progress:
         progress = False
         for rank in range(num_ranks):
-            while counters[rank] < len(lowered[rank]) and try_step(rank):
+            while counters[rank] < len(prepared[rank]) and try_step(rank):
                 progress = True
     stuck = [(rank, counters[rank]) for rank in range(num_ranks)
              if counters[rank] < len(lowered[rank])]

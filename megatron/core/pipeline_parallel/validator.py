@@ -141,6 +141,8 @@ def check_satisfiable(schedule, num_stages: int) -> None:
     """Execute all ranks in order with messages delivered as soon as produced; a rank may run
     its next instruction once everything it needs has run. Raise if the ranks get stuck."""
     keys = {op_key(op) for ops in schedule for op in ops}
+    needs = [[[key for _, key in remote_inputs(op, num_stages, keys)] + local_inputs(op)
+              for op in ops] for ops in schedule]
     done = set()
     counters = [0] * len(schedule)
     progress = True
@@ -149,8 +151,7 @@ def check_satisfiable(schedule, num_stages: int) -> None:
         for rank, ops in enumerate(schedule):
             while counters[rank] < len(ops):
                 op = ops[counters[rank]]
-                needed = [key for _, key in remote_inputs(op, num_stages, keys)]
-                if not all(key in done for key in needed + local_inputs(op)):
+                if not all(key in done for key in needs[rank][counters[rank]]):
                     break
                 done.add(op_key(op))
                 counters[rank] += 1
