@@ -32,6 +32,8 @@ CONFIGS = [
     ("chimera", 6, 12, {"variant": "backward-halving"}),
     ("chimera", 8, 8, {"num_pipelines": 4}),
     ("chimera", 8, 13, {"num_pipelines": 8}),
+    ("chimera", 8, 3, {"num_pipelines": 4}),  # one pipeline without micro-batches
+    ("chimera", 2, 1, {}),
 ]
 
 

@@ -227,7 +227,7 @@ def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
                 rank_ops.append(P2PGroup(tuple(sorted(group_ops, key=_p2p_sort_key))))
             if position < len(ops):
                 rank_ops.append(ops[position])
-        lowered.append(_add_grad_sync(rank_ops, layout, grad_sync_policy))
+        lowered.append(_add_grad_sync(rank, rank_ops, layout, grad_sync_policy))
     return lowered
 
 
@@ -278,8 +278,8 @@ def _count_at_most(sorted_values, limit) -> int:
     return low
 
 
-def _add_grad_sync(rank_ops: list, layout, policy: str) -> list:
-    """Insert GradSyncStart per module (per policy) and the final GradSyncWait."""
+def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str) -> list:
+    """Insert one GradSyncStart per module hosted by ``rank`` (per policy), then GradSyncWait."""
     compute_positions = [i for i, op in enumerate(rank_ops) if isinstance(op, Instruction)]
     last_backward = {}  # module -> index in rank_ops of its last backward-type op
     for index in compute_positions:
@@ -291,7 +291,12 @@ def _add_grad_sync(rank_ops: list, layout, policy: str) -> list:
     # right after the previous (higher-stage) sync, whichever is later.
     insert_at_by_module = {}
     earliest = 0
-    for module in sorted(last_backward, key=lambda m: -m[1]):
+    for module in sorted(layout.hosted(rank), key=lambda m: -m[1]):
+        if module not in last_backward:
+            # A module with no micro-batch this iteration (e.g. N < number of pipelines) still
+            # joins its stage's all-reduce (zero gradient), or the replicas would hang.
+            insert_at_by_module[module] = earliest = len(rank_ops)
+            continue
         index = last_backward[module]
         later_compute = len(compute_positions) - bisect.bisect_right(compute_positions, index)
         eager = layout.name == "chimera" and later_compute > 0 and (
