@@ -115,7 +115,9 @@ def _number(value: float) -> str:
 def render_text(args, layout, result) -> str:
     timelines = [[(entry.op, entry.start, entry.end) for entry in timeline]
                  for timeline in result.compute_timelines()]
-    unit = time_unit([end - start for timeline in timelines for _, start, end in timeline])
+    # one column = the largest unit dividing every duration and start (p2p costs shift starts)
+    unit = time_unit([value for timeline in timelines for _, start, end in timeline
+                      for value in (end - start, start)])
     grid = format_time_grid(
         timelines, unit, label=lambda op: op_label(op, layout.name, layout.num_pipelines),
         makespan=result.makespan)

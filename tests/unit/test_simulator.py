@@ -10,6 +10,7 @@ closed forms where one exists.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -24,6 +25,17 @@ from megatron.core.pipeline_parallel.simulator import (
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "schedules")
 DEPTHS = (2, 4, 6, 8, 16, 32)
 COSTS = ((1, 1), (1, 2), (1, 3))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frozen_heap():
+    """The grid allocates millions of small objects; with torch imported by conftest, every
+    cyclic-GC pass also scans torch's large heap, doubling the run time. Freeze the objects
+    that exist now (moved out of GC scans) and unfreeze them after this module."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def microbatch_counts(depth):
