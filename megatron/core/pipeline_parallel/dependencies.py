@@ -56,11 +56,3 @@ def local_inputs(op: Instruction) -> list[tuple]:
         return [(Kind.BACKWARD_INPUT, op.pipeline, op.stage, op.microbatch)]
     return []
 
-
-def remote_outputs(op: Instruction, num_stages: int) -> list[tuple[str, int]]:
-    """Messages ``op`` produces for other stages: ``[(message kind, consumer stage)]``."""
-    if op.kind is Kind.FORWARD and op.stage < num_stages - 1:
-        return [(ACTIVATION, op.stage + 1)]
-    if op.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and op.stage > 0:
-        return [(GRADIENT, op.stage - 1)]
-    return []

@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from .dependencies import ACTIVATION, GRADIENT, op_key, remote_inputs, remote_outputs
+from .dependencies import ACTIVATION, GRADIENT, op_key, remote_inputs
 from .instructions import Instruction, Kind
 
 GRAD_SYNC_POLICIES = ("eager-opt", "eager", "end")
