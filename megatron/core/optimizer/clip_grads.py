@@ -44,7 +44,10 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter],
         device = grads[0].device
         # Per-tensor norms in one fused call, then squares summed in float64 so the total is as
         # independent of how the model is split as possible.
-        norms = torch._foreach_norm([g if g.dtype == torch.float32 else g.float() for g in grads])
+        # Half-precision gradients are promoted to float32 (their squares overflow); float64
+        # gradients keep float64, so a float64 model's norm is not rounded to float32.
+        norms = torch._foreach_norm([g.to(torch.promote_types(g.dtype, torch.float32))
+                                     for g in grads])
         squares = torch.stack([n.to(device) for n in norms]).double().pow(2).sum().reshape(1)
     else:
         device = torch.device("cuda", torch.cuda.current_device()) \

@@ -183,10 +183,23 @@ class Interpreter:
         elif isinstance(op, GradSyncStart):
             self.context.reducers[ModuleKey(op.pipeline, op.stage)].start()
         elif isinstance(op, GradSyncWait):
-            for reducer in self.context.final_reducers:
-                reducer.start()
+            self._start_remaining_syncs()
         else:
             raise TypeError(f"unknown lowered op {op!r}")
+
+    def _start_remaining_syncs(self) -> None:
+        """Start every reduction the list did not start, then the final ones (tied embedding).
+
+        A module can have no micro-batch at all (Chimera with N < D leaves a pipeline empty); its
+        replicas elsewhere still reduce, so it joins with its (zero) gradient. Late stages first,
+        like the lowering's end-of-list order.
+        """
+        pending = [(key, reducer) for key, reducer in self.context.reducers.items()
+                   if not reducer.started]
+        for _, reducer in sorted(pending, key=lambda item: -item[0].stage):
+            reducer.start()
+        for reducer in self.context.final_reducers:
+            reducer.start()
 
     def _forward(self, op: Instruction) -> None:
         context = self.context

@@ -1,0 +1,122 @@
+"""Every schedule, alone and combined with TP and DP, reproduces the single-process model.
+
+One training step (float64, dropout 0.1, gradient clipping on) in each layout: the reported loss, the
+global gradient norm, every gradient after synchronisation (every copy: Chimera's replicas and the tied
+embedding copies included) and every parameter after the optimizer step must equal the single-process
+model's on the same seed and global batch. Tolerance: 1e-9 relative for gradients and parameters (float64
+model; the layouts differ only in summation order), 1e-6 for the reported loss, which pretrain_gpt's loss
+function averages in float32 as Megatron does (backward halving averages two half micro-batches, so its
+loss differs from the whole micro-batch's in the float32 rounding).
+"""
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from pipeline_reference import merge_copies, train_one_step
+
+TOLERANCE = 1e-9
+LOSS_TOLERANCE = 1e-6
+_REFERENCES = {}
+
+
+def reference(batch_flags: str) -> dict:
+    """The single-process run for a batch configuration (computed once per session)."""
+    if batch_flags not in _REFERENCES:
+        _REFERENCES[batch_flags] = train_one_step(0, 1, batch_flags.split())
+    return _REFERENCES[batch_flags]
+
+
+def assert_matches_reference(results: list[dict], expected: dict) -> None:
+    for result in results:
+        if result["loss"] is not None:
+            assert result["loss"] == pytest.approx(expected["loss"], rel=LOSS_TOLERANCE)
+        assert result["grad_norm"] == pytest.approx(expected["grad_norm"], rel=TOLERANCE)
+    for field in ("grads", "params"):
+        copies = merge_copies(results, field)
+        reference_values = {name: value for (_, name), value in expected[field].items()}
+        assert set(copies) == set(reference_values), f"{field}: parameter sets differ"
+        for name, values in copies.items():
+            want = reference_values[name]
+            scale = want.abs().max().item() + 1e-30
+            for value in values:
+                error = (value - want).abs().max().item() / scale
+                assert error < TOLERANCE, f"{field} of {name}: relative error {error:.2e}"
+
+
+BATCH_N4 = "--micro-batch-size 2 --global-batch-size 8"
+
+# (flags, world size, batch flags): PP = 2 and PP = 4, every schedule and Chimera variant.
+LAYOUTS = [
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule gpipe", 2, BATCH_N4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b", 2, BATCH_N4),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2", 2, BATCH_N4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 2, BATCH_N4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+     "--chimera-variant forward-doubling", 2, BATCH_N4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+     "--chimera-variant backward-halving", 2, BATCH_N4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 2,
+     "--micro-batch-size 2 --global-batch-size 2"),  # N = 1 < D
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule gpipe", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule 1f1b", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera", 4,
+     "--micro-batch-size 1 --global-batch-size 8"),  # N = 2D, direct concatenation
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera "
+     "--chimera-variant forward-doubling", 4, "--micro-batch-size 1 --global-batch-size 8"),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera "
+     "--chimera-variant backward-halving", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --chimera-pipelines 4", 4,
+     BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera", 4,
+     "--micro-batch-size 4 --global-batch-size 8"),  # N = 2 < D
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+     "--pipeline-schedule chimera", 4, BATCH_N4),
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+     "--pipeline-schedule 1f1b", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4, BATCH_N4),  # DP 2
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b", 4, BATCH_N4),  # DP 2
+]
+
+
+@pytest.mark.parametrize("flags,world_size,batch", LAYOUTS,
+                         ids=[f"{w}ranks:{f.replace('--', '')}:{b.replace('--', '')}"
+                              for f, w, b in LAYOUTS])
+def test_layout_reproduces_single_process(flags, world_size, batch):
+    results = run_distributed(train_one_step, world_size, (flags + " " + batch).split(),
+                              timeout=240)
+    assert_matches_reference(results, reference(batch))
+
+
+@pytest.mark.parametrize("extra", [
+    "--chimera-grad-sync eager", "--chimera-grad-sync end",
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    "--recompute-granularity selective",
+    "--p2p-packing off", "--p2p-packing python",
+])
+def test_chimera_options_do_not_change_numbers(extra):
+    flags = f"--pipeline-model-parallel-size 4 --pipeline-schedule chimera {BATCH_N4} {extra}"
+    results = run_distributed(train_one_step, 4, flags.split(), timeout=240)
+    assert_matches_reference(results, reference(BATCH_N4))
+
+
+def test_untied_output_layer_under_chimera():
+    flags = f"--untie-embeddings-and-output-weights {BATCH_N4}"
+    expected = train_one_step(0, 1, flags.split())
+    results = run_distributed(
+        train_one_step, 2, (flags + " --pipeline-model-parallel-size 2 --pipeline-schedule "
+                                    "chimera").split(), timeout=240)
+    assert_matches_reference(results, expected)
+    assert any(name == "output_layer.weight" for result in results
+               for (_, name) in result["params"])
+
+
+def test_tied_embedding_copies_stay_identical_after_the_step():
+    flags = f"--pipeline-model-parallel-size 4 --pipeline-schedule chimera {BATCH_N4}"
+    results = run_distributed(train_one_step, 4, flags.split(), timeout=240)
+    copies = merge_copies(results, "params")["embedding.word_embeddings.weight"]
+    assert len(copies) == 4  # Chimera D=4: stage 0 and stage 3 of both pipelines
+    for copy in copies[1:]:
+        assert torch.equal(copy, copies[0])

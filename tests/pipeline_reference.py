@@ -1,0 +1,76 @@
+"""One training step in any layout, reduced to comparable numbers (shared by the pipeline tests).
+
+``train_one_step(rank, world_size, argv)`` runs inside a gloo rank (or in the test process for the
+single-process reference, with ``world_size == 1``): it parses the flags, builds the process groups the
+runtime needs, the model chunks (float64, dropout on), the optimizer, and runs one iteration of the
+real training step on mock data. It returns the reported loss, the gradient norm, and every parameter
+and gradient of every chunk this rank holds, gathered to full size over tensor parallelism and keyed
+by (pipeline, parameter name), so the test can check that every copy of every parameter equals the
+single-process model's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import pretrain_gpt
+from megatron.core.models.gpt import GPTModel
+from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
+from megatron.core.tensor_parallel.utils import gather_full_state
+from megatron.training.arguments import parse_args
+from megatron.training.microbatches import build_microbatches
+from megatron.training.training import select_runtime_class, setup_model_and_optimizer, train_step
+
+MODEL_FLAGS = ("--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+               "--max-position-embeddings 16 --vocab-size 96 --make-vocab-size-divisible-by 64 "
+               "--lr 1e-2 --train-iters 2 --mock-data --seed 1234 --eval-iters 0").split()
+
+
+def float64_model_provider(config, parallel_state, *, pre_process=True, post_process=True,
+                           layer_range=None):
+    return GPTModel(config.model, config.recompute, parallel_state, config.training.seed,
+                    layer_range=layer_range, pre_process=pre_process, post_process=post_process,
+                    params_dtype=torch.float64)
+
+
+def train_one_step(rank: int, world_size: int, argv: list[str]) -> dict:
+    config = parse_args(MODEL_FLAGS + list(argv), world_size=world_size)
+    runtime_class = select_runtime_class(config)
+    if world_size == 1:
+        parallel_state = ParallelState.single_process()
+    else:
+        layout = RankLayout.from_world_size(world_size, config.parallel.tensor_model_parallel_size,
+                                            config.parallel.pipeline_model_parallel_size)
+        parallel_state = create_parallel_state(
+            layout, rank, "gloo",
+            extra_group_ranks=runtime_class.required_group_ranks(config, layout))
+    device = torch.device("cpu")
+    runtime = runtime_class(config, parallel_state, device)
+    components = setup_model_and_optimizer(config, parallel_state, runtime,
+                                           float64_model_provider, device)
+    training = config.training
+    train, _, _ = pretrain_gpt.datasets_provider(config, parallel_state,
+                                                 (training.global_batch_size, 0, 0))
+    microbatches = build_microbatches(train, 0, training.micro_batch_size, parallel_state.dp_size,
+                                      parallel_state.dp_rank, training.num_microbatches, device)
+    record = train_step(components, pretrain_gpt.forward_step, microbatches)
+    keys = getattr(runtime, "keys", None) or [None] * len(components.model_chunks)
+    grads, params = {}, {}
+    for key, chunk in zip(keys, components.model_chunks):
+        pipeline = 0 if key is None else key.pipeline
+        for name, value in gather_full_state(chunk, parallel_state, gradients=True).items():
+            grads[(pipeline, name)] = value
+        for name, value in gather_full_state(chunk, parallel_state).items():
+            params[(pipeline, name)] = value
+    return {"loss": record.losses["lm loss"], "grad_norm": record.grad_norm,
+            "grads": grads, "params": params,
+            "peak_stored": getattr(getattr(runtime, "last_interpreter", None), "peak_stored", None)}
+
+
+def merge_copies(results: list[dict], field: str) -> dict:
+    """``{name: [every copy over ranks and pipelines]}`` of ``field`` ("grads" or "params")."""
+    merged: dict = {}
+    for result in results:
+        for (_, name), value in result[field].items():
+            merged.setdefault(name, []).append(value)
+    return merged
