@@ -212,3 +212,26 @@ def test_peak_activations_counts_stored_forwards():
 def test_empty_group_is_rejected():
     with pytest.raises(AssertionError):
         P2PGroup(())
+
+
+def test_default_lowering_reaches_closed_forms_for_other_costs():
+    # The runtime lowers once with the default planning costs (F = 1, Bk = 2); the grouping must
+    # stay deadlock-free and optimal when the real costs differ.
+    from megatron.core.pipeline_parallel.lowering import lower_schedule
+    from megatron.core.pipeline_parallel.schedules import build_schedule, schedule_layout
+
+    checked = 0
+    for name, depth, num_microbatches, options in grid_cases():
+        if depth > 6:
+            continue
+        layout = schedule_layout(name, depth, **options)
+        lowered = lower_schedule(build_schedule(name, depth, num_microbatches, **options), layout)
+        fraction = float(layout.microbatch_fraction)
+        for fwd, bwd in ((1, 1), (1, 3), (2, 3)):
+            result = simulate(lowered, fwd * fraction, bwd * fraction)
+            expected = expected_makespan(name, depth, num_microbatches, options, fwd, bwd)
+            if expected is not None:
+                assert result.makespan == pytest.approx(expected), (name, depth,
+                                                                    num_microbatches, options)
+                checked += 1
+    assert checked > 100

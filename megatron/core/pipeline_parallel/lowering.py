@@ -223,8 +223,10 @@ def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
     for rank, ops in enumerate(schedule):
         rank_ops = []
         for position in range(len(ops) + 1):
-            for _, group_ops in sorted(groups.get((rank, position), {}).items()):
-                rank_ops.append(P2PGroup(tuple(sorted(group_ops, key=_p2p_sort_key))))
+            rounds = groups.get((rank, position))
+            if rounds:
+                for _, group_ops in sorted(rounds.items()):
+                    rank_ops.append(P2PGroup(tuple(sorted(group_ops, key=_p2p_sort_key))))
             if position < len(ops):
                 rank_ops.append(ops[position])
         lowered.append(_add_grad_sync(rank, rank_ops, layout, grad_sync_policy))
