@@ -20,6 +20,7 @@ import torch
 from megatron.core.datasets.mock_dataset import build_mock_datasets
 from megatron.core.models.gpt import GPTModel
 from megatron.training.arguments import parse_args, print_arguments, set_padded_vocab_size
+from megatron.training.checkpointing import Checkpointer
 from megatron.training.launch_env import read_launch_environment
 from megatron.training.training import pretrain
 
@@ -72,11 +73,12 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
     tokenizer = build_run_tokenizer(config)
+    log = functools.partial(print, flush=True)
     if read_launch_environment().rank == 0:
         print_arguments(config)  # as Megatron, once, after the derived sizes are known
     pretrain(config, model_provider,
              functools.partial(datasets_provider, tokenizer=tokenizer), forward_step,
-             log=lambda line: print(line, flush=True))
+             checkpointing=Checkpointer(config, log=log), log=log)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ training on the same global batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.parallel_state import RankLayout
 
@@ -31,6 +33,7 @@ from .model_chunks import build_model_chunks
 from .p2p import P2PTransport
 from .packing import select_packer
 from .schedules import build_schedule, schedule_layout
+from .timeline import report_memory, write_timeline
 from .validator import validate_schedule
 
 
@@ -87,6 +90,12 @@ class PipelineRuntime:
         self.reducers_by_key: dict = {}
         self._norm_owners: set = set()
         self.last_interpreter = None
+        self.log = functools.partial(print, flush=True)
+        self.iterations = 0
+        self.peak_bytes = 0
+        self.peak_stored = 0
+        # --pipeline-timeline records the second training iteration (the first warms up).
+        self.timeline_iteration = min(2, config.training.train_iters or 1)
 
     def describe(self) -> str:
         """The log lines naming the schedule and the active packing."""
@@ -139,8 +148,25 @@ class PipelineRuntime:
             wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
             reducers=self.reducers_by_key, final_reducers=final, forward_only=forward_only,
             autocast=autocast)
+        if not forward_only:
+            self.iterations += 1
+        record = (not forward_only and self.config.logging.pipeline_timeline is not None
+                  and self.iterations == self.timeline_iteration)
+        if record and dist.is_initialized():
+            dist.barrier()  # a common origin for every rank's clock
+        context.record_timeline = record
         interpreter = Interpreter(context)
         losses = interpreter.run(self.lowered, self.parallel_state.pp_rank)
         if not forward_only:
             self.last_interpreter = interpreter
+            self.peak_bytes = max(self.peak_bytes, interpreter.peak_bytes)
+            self.peak_stored = max(self.peak_stored, interpreter.peak_stored)
+        if record:
+            write_timeline(self.config.logging.pipeline_timeline, self.iterations,
+                           interpreter.timeline, self.parallel_state, self.lowered, self.log)
         return losses
+
+    def report(self, log) -> None:
+        """Collective, at the end of training: peak stored activations (and CUDA memory) of every
+        rank, logged by the ranks whose ``log`` is not None."""
+        report_memory(self.peak_bytes, self.peak_stored, self.device, log)

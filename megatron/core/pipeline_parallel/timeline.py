@@ -1,0 +1,107 @@
+"""Seeing what a pipeline iteration did: measured timelines, bubble ratios and stored activations.
+
+``--pipeline-timeline DIR`` records one chosen training iteration on every rank (each executed op
+with its start and end, measured after a barrier so the ranks share an origin), gathers the records
+on the first rank and writes them as one Chrome-trace JSON (open it in Perfetto or chrome://tracing),
+then prints each rank's measured bubble ratio (1 - compute time / iteration span) next to the
+simulator's prediction for the same lowered schedule with the measured mean forward and backward
+times as costs. At the end of training the runtime reports each rank's peak stored-activation bytes
+(what autograd kept for the backward, counted by the interpreter) and, on GPUs, CUDA's peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from statistics import mean
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .simulator import simulate
+
+
+def _gather(value) -> list:
+    """``value`` from every rank of the world, in rank order (a one-element list alone)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _is_compute(name: str) -> bool:
+    return name[:1] in ("F", "B", "I", "W") and name[1:2].isdigit()
+
+
+def chrome_trace(records_by_rank: Sequence[dict]) -> dict:
+    """Chrome-trace events: one process per global rank, one thread per pipeline rank."""
+    events = []
+    for entry in records_by_rank:
+        for record in entry["records"]:
+            events.append({
+                "name": record[0], "ph": "X", "pid": entry["rank"], "tid": entry["pp_rank"],
+                "ts": record[1] * 1e6, "dur": max(record[2] - record[1], 0.0) * 1e6,
+                "cat": "compute" if _is_compute(record[0]) else "communication",
+                "args": {"pipeline rank": entry["pp_rank"]}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def measured_bubble_ratios(records_by_rank: Sequence[dict]) -> list[float]:
+    """Per rank: 1 - compute time / iteration span (span = latest end over all ranks)."""
+    span = max((record[2] for entry in records_by_rank for record in entry["records"]),
+               default=0.0)
+    ratios = []
+    for entry in records_by_rank:
+        busy = sum(r[2] - r[1] for r in entry["records"] if _is_compute(r[0]))
+        ratios.append(1 - busy / span if span > 0 else 0.0)
+    return ratios
+
+
+def predicted_bubble_ratios(lowered, records_by_rank: Sequence[dict]) -> list[float]:
+    """The simulator's per-pipeline-rank bubble ratios, costed with the measured mean F and B."""
+    durations = {"F": [], "B": []}
+    for entry in records_by_rank:
+        for name, start, end in entry["records"]:
+            if _is_compute(name) and name[0] in durations:
+                durations[name[0]].append(end - start)
+    forward = mean(durations["F"]) if durations["F"] else 1.0
+    backward = mean(durations["B"]) if durations["B"] else 2.0
+    result = simulate(lowered, forward_cost=forward, backward_cost=backward)
+    return [1 - busy / result.makespan if result.makespan > 0 else 0.0
+            for busy in result.compute_time]
+
+
+def write_timeline(directory: str, iteration: int, records, parallel_state, lowered,
+                   log) -> None:
+    """Collective: gather every rank's records; the first rank writes the trace and logs ratios."""
+    entry = {"rank": parallel_state.rank, "pp_rank": parallel_state.pp_rank,
+             "records": [(r.op, r.start, r.end) for r in records]}
+    gathered = _gather(entry)
+    if parallel_state.rank != 0:
+        return
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"pipeline_timeline_iter{iteration:07d}.json")
+    with open(path, "w") as handle:
+        json.dump(chrome_trace(gathered), handle)
+    measured = measured_bubble_ratios(gathered)
+    predicted = predicted_bubble_ratios(lowered, gathered)
+    log(f"> pipeline timeline of iteration {iteration} written to {path} (open in Perfetto)")
+    for entry, ratio in zip(gathered, measured):
+        log(f">   rank {entry['rank']:3d} (pipeline rank {entry['pp_rank']}): measured bubble "
+            f"ratio {ratio:.3f} | simulated {predicted[entry['pp_rank']]:.3f}")
+
+
+def report_memory(peak_bytes: int, peak_stored: int, device: torch.device, log) -> None:
+    """Collective: log every rank's peak stored activations (and CUDA peak memory on GPUs)."""
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    gathered = _gather((peak_bytes, peak_stored, cuda_peak))
+    if log is None:
+        return
+    parts = [f"{index}: {nbytes / 2**20:.2f} MB ({count} micro-batches)"
+             for index, (nbytes, count, _) in enumerate(gathered)]
+    log("> peak stored activations per rank: " + " | ".join(parts))
+    if cuda_peak is not None:
+        log("> CUDA peak memory per rank (MB): " + " | ".join(
+            f"{index}: {peak / 2**20:.1f}" for index, (_, _, peak) in enumerate(gathered)))

@@ -1,0 +1,47 @@
+"""Launch ``pretrain_gpt.py`` under torchrun from a test and read the lm loss of its log lines."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS = re.compile(r" iteration +(\d+)/ +(\d+) \|.*\| lm loss: ([0-9.E+-]+) \|")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(nproc: int, arguments: list[str]) -> subprocess.Popen:
+    """Start ``torchrun --nproc-per-node nproc pretrain_gpt.py arguments`` (one thread per rank)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               os.path.join(REPO, "pretrain_gpt.py"), *arguments]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    """Wait for the run; fail the test with the output's tail if it fails or hangs."""
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"pretrain_gpt.py did not finish within {timeout:.0f} s:\n{output[-3000:]}")
+    assert process.returncode == 0, output[-3000:]
+    return output
+
+
+def logged_losses(output: str, train_iters: int) -> list[float]:
+    """The lm loss of every iteration's log line (--log-interval 1)."""
+    found = [(int(i), float(v)) for i, total, v in LOSS.findall(output)]
+    assert [i for i, _ in found] == list(range(1, train_iters + 1)), output[-3000:]
+    return [v for _, v in found]
