@@ -112,7 +112,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = option(
         False, "Shard optimizer state over data-parallel ranks (not supported yet).")
     overlap_grad_reduce: bool = option(
-        False, "Overlap the data-parallel gradient reduction with the backward pass.")
+        False, "Overlap the data-parallel gradient reduction with the backward pass (without a "
+               "pipeline; pipeline schedules place their reductions themselves, see "
+               "--chimera-grad-sync).")
     local_rank: Optional[int] = option(
         None, "Local rank passed by torch.distributed.launch.", aliases=("--local_rank",))
     world_size: Optional[int] = option(None, "Number of processes (derived).", derived=True)

@@ -84,11 +84,10 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
 # Config fields that are accepted, but whose feature is not implemented and is harmless to skip
 # (performance or bookkeeping only). Logged as ignored when set to a non-default value.
 IGNORED_FIELDS: dict[str, str] = {
-    "overlap_grad_reduce": "the data-parallel gradient all-reduce runs after the backward pass "
-                           "(same numbers, no overlap)",
+    "num_workers": "samples are read in the training process from memory-mapped files "
+                   "(no data-loader workers)",
     "wandb_project": "Weights & Biases logging is not implemented; use --tensorboard-dir or the "
                      "log lines",
-    "sgd_momentum": "only used by --optimizer sgd, which is not supported yet",
 }
 
 

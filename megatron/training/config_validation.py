@@ -60,8 +60,6 @@ NOT_SUPPORTED_YET: tuple[UnsupportedFeature, ...] = (
                        lambda value: value == "RMSNorm", "use --normalization LayerNorm (the default)"),
     UnsupportedFeature("model", "disable_bias_linear", "--disable-bias-linear", bool,
                        "remove it (linear layers have biases)"),
-    UnsupportedFeature("optimizer", "optimizer", "--optimizer sgd", lambda value: value == "sgd",
-                       "use --optimizer adam (AdamW, the default)"),
 )
 
 

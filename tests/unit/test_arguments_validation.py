@@ -117,7 +117,6 @@ BAD_COMBINATIONS = [
     (TINY + ["--swiglu"], 1, ["--swiglu is not supported yet"]),
     (TINY + ["--normalization", "RMSNorm"], 1, ["--normalization RMSNorm is not supported yet"]),
     (TINY + ["--disable-bias-linear"], 1, ["--disable-bias-linear is not supported yet"]),
-    (TINY + ["--optimizer", "sgd"], 1, ["--optimizer sgd is not supported yet"]),
 ]
 
 
