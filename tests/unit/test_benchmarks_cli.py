@@ -67,16 +67,20 @@ def test_pack_unpack_table_covers_both_implementations():
 
 
 @pytest.mark.distributed
-def test_tiny_packing_run_counts_fewer_messages_when_packed():
+def test_tiny_packing_run_counts_match_the_lowering():
     flags = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
              "--pipeline-schedule", "chimera", "--chimera-variant", "forward-doubling"]
     rows = p2p_packing.measure_pipelines([("chimera fd D=2 N=2", 2, flags)], warmup=0,
                                          iterations=1)
     by_packing = {row["packing"]: row for row in rows}
     assert set(by_packing) == {"off", "cpp", "python"}
-    # Forward doubling sends two activations per slot to the same peer: packing merges them.
-    assert by_packing["python"]["messages"] < by_packing["off"]["messages"]
-    assert by_packing["python"]["messages"] == by_packing["cpp"]["messages"]
+    # The wire counts equal what the lowering says: one message per tensor with packing off,
+    # one per (communication group, peer) with packing on.
+    lowered = rows[0]["lowered"]
+    assert lowered == p2p_packing.lowered_message_counts(2, flags)
+    assert by_packing["off"]["messages"] == lowered["tensors"] > 0
+    assert by_packing["python"]["messages"] == by_packing["cpp"]["messages"] == lowered["packed"]
+    assert by_packing["python"]["bytes"] > by_packing["off"]["bytes"]  # headers and padding
     assert all(row["p2p_seconds"] > 0 and row["seconds"] > 0 for row in rows)
 
 
