@@ -94,6 +94,18 @@ def print_pipeline_table(rows: list) -> None:
                         "iter ms", "msgs off/this", "p2p this/off"], table))
 
 
+def print_lowered_table(rows: list) -> None:
+    """What the lowered schedules allow packing to merge (counted from the lowering)."""
+    print("\nWhat the lowering lets packing merge (counted from the lowered schedule, no processes):")
+    seen: dict = {}
+    for row in rows:
+        seen.setdefault(row["config"], row["lowered"])
+    print(format_table(["configuration", "tensors sent/iter", "packed messages/iter",
+                        "max tensors per packed message"],
+                       [[label, c["tensors"], c["packed"], c["max_per_message"]]
+                        for label, c in seen.items()]))
+
+
 def measure_pack_unpack(repeats: int) -> list:
     """Pack + unpack cost, C++ vs Python, on message shapes of this benchmark's pipelines."""
     from megatron.core.pipeline_parallel.packing import microbenchmark_table
@@ -160,17 +172,9 @@ def main(argv=None) -> dict:
         print(oversubscription_note(max(c[1] for c in configs)))
         pipeline_rows = measure_pipelines(configs, args.warmup, args.iters)
         print_pipeline_table(pipeline_rows)
-        print("\nWhat the lowered schedules allow packing to merge (counted from the lowering, "
-          "no processes):")
-    seen = {}
-    for row in rows:
-        seen.setdefault(row["config"], row["lowered"])
-    print(format_table(["configuration", "tensors sent/iter", "packed messages/iter",
-                        "max tensors per packed message"],
-                       [[label, c["tensors"], c["packed"], c["max_per_message"]]
-                        for label, c in seen.items()]))
-    print("msgs/iter and MB/iter: sent by all ranks; p2p ms: time inside the transport "
+        print("msgs/iter and MB/iter: sent by all ranks; p2p ms: time inside the transport "
               "(pack, send/receive, wait for the peer, unpack), mean over ranks.")
+        print_lowered_table(pipeline_rows)
     print(f"\n== Pack + unpack, one thread, best of {args.pack_repeats} (MB = 1e6 payload bytes) ==")
     pack_rows = measure_pack_unpack(args.pack_repeats)
     print_pack_table(pack_rows)
