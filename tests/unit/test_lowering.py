@@ -174,3 +174,32 @@ def test_unknown_policy():
     schedule = build_schedule("1f1b", 2, 2)
     with pytest.raises(ValueError, match="allowed: eager-opt, eager, end"):
         lower_schedule(schedule, schedule_layout("1f1b", 2), "later")
+
+
+@pytest.mark.parametrize("depth,num_microbatches,variant", [
+    (2, 4, "forward-doubling"), (4, 8, "forward-doubling"), (4, 12, "forward-doubling"),
+    (8, 16, "forward-doubling"), (4, 4, "backward-halving")])
+def test_doubled_step_messages_pair_the_activations_of_a_doubled_step(depth, num_microbatches,
+                                                                      variant):
+    from megatron.core.pipeline_parallel.simulator import simulate
+    layout = schedule_layout("chimera", depth, variant=variant)
+    schedule = build_schedule("chimera", depth, num_microbatches, variant=variant)
+    plain = lower_schedule(schedule, layout)
+    paired = lower_schedule(schedule, layout, doubled_step_messages=True)
+
+    def messages(lowered):  # one per (group, peer, direction): what packing puts on the wire
+        return sum(len({(op.peer, op.direction) for op in group.ops})
+                   for ops in lowered for group in ops if isinstance(group, P2PGroup))
+
+    def tensors(lowered):
+        return sum(len(group.ops) for ops in lowered for group in ops
+                   if isinstance(group, P2PGroup))
+
+    assert tensors(paired) == tensors(plain)
+    assert messages(plain) == tensors(plain)  # without pairing no group holds two for a peer
+    doubled_units = num_microbatches * (2 if variant == "backward-halving" else 1) // (2 * depth)
+    # Every doubled step past stage 0 (D/2 per pipeline, 2 pipelines, per doubling unit)
+    # receives its two activations as one message; both the sender and the receiver count it.
+    saved = doubled_units * 2 * (depth // 2) * (depth - 1) * 2
+    assert messages(plain) - messages(paired) == saved
+    simulate(paired, 1, 2)  # deadlock-free

@@ -55,8 +55,10 @@ def layout_for(config):
                            parallel.pipeline_model_parallel_size, **schedule_options(parallel))
 
 
-def lowered_schedule_for(config) -> list[list]:
-    """Build, validate and lower the configured schedule (every rank's op list)."""
+def lowered_schedule_for(config, packing: bool = False) -> list[list]:
+    """Build, validate and lower the configured schedule (every rank's op list).
+
+    With ``packing`` the two activations of a doubled forward step share one message."""
     parallel = config.parallel
     name = parallel.pipeline_schedule or "1f1b"
     layout = layout_for(config)
@@ -64,7 +66,8 @@ def lowered_schedule_for(config) -> list[list]:
     schedule = build_schedule(name, parallel.pipeline_model_parallel_size, num_microbatches,
                               **schedule_options(parallel))
     validate_schedule(schedule, layout, num_microbatches)
-    return lower_schedule(schedule, layout, parallel.chimera_grad_sync)
+    return lower_schedule(schedule, layout, parallel.chimera_grad_sync,
+                          doubled_step_messages=packing)
 
 
 def _is_tied(config) -> bool:
@@ -83,8 +86,8 @@ class PipelineRuntime:
         self.parallel_state = parallel_state
         self.device = device
         self.layout = layout_for(config)
-        self.lowered = lowered_schedule_for(config)
         self.packer = select_packer(config.parallel.p2p_packing)
+        self.lowered = lowered_schedule_for(config, packing=self.packer.enabled)
         self.transport = P2PTransport(parallel_state, self.packer, device)
         self.keys: list = []
         self.reducers_by_key: dict = {}

@@ -119,8 +119,9 @@ def _layout(name: str, pipeline_size: int, resolved: dict) -> ScheduleLayout:
         return ScheduleLayout(name, depth, num_stages,
                               (tuple(stage % depth for stage in range(num_stages)),))
     fraction = Fraction(1, 2) if resolved["variant"] == "backward-halving" else Fraction(1)
+    doubling_unit = 2 * depth if resolved["variant"] != "direct" else 0
     return ScheduleLayout(name, depth, depth, chimera_placements(depth, resolved["num_pipelines"]),
-                          fraction)
+                          fraction, doubling_unit)
 
 
 def schedule_layout(name: str, pipeline_size: int, **options) -> ScheduleLayout:

@@ -25,6 +25,10 @@ class ScheduleLayout:
         placements: ``placements[pipeline][stage]`` is the pipeline rank hosting that stage.
         microbatch_fraction: size of an instruction micro-batch relative to --micro-batch-size
             (1, or 1/2 for Chimera backward halving).
+        doubling_unit: instruction micro-batches per doubling unit (2D for Chimera forward
+            doubling and backward halving, 0 otherwise). Inside complete doubling units the
+            forwards of a module run in adjacent pairs, one doubled step each; the lowering
+            receives both inputs of a pair before its first forward, so they travel together.
     """
 
     name: str
@@ -32,6 +36,7 @@ class ScheduleLayout:
     num_stages: int
     placements: tuple[tuple[int, ...], ...]
     microbatch_fraction: Fraction = Fraction(1)
+    doubling_unit: int = 0
 
     @property
     def num_pipelines(self) -> int:
