@@ -42,7 +42,8 @@ def configurations(quick: bool) -> list:
 
 
 def lowered_message_counts(world_size: int, flags: list) -> dict:
-    """What the lowered schedule lets packing merge, counted without processes.
+    """What the lowered schedule lets packing merge, counted without processes (lowered as the
+    runtime lowers it with packing on).
 
     ``tensors``: sends over all ranks per iteration (the message count with packing off);
     ``packed``: distinct (communication group, peer) pairs (the message count with packing on);
@@ -55,7 +56,7 @@ def lowered_message_counts(world_size: int, flags: list) -> dict:
 
     config = parse_args(MODEL_FLAGS + list(flags), world_size=world_size)
     tensors, per_message = 0, []
-    for rank_ops in lowered_schedule_for(config):
+    for rank_ops in lowered_schedule_for(config, packing=True):
         for op in rank_ops:
             if not isinstance(op, P2PGroup):
                 continue
