@@ -12,7 +12,7 @@ from megatron.core.config import DataConfig
 from megatron.core.datasets.builder import build_gpt_datasets
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.training.tokenizer import GPT2BPETokenizer
-from megatron.training.tokenizer.gpt2_bpe import bytes_to_unicode
+from data_helpers import gpt2_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,20 +22,6 @@ def load_tool(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def gpt2_files(directory):
-    """A tiny GPT-2 vocabulary: the 256 byte symbols, a few merges, <|endoftext|>."""
-    table = bytes_to_unicode()
-    vocab = {table[byte]: byte for byte in range(256)}
-    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a")]
-    for first, second in merges:
-        vocab[first + second] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    (directory / "merges.txt").write_text(
-        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    return str(directory / "vocab.json"), str(directory / "merges.txt")
 
 
 GOOD_TEXTS = ["the cat sat on the mat", "a dog\nand the bird", "日本語 text 🙂", "x" * 300]
