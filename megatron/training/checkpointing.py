@@ -289,6 +289,19 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
 # The hook
 # ----------------------------------------------------------------------------------------------
 
+def _checkpoint_header(components, state) -> dict:
+    """What both a rank's file and the iteration's metadata record: format, progress, layout."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "layout": parallel_layout(components.config, len(components.model_chunks)),
+        "data_parallel_size": components.parallel_state.dp_size,
+    }
+
+
 class Checkpointer:
     """The training loop's checkpointing hook (``pretrain(..., checkpointing=Checkpointer(config))``).
 
@@ -379,13 +392,7 @@ class Checkpointer:
         relative = os.path.join(rank_dir_name(parallel_state.tp_rank, parallel_state.pp_rank,
                                               parallel_state.pp_size), CHECKPOINT_FILENAME)
         payload = {
-            "format": CHECKPOINT_FORMAT,
-            "format_version": CHECKPOINT_FORMAT_VERSION,
-            "iteration": state.iteration,
-            "consumed_train_samples": state.consumed_train_samples,
-            "consumed_valid_samples": state.consumed_valid_samples,
-            "layout": parallel_layout(components.config, len(components.model_chunks)),
-            "data_parallel_size": parallel_state.dp_size,
+            **_checkpoint_header(components, state),
             "config": dataclasses.asdict(components.config),
             "optimizer": components.optimizer.state_dict(),
             "opt_param_scheduler": components.lr_scheduler.state_dict(),
@@ -402,13 +409,7 @@ class Checkpointer:
                  files: dict) -> None:
         """Rank 0, after every rank wrote: metadata, rename into place, then the tracker."""
         metadata = {
-            "format": CHECKPOINT_FORMAT,
-            "format_version": CHECKPOINT_FORMAT_VERSION,
-            "iteration": state.iteration,
-            "consumed_train_samples": state.consumed_train_samples,
-            "consumed_valid_samples": state.consumed_valid_samples,
-            "layout": parallel_layout(components.config, len(components.model_chunks)),
-            "data_parallel_size": components.parallel_state.dp_size,
+            **_checkpoint_header(components, state),
             "files": dict(sorted(files.items())),
         }
         metadata_path = os.path.join(staging_dir, METADATA_FILENAME)
