@@ -56,3 +56,27 @@ def local_inputs(op: Instruction) -> list[tuple]:
         return [(Kind.BACKWARD_INPUT, op.pipeline, op.stage, op.microbatch)]
     return []
 
+
+def execute_in_order(schedule, needs, on_run=None) -> list[int]:
+    """Run every rank's instructions in order, each once all keys in ``needs[rank][index]`` ran.
+
+    Messages are taken as delivered the moment they are produced. ``on_run(rank, index)`` is called
+    for each instruction as it runs (before it counts as done). Returns, per rank, how many of its
+    instructions ran: fewer than its list's length means the ranks got stuck there.
+    """
+    done = set()
+    counters = [0] * len(schedule)
+    progress = True
+    while progress:
+        progress = False
+        for rank, ops in enumerate(schedule):
+            while counters[rank] < len(ops):
+                index = counters[rank]
+                if not all(key in done for key in needs[rank][index]):
+                    break
+                if on_run is not None:
+                    on_run(rank, index)
+                done.add(op_key(ops[index]))
+                counters[rank] += 1
+                progress = True
+    return counters

@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from .dependencies import ACTIVATION, GRADIENT, op_key, remote_inputs
+from .dependencies import ACTIVATION, GRADIENT, execute_in_order, op_key, remote_inputs
 from .instructions import Instruction, Kind
 
 GRAD_SYNC_POLICIES = ("eager-opt", "eager", "end")
@@ -223,24 +223,17 @@ def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
         needs.append(rank_needs)
     finished = {}  # op key -> end time
     times = [[] for _ in schedule]
-    counters = [0] * len(schedule)
     clock = [0.0] * len(schedule)
-    progress = True
-    while progress:
-        progress = False
-        for rank, ops in enumerate(schedule):
-            while counters[rank] < len(ops):
-                op = ops[counters[rank]]
-                needed = needs[rank][counters[rank]]
-                if not all(key in finished for key in needed):
-                    break
-                start = max([clock[rank]] + [finished[key] for key in needed])
-                end = start + _op_cost(op, forward_cost, backward_cost)
-                finished[op_key(op)] = end
-                times[rank].append((start, end))
-                clock[rank] = end
-                counters[rank] += 1
-                progress = True
+
+    def run(rank: int, index: int) -> None:
+        op = schedule[rank][index]
+        start = max([clock[rank]] + [finished[key] for key in needs[rank][index]])
+        end = start + _op_cost(op, forward_cost, backward_cost)
+        finished[op_key(op)] = end
+        times[rank].append((start, end))
+        clock[rank] = end
+
+    counters = execute_in_order(schedule, needs, run)
     if any(counters[rank] < len(ops) for rank, ops in enumerate(schedule)):
         raise ValueError("schedule dependencies cannot be satisfied; run validate_schedule "
                          "for a report")

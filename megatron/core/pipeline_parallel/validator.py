@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .dependencies import local_inputs, op_key, remote_inputs
+from .dependencies import execute_in_order, local_inputs, op_key, remote_inputs
 from .grid import format_op_grid
 from .instructions import Kind
 
@@ -143,19 +143,8 @@ def check_satisfiable(schedule, num_stages: int) -> None:
     keys = {op_key(op) for ops in schedule for op in ops}
     needs = [[[key for _, key in remote_inputs(op, num_stages, keys)] + local_inputs(op)
               for op in ops] for ops in schedule]
-    done = set()
-    counters = [0] * len(schedule)
-    progress = True
-    while progress:
-        progress = False
-        for rank, ops in enumerate(schedule):
-            while counters[rank] < len(ops):
-                op = ops[counters[rank]]
-                if not all(key in done for key in needs[rank][counters[rank]]):
-                    break
-                done.add(op_key(op))
-                counters[rank] += 1
-                progress = True
+    counters = execute_in_order(schedule, needs)
+    done = {op_key(op) for ops, count in zip(schedule, counters) for op in ops[:count]}
     stuck = [(rank, counters[rank]) for rank, ops in enumerate(schedule)
              if counters[rank] < len(ops)]
     if stuck:
