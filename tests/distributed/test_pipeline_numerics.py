@@ -102,6 +102,17 @@ def test_chimera_options_do_not_change_numbers(extra):
     assert_matches_reference(results, reference(BATCH_N4))
 
 
+@pytest.mark.parametrize("schedule", [
+    "--pipeline-schedule 1f1b", "--pipeline-schedule gpipe",
+    "--num-layers-per-virtual-pipeline-stage 2",
+    "--pipeline-schedule chimera --chimera-variant forward-doubling"])
+def test_recomputation_under_every_schedule_does_not_change_numbers(schedule):
+    flags = (f"--pipeline-model-parallel-size 2 {schedule} {BATCH_N4} --recompute-granularity full "
+             f"--recompute-method block --recompute-num-layers 1")
+    results = run_distributed(train_one_step, 2, flags.split(), timeout=240)
+    assert_matches_reference(results, reference(BATCH_N4))
+
+
 def test_untied_output_layer_under_chimera():
     flags = f"--untie-embeddings-and-output-weights {BATCH_N4}"
     expected = train_one_step(0, 1, flags.split())
