@@ -9,6 +9,8 @@ function averages in float32 as Megatron does (backward halving averages two hal
 loss differs from the whole micro-batch's in the float32 rounding).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -17,14 +19,10 @@ from pipeline_reference import merge_copies, train_one_step
 
 TOLERANCE = 1e-9
 LOSS_TOLERANCE = 1e-6
-_REFERENCES = {}
-
-
+@functools.lru_cache(maxsize=None)
 def reference(batch_flags: str) -> dict:
     """The single-process run for a batch configuration (computed once per session)."""
-    if batch_flags not in _REFERENCES:
-        _REFERENCES[batch_flags] = train_one_step(0, 1, batch_flags.split())
-    return _REFERENCES[batch_flags]
+    return train_one_step(0, 1, batch_flags.split())
 
 
 def assert_matches_reference(results: list[dict], expected: dict) -> None:
