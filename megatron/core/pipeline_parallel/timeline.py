@@ -39,6 +39,8 @@ def chrome_trace(records_by_rank: Sequence[dict]) -> dict:
     """Chrome-trace events: one process per global rank, one thread per pipeline rank."""
     events = []
     for entry in records_by_rank:
+        events.append({"name": "process_name", "ph": "M", "pid": entry["rank"],
+                       "args": {"name": f"rank {entry['rank']} (pipeline rank {entry['pp_rank']})"}})
         for record in entry["records"]:
             events.append({
                 "name": record[0], "ph": "X", "pid": entry["rank"], "tid": entry["pp_rank"],
