@@ -145,9 +145,10 @@ class Interpreter:
 
     def run(self, lowered: Sequence[Sequence], rank: int) -> list[dict]:
         """Execute ``lowered[rank]`` (``lowered`` holds every rank's list, for error reports);
-        return the loss dicts of the micro-batches whose loss this rank computed."""
-        if self.context.forward_only:
-            lowered = [forward_only_ops(rank_ops) for rank_ops in lowered]
+        return the loss dicts of the micro-batches whose loss this rank computed.
+
+        With ``context.forward_only`` the lists must be :func:`forward_only_ops` of the schedule.
+        """
         ops = lowered[rank]
         origin = time.perf_counter()
         for index, op in enumerate(ops):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron.core.parallel_state import RankLayout
 
 from .grad_sync import build_stage_reducers, grad_norm_owners, required_group_specs
-from .interpreter import ExecutionContext, Interpreter
+from .interpreter import ExecutionContext, Interpreter, forward_only_ops
 from .lowering import lower_schedule
 from .model_chunks import build_model_chunks
 from .p2p import P2PTransport
@@ -88,6 +88,7 @@ class PipelineRuntime:
         self.layout = layout_for(config)
         self.packer = select_packer(config.parallel.p2p_packing)
         self.lowered = lowered_schedule_for(config, packing=self.packer.enabled)
+        self.lowered_forward_only = [forward_only_ops(ops) for ops in self.lowered]
         self.transport = P2PTransport(parallel_state, self.packer, device)
         self.keys: list = []
         self.reducers_by_key: dict = {}
@@ -159,7 +160,8 @@ class PipelineRuntime:
             dist.barrier()  # a common origin for every rank's clock
         context.record_timeline = record
         interpreter = Interpreter(context)
-        losses = interpreter.run(self.lowered, self.parallel_state.pp_rank)
+        losses = interpreter.run(self.lowered_forward_only if forward_only else self.lowered,
+                                 self.parallel_state.pp_rank)
         if not forward_only:
             self.last_interpreter = interpreter
             self.peak_bytes = max(self.peak_bytes, interpreter.peak_bytes)
