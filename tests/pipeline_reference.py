@@ -2,7 +2,7 @@
 
 ``train_one_step(rank, world_size, argv)`` runs inside a gloo rank (or in the test process for the
 single-process reference, with ``world_size == 1``): it parses the flags, builds the process groups the
-runtime needs, the model chunks (float64, dropout on), the optimizer, and runs one iteration of the
+runtime needs, the model chunks (float64, or float32 under --bf16/--fp16; dropout on), the optimizer, and runs one iteration of the
 real training step on mock data. It returns the reported loss, the gradient norm, and every parameter
 and gradient of every chunk this rank holds, gathered to full size over tensor parallelism and keyed
 by (pipeline, parameter name), so the test can check that every copy of every parameter equals the
@@ -26,11 +26,13 @@ MODEL_FLAGS = ("--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-le
                "--lr 1e-2 --train-iters 2 --mock-data --seed 1234 --eval-iters 0").split()
 
 
-def float64_model_provider(config, parallel_state, *, pre_process=True, post_process=True,
-                           layer_range=None):
+def test_model_provider(config, parallel_state, *, pre_process=True, post_process=True,
+                        layer_range=None):
+    """float64 parameters, or float32 master parameters under --bf16 / --fp16 (as real runs)."""
+    half = config.training.bf16 or config.training.fp16
     return GPTModel(config.model, config.recompute, parallel_state, config.training.seed,
                     layer_range=layer_range, pre_process=pre_process, post_process=post_process,
-                    params_dtype=torch.float64)
+                    params_dtype=torch.float32 if half else torch.float64)
 
 
 def train_one_step(rank: int, world_size: int, argv: list[str]) -> dict:
@@ -47,7 +49,7 @@ def train_one_step(rank: int, world_size: int, argv: list[str]) -> dict:
     device = torch.device("cpu")
     runtime = runtime_class(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime,
-                                           float64_model_provider, device)
+                                           test_model_provider, device)
     training = config.training
     train, _, _ = pretrain_gpt.datasets_provider(config, parallel_state,
                                                  (training.global_batch_size, 0, 0))
@@ -63,6 +65,7 @@ def train_one_step(rank: int, world_size: int, argv: list[str]) -> dict:
         for name, value in gather_full_state(chunk, parallel_state).items():
             params[(pipeline, name)] = value
     return {"loss": record.losses["lm loss"], "grad_norm": record.grad_norm,
+            "skipped": record.skipped,
             "grads": grads, "params": params,
             "peak_stored": getattr(getattr(runtime, "last_interpreter", None), "peak_stored", None)}
 

@@ -74,8 +74,14 @@ LAYOUTS = [
      "--pipeline-schedule chimera", 4, BATCH_N4),
     ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
      "--pipeline-schedule 1f1b", 4, BATCH_N4),
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+     "--num-layers-per-virtual-pipeline-stage 2", 4, BATCH_N4),
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+     "--chimera-variant forward-doubling", 4, BATCH_N4),
     ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4, BATCH_N4),  # DP 2
     ("--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b", 4, BATCH_N4),  # DP 2
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2", 4,
+     BATCH_N4),  # DP 2
 ]
 
 
@@ -109,6 +115,35 @@ def test_recomputation_under_every_schedule_does_not_change_numbers(schedule):
              f"--recompute-method block --recompute-num-layers 1")
     results = run_distributed(train_one_step, 2, flags.split(), timeout=240)
     assert_matches_reference(results, reference(BATCH_N4))
+
+
+def test_bf16_under_chimera_matches_bf16_single_process():
+    # Same bf16 kernels on the same micro-batches; only gradient summation order differs.
+    batch = f"{BATCH_N4} --bf16"
+    expected = train_one_step(0, 1, batch.split())
+    results = run_distributed(train_one_step, 2, (batch + " --pipeline-model-parallel-size 2 "
+                                                          "--pipeline-schedule chimera").split(),
+                              timeout=240)
+    for result in results:
+        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+        assert result["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
+    for name, copies in merge_copies(results, "params").items():
+        want = expected["params"][(0, name)]
+        for value in copies:
+            assert (value - want).abs().max().item() <= 1e-6 * want.abs().max().item(), name
+
+
+def test_fp16_overflow_under_chimera_skips_the_step_on_every_rank():
+    # The first step at the initial loss scale 2**32 overflows: every rank skips it, as one process does.
+    batch = f"{BATCH_N4} --fp16"
+    expected = train_one_step(0, 1, batch.split())
+    results = run_distributed(train_one_step, 4, (batch + " --pipeline-model-parallel-size 4 "
+                                                          "--pipeline-schedule chimera").split(),
+                              timeout=240)
+    assert expected["skipped"] and all(result["skipped"] for result in results)
+    for name, copies in merge_copies(results, "params").items():
+        for value in copies:
+            assert torch.equal(value, expected["params"][(0, name)]), name
 
 
 def test_untied_output_layer_under_chimera():
