@@ -251,6 +251,10 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
                 raise ValueError(f"{_flag(name)} only applies to --pipeline-schedule chimera (the "
                                  f"schedule is {schedule}); add --pipeline-schedule chimera or "
                                  f"drop {_flag(name)}")
+    if pp > 1 and parallel.overlap_grad_reduce:
+        logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
+                       "places each stage's gradient reduction itself (for Chimera see "
+                       "--chimera-grad-sync)")
 
 
 def _validate_batch(config: MegatronConfig) -> None:

@@ -266,3 +266,12 @@ def test_real_schedule_options_reject_bad_microbatch_counts():
     with pytest.raises(ValueError, match="num_model_chunks >= 2"):
         parse_args(TINY + interleaved + ["--num-layers-per-virtual-pipeline-stage", "4"],
                    world_size=2)
+
+
+def test_overlap_grad_reduce_with_a_pipeline_is_reported_as_ignored(caplog):
+    import logging
+    argv = TINY + ["--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"]
+    with caplog.at_level(logging.WARNING):
+        parse_args(argv, world_size=2)
+    assert any("--overlap-grad-reduce is ignored with pipeline parallelism" in r.getMessage()
+               for r in caplog.records)
