@@ -71,8 +71,14 @@ def build_run_tokenizer(config):
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config = parse_args(argv)
-    tokenizer = build_run_tokenizer(config)
+    try:
+        config = parse_args(argv)
+        tokenizer = build_run_tokenizer(config)
+    except (ValueError, FileNotFoundError) as error:
+        # A bad flag combination or missing tokenizer file: the message says how to fix it, a
+        # traceback would only bury it (argparse's convention: usage error, exit status 2).
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     log = functools.partial(print, flush=True)
     if read_launch_environment().rank == 0:
         print_arguments(config)  # as Megatron, once, after the derived sizes are known
