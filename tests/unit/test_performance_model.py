@@ -57,6 +57,11 @@ def test_one_f_one_b_and_gpipe_counts(scheme, name, depth, num_microbatches):
 def test_no_closed_form_where_none_is_known():
     assert critical_path_counts("chimera-direct", 4, 6) is None
     assert critical_path_counts("chimera-forward-doubling", 4, 8) is None
+    # Forward doubling with N = D is one basic unit.
+    assert critical_path_counts("chimera-forward-doubling", 4, 4) == \
+        critical_path_counts("chimera-direct", 4, 4)
+    _, _, result = simulate_schedule("chimera", 4, 4, 1, 2, variant="forward-doubling")
+    assert result.makespan == pytest.approx(1 * 4 + 2 * 6)
     assert closed_form_iteration_time("chimera-forward-doubling", 4, 8,
                                       uniform(1, 2, 0, 0, 4)) is None
 

@@ -279,14 +279,17 @@ def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int):
     known here.
 
     Chimera direct, N = K·D (K = 1 is the basic unit): Cf = 2K + D − 2, Cb = K(2D − 2); this is the
-    exact zero-communication makespan for Bk >= F (chimera.md §4). 1F1B and GPipe:
-    Cf = Cb = N + D − 1. Chimera with N not a multiple of D and forward doubling: None (use the
-    simulator).
+    exact zero-communication makespan for Bk >= F (chimera.md §4); forward doubling with N = D
+    is the same basic unit. 1F1B and GPipe: Cf = Cb = N + D − 1. Chimera with N not a multiple
+    of D and forward doubling with N >= 2D: None (use the simulator).
     """
     name, options = _schedule(scheme)
     d, n = num_stages, num_microbatches
     if name == "chimera":
-        if options["variant"] != "direct" or n % d:
+        # Forward doubling with N = D is one ordinary basic unit (chimera.md §3).
+        basic = options["variant"] == "direct" or (options["variant"] == "forward-doubling"
+                                                   and n == d)
+        if not basic or n % d:
             return None
         k = n // d
         return 2 * k + d - 2, k * (2 * d - 2)
