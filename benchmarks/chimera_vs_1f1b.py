@@ -1,10 +1,11 @@
 """Chimera vs 1F1B vs GPipe: the paper's relative claims, measured on CPU/gloo and predicted by the simulator.
 
-One command: ``python benchmarks/chimera_vs_1f1b.py [--quick]``.
+One command: ``python benchmarks/chimera_vs_1f1b.py [--quick] [--pipeline-model-parallel-size D]``.
 
-1. Measured (D=4, four forked gloo ranks, the tiny GPT of :mod:`_harness`): iteration time of 1F1B,
+1. Measured (D=4 by default, D forked gloo ranks, the tiny GPT of :mod:`_harness`; D=2 gives one rank
+   per core on a 2-core machine): iteration time of 1F1B,
    GPipe, Chimera direct and Chimera forward doubling at the same model, global batch and N
-   (N = 4 and 8; all schedules and N run side by side in one process group, iterations interleaved,
+   (N = D and 2D; all schedules and N run side by side in one process group, iterations interleaved,
    median of the timed iterations), the measured speedup over 1F1B next to the simulator's
    prediction with the measured Bk/F and with Bk = 2F, the simulator's bubble ratio, and the
    measured peak stored activations per rank (memory balance).
@@ -183,8 +184,11 @@ def parse_arguments(argv=None):
                         help="N=4 only, 1 warm-up + 3 timed iterations, simulator D=8,16 (about a minute)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 2)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 7)")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=4, dest="depth",
+                        help="D of the measured runs, one gloo rank per stage (default 4; 2 gives "
+                             "one rank per core on a 2-core machine)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=None,
-                        help="N values to measure at D=4 (default 4 8; quick 4)")
+                        help="N values to measure (default D and 2D; quick D)")
     parser.add_argument("--simulator-depths", type=int, nargs="+", default=None,
                         help="D values of the simulator-only table (default 8 16 32; quick 8 16)")
     parser.add_argument("--skip-measured", action="store_true",
@@ -192,7 +196,11 @@ def parse_arguments(argv=None):
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.iters = args.iters if args.iters is not None else (3 if args.quick else 7)
-    args.microbatches = args.microbatches or ([4] if args.quick else [4, 8])
+    if args.depth < 2 or args.depth % 2:
+        raise ValueError(f"--pipeline-model-parallel-size needs an even D >= 2 for Chimera "
+                         f"(got {args.depth})")
+    args.microbatches = args.microbatches or (
+        [args.depth] if args.quick else [args.depth, 2 * args.depth])
     args.simulator_depths = args.simulator_depths or ([8, 16] if args.quick else [8, 16, 32])
     for depth in args.simulator_depths:
         if depth < 2 or depth % 2:
@@ -202,7 +210,7 @@ def parse_arguments(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
-    depth = 4
+    depth = args.depth
     measured = []
     if not args.skip_measured:
         forward, backward = measure_backward_ratio(repeats=3 if args.quick else 7)
