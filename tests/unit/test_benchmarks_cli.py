@@ -36,6 +36,10 @@ def test_chimera_vs_1f1b_arguments():
     assert chimera_vs_1f1b.parse_arguments(["--quick"]).microbatches == [4]
     with pytest.raises(ValueError, match="even depths"):
         chimera_vs_1f1b.parse_arguments(["--simulator-depths", "7"])
+    two = chimera_vs_1f1b.parse_arguments(["--pipeline-model-parallel-size", "2"])
+    assert (two.depth, two.microbatches) == (2, [2, 4])
+    with pytest.raises(ValueError, match="even D"):
+        chimera_vs_1f1b.parse_arguments(["--pipeline-model-parallel-size", "3"])
 
 
 def test_measured_variants_skip_undefined_forward_doubling():
