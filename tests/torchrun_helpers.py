@@ -10,6 +10,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS = re.compile(r" iteration +(\d+)/ +(\d+) \|.*\| lm loss: ([0-9.E+-]+) \|")
+VALIDATION = re.compile(r"validation loss at (.*?) \| lm loss value: ([0-9.E+-]+) \|")
 
 
 def _free_port() -> int:
@@ -45,3 +46,8 @@ def logged_losses(output: str, train_iters: int) -> list[float]:
     found = [(int(i), float(v)) for i, total, v in LOSS.findall(output)]
     assert [i for i, _ in found] == list(range(1, train_iters + 1)), output[-3000:]
     return [v for _, v in found]
+
+
+def validation_losses(output: str) -> dict:
+    """``{"iteration 5 on validation set": loss, ...}`` from the validation lines."""
+    return {where: float(value) for where, value in VALIDATION.findall(output)}

@@ -1,10 +1,11 @@
 """Smoke (tier 3): issue 4's "Done when" commands. ``torchrun pretrain_gpt.py`` with Chimera on 4 pipeline
 ranks, with 1F1B on 4, and with Chimera on TP 2 x PP 2 prints the same five lm loss values as one process
-on the same model and global batch (relative 1e-4; dropout stays at its default 0.1)."""
+on the same model and global batch (relative 1e-4; dropout stays at its default 0.1), and Chimera's
+evaluation prints the single-process validation and test losses."""
 
 import pytest
 
-from torchrun_helpers import finish, launch, logged_losses
+from torchrun_helpers import finish, launch, logged_losses, validation_losses
 
 pytestmark = pytest.mark.smoke
 
@@ -17,9 +18,14 @@ def test_chimera_1f1b_and_tp_chimera_print_the_single_process_losses(tmp_path):
     single = launch(1, COMMAND)
     chimera = launch(4, COMMAND + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule",
                                    "chimera", "--pipeline-timeline", str(tmp_path)])
-    expected = logged_losses(finish(single), 5)
+    single_output = finish(single)
+    expected = logged_losses(single_output, 5)
     chimera_output = finish(chimera)
     assert logged_losses(chimera_output, 5) == pytest.approx(expected, rel=1e-4)
+    # Evaluation runs the forward-only lists of the schedule: same validation and test losses.
+    expected_validation = validation_losses(single_output)
+    assert len(expected_validation) == 2  # validation and test set at the end
+    assert validation_losses(chimera_output) == pytest.approx(expected_validation, rel=1e-4)
     assert "> p2p packing: " in chimera_output and "> pipeline schedule: chimera" in chimera_output
     assert "> peak stored activations per rank: " in chimera_output
     assert "measured bubble ratio" in chimera_output
