@@ -86,14 +86,18 @@ class RankLayout:
         return self._group_along(rank, "pp")
 
     def all_groups(self, axis: str) -> list[list[int]]:
-        """Every group along one axis ('tp', 'dp' or 'pp'), each once, in rank order."""
-        seen, groups = set(), []
-        for rank in range(self.world_size):
-            group = self._group_along(rank, axis)
-            if group[0] not in seen:
-                seen.add(group[0])
-                groups.append(group)
-        return groups
+        """Every group along one axis ('tp', 'dp' or 'pp'), each once, ordered by first rank."""
+        sizes = {"tp": self.tensor_parallel_size, "dp": self.data_parallel_size,
+                 "pp": self.pipeline_parallel_size}
+        if axis not in sizes:
+            raise ValueError(f"axis must be 'tp', 'dp' or 'pp', got {axis!r}")
+        # rank = tp + TP * (dp + DP * pp): moving one step along ``axis`` adds ``stride``.
+        stride = {"tp": 1, "dp": self.tensor_parallel_size,
+                  "pp": self.tensor_parallel_size * self.data_parallel_size}[axis]
+        block = stride * sizes[axis]  # ranks covered before the pattern repeats
+        return [[first + step * stride for step in range(sizes[axis])]
+                for base in range(0, self.world_size, block)
+                for first in range(base, base + stride)]
 
     def pipeline_ranks_group(self, pipeline_ranks: Iterable[int], rank: int) -> list[int]:
         """Ranks with this rank's TP coordinate, any DP coordinate and the given pipeline ranks.

@@ -62,3 +62,14 @@ def test_group_creation_walks_every_group_in_the_same_order():
     with pytest.raises(KeyError, match="no process group"):
         state.group_for([1, 5])
     assert ParallelState.single_process().world_size == 1
+
+
+@pytest.mark.parametrize("tp,dp,pp", [(1, 1, 1), (2, 3, 2), (3, 2, 4), (1, 4, 3), (4, 1, 2)])
+def test_all_groups_equals_the_per_rank_groups(tp, dp, pp):
+    layout = RankLayout(tp, dp, pp)
+    per_rank = {"tp": layout.tensor_group, "dp": layout.data_group, "pp": layout.pipeline_group}
+    for axis, group_of in per_rank.items():
+        expected = sorted({tuple(group_of(rank)) for rank in range(layout.world_size)})
+        groups = layout.all_groups(axis)
+        assert [g[0] for g in groups] == sorted(g[0] for g in groups)  # same order on every rank
+        assert sorted(tuple(g) for g in groups) == expected
