@@ -25,8 +25,10 @@ instead of hanging. Files are read with ``torch.load(weights_only=True)`` (no co
 
 Loading restores everything, or honours ``--no-load-optim``, ``--no-load-rng`` and ``--finetune``.
 A checkpoint of a different parallel layout (TP, PP, schedule, chunks per rank) is rejected with a
-message naming both layouts: layout conversion is out of scope. The data-parallel size may change
-(weights and optimizer state are replicated over data-parallel ranks); RNG states are then not
+message naming both layouts: convert it first with ``tools/convert_checkpoint.py``
+(:mod:`megatron.training.checkpoint_conversion`), which writes a weights-only checkpoint
+(``"weights_only": True``) that loads with ``--finetune`` or ``--no-load-optim``. The
+data-parallel size may change (weights and optimizer state are replicated over data-parallel ranks); RNG states are then not
 restored, with a warning.
 """
 
@@ -510,8 +512,10 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {iteration_dir} was saved with parallel layout "
                 f"[{describe_layout(metadata['layout'])}] but this run uses "
-                f"[{describe_layout(expected)}]; converting checkpoints between layouts is not "
-                f"supported: resume with the saved layout's flags")
+                f"[{describe_layout(expected)}]; loading another layout is not supported: resume "
+                f"with the saved layout's flags, or convert "
+                f"the weights with tools/convert_checkpoint.py and load them with --finetune or "
+                f"--no-load-optim")
         path = checkpoint_file(root, iteration, parallel_state.tp_rank, parallel_state.pp_rank,
                                parallel_state.pp_size)
         relative = os.path.relpath(path, iteration_dir)
@@ -537,6 +541,11 @@ class Checkpointer:
                                   f"{iteration}; the checkpoint directory was mixed up")
         _check_model_flags(path, payload.get("config", {}).get("model", {}),
                            dataclasses.asdict(components.config.model))
+        if payload.get("weights_only") and not (self.config.checkpoint.finetune
+                                                or self.config.checkpoint.no_load_optim):
+            raise CheckpointError(f"checkpoint file {path} holds weights only (converted from "
+                                  f"another parallel layout by tools/convert_checkpoint.py): it "
+                                  f"has no optimizer state; pass --finetune or --no-load-optim")
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             _check_model_state(path, key, payload[key], chunk)
         if not (self.config.checkpoint.finetune or self.config.checkpoint.no_load_optim):
@@ -554,7 +563,12 @@ class Checkpointer:
         if not checkpoint_config.no_load_optim:
             _load_optimizer_state(components.optimizer, payload["optimizer"])
             components.lr_scheduler.load_state_dict(payload["opt_param_scheduler"])
-        if not checkpoint_config.no_load_rng:
+        if payload.get("weights_only"):
+            if parallel_state.rank == 0:
+                self.log("  the checkpoint holds weights only (converted from "
+                         f"[{payload.get('converted_from', 'another layout')}]): the optimizer, "
+                         "LR schedule and RNG states start afresh")
+        elif not checkpoint_config.no_load_rng:
             rng_states = payload["rng_state"]
             if len(rng_states) == parallel_state.dp_size:
                 restore_rng_state(rng_states[parallel_state.dp_rank])

@@ -1,0 +1,387 @@
+"""Convert a checkpoint's weights from one parallel layout to another (TP, PP, schedule).
+
+One process reads every rank file of a checkpoint iteration, merges each parameter to its full
+tensor and writes the weights in another layout, with Megatron's directory and file naming, so the
+existing :class:`~megatron.training.checkpointing.Checkpointer` loads them in the target layout.
+
+Merging: a tensor-parallel parameter's shards are concatenated along its ``partition_dim``; a
+replicated parameter must be identical on every TP rank. A parameter held by several chunks (the two
+replicas of a Chimera stage; the last stage's copy of the tied word embedding) must be identical in
+every copy; otherwise :class:`ConversionError` names the parameter. Which parameters are
+tensor-parallel (and along which dimension), and which parameters each target chunk holds, come from
+the model itself: every distinct chunk is built once on the ``meta`` device at TP size 1 (no memory
+for weights, no process groups).
+
+The result is weights only: no optimizer, LR schedule or RNG state (Adam moments do not split the
+way their parameters do under a different layout without more bookkeeping). The file says so
+(``"weights_only": True``); the loader then requires ``--finetune`` or ``--no-load-optim`` and
+skips the RNG states. Iteration and consumed samples are carried over.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core.config import MegatronConfig
+from megatron.core.parallel_state import ParallelState
+from megatron.core.pipeline_parallel.model_chunks import stage_layer_range
+from megatron.core.pipeline_parallel.runtime import layout_for
+from megatron.core.tensor_parallel.utils import shard_of
+from megatron.training.checkpointing import (
+    CHECKPOINT_FILENAME, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
+    STAGING_SUFFIX,
+    CheckpointError, _read_metadata, _verify_file, checkpoint_file, describe_layout, file_crc32,
+    iteration_dir_name, load_file, model_keys, parallel_layout, rank_dir_name, read_tracker,
+    save_file, write_tracker)
+
+# Flags of the parallel layout; everything else of the source run's config carries over.
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
+                 "chimera_pipelines", "chimera_variant", "chimera_grad_sync",
+                 "num_layers_per_virtual_pipeline_stage")
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """The parallel layout to convert to (Megatron's flag names)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    pipeline_schedule: Optional[str] = None
+    chimera_pipelines: int = 2
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+
+
+@dataclass
+class SourceCheckpoint:
+    """Every rank file of one iteration: ``payloads[(tp_rank, pp_rank)]`` and the metadata."""
+
+    root: str
+    iteration: int
+    metadata: dict
+    config: MegatronConfig
+    payloads: dict
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+def config_from_dict(values: dict) -> MegatronConfig:
+    """Rebuild the :class:`MegatronConfig` a checkpoint stores as ``dataclasses.asdict``."""
+    sections = {}
+    for section_field in dataclasses.fields(MegatronConfig):
+        section_class = section_field.default_factory
+        known = {field.name for field in dataclasses.fields(section_class)}
+        saved = values.get(section_field.name, {})
+        sections[section_field.name] = section_class(
+            **{name: value for name, value in saved.items() if name in known})
+    return MegatronConfig(**sections)
+
+
+def target_config(source: MegatronConfig, target: TargetLayout) -> MegatronConfig:
+    """The source run's config with the target layout's parallel flags, validated by
+    ``parse_args`` for a world of TP x PP processes (data-parallel size 1: it does not change the
+    weights). Raises ConversionError when the target layout is invalid for the model."""
+    # imported here: arguments imports much of the package
+    from megatron.training.arguments import config_to_argv, parse_args
+
+    config = copy.deepcopy(source)
+    defaults = type(config.parallel)()
+    for name in LAYOUT_FIELDS:  # start from the defaults so no source-only option lingers
+        setattr(config.parallel, name, getattr(defaults, name))
+    for field in dataclasses.fields(TargetLayout):
+        setattr(config.parallel, field.name, getattr(target, field.name))
+    for name in ("load", "save"):  # the conversion's own paths are not the training run's
+        if hasattr(config.checkpoint, name):
+            setattr(config.checkpoint, name, None)
+    world_size = target.tensor_model_parallel_size * target.pipeline_model_parallel_size
+    try:
+        validated = parse_args(config_to_argv(config), world_size=world_size)
+    except (ValueError, SystemExit) as error:
+        raise ConversionError(f"the target layout [TP={target.tensor_model_parallel_size}, "
+                              f"PP={target.pipeline_model_parallel_size}, schedule="
+                              f"{target.pipeline_schedule or '1f1b'}] is not valid for the "
+                              f"source run's flags: {error}; choose another target layout"
+                              ) from None
+    saved_padded = source.model.padded_vocab_size
+    if validated.model.padded_vocab_size is None:  # a tokenizer's vocabulary: keep the padding
+        validated.model.padded_vocab_size = saved_padded
+    if validated.model.padded_vocab_size != saved_padded or \
+            saved_padded % target.tensor_model_parallel_size:
+        raise ConversionError(
+            f"the padded vocabulary differs between layouts ({saved_padded} in the checkpoint, "
+            f"{validated.model.padded_vocab_size} with TP={target.tensor_model_parallel_size}); "
+            f"converting would change the embedding's shape: choose a "
+            f"--make-vocab-size-divisible-by for the source run that pads equally for both TP "
+            f"sizes, or another target TP size")
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "max_position_embeddings", "untie_embeddings_and_output_weights"):
+        if getattr(validated.model, name) != getattr(source.model, name):
+            raise ConversionError(f"model flag --{name.replace('_', '-')} changed from "
+                                  f"{getattr(source.model, name)} to "
+                                  f"{getattr(validated.model, name)} while converting; this is a "
+                                  f"bug in the converter's flag handling")
+    return validated
+
+
+# ----------------------------------------------------------------------------------------------
+# Which parameters each chunk holds (meta-device templates)
+# ----------------------------------------------------------------------------------------------
+
+def chunk_specs(config: MegatronConfig) -> dict:
+    """``{pp_rank: [(pre_process, post_process, layer_range), ...]}`` in hosted (file) order."""
+    layout = layout_for(config)
+    num_stages = layout.num_stages
+    specs = {}
+    for pp_rank in range(config.parallel.pipeline_model_parallel_size):
+        specs[pp_rank] = [
+            (stage == 0, stage == num_stages - 1,
+             stage_layer_range(config.model.num_layers, num_stages, stage))
+            for _, stage in layout.hosted(pp_rank)]
+    return specs
+
+
+def template_parameters(config: MegatronConfig, pre_process: bool, post_process: bool,
+                        layer_range: range) -> dict:
+    """``{name: (full shape, partition_dim or None)}`` of one chunk, from a TP-1 model built on
+    the meta device (no weight memory, no process groups)."""
+    from megatron.core.models.gpt.model import GPTModel  # heavy import, only when converting
+
+    model = GPTModel(config.model, config.recompute, ParallelState.single_process(),
+                     config.training.seed, layer_range=layer_range, pre_process=pre_process,
+                     post_process=post_process, device=torch.device("meta"))
+    result = {}
+    for name, param in model.named_parameters():
+        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        result[name] = (tuple(param.shape), dim)
+    for name, buffer in model.named_buffers():
+        if name in model.state_dict():
+            result[name] = (tuple(buffer.shape), None)
+    return result
+
+
+def _templates(config: MegatronConfig) -> dict:
+    """``{pp_rank: [template of each hosted chunk]}`` (each distinct chunk built once)."""
+    cache, result = {}, {}
+    for pp_rank, specs in chunk_specs(config).items():
+        result[pp_rank] = []
+        for spec in specs:
+            key = (spec[0], spec[1], spec[2].start, spec[2].stop)
+            if key not in cache:
+                cache[key] = template_parameters(config, *spec)
+            result[pp_rank].append(cache[key])
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading and merging
+# ----------------------------------------------------------------------------------------------
+
+def read_checkpoint(root: str, iteration: Optional[int] = None) -> SourceCheckpoint:
+    """Read every rank file of ``iteration`` (default: the tracker's) and check its CRC-32."""
+    if iteration is None:
+        try:
+            iteration = read_tracker(root)
+        except ValueError as error:
+            raise ConversionError(str(error)) from None
+        if iteration is None:
+            raise ConversionError(f"{root} has no latest_checkpointed_iteration.txt; pass "
+                                  f"--iteration N or point --load at a checkpoint directory")
+    iteration_dir = os.path.join(root, iteration_dir_name(iteration))
+    if not os.path.isdir(iteration_dir):
+        available = sorted(name for name in os.listdir(root) if name.startswith("iter_")) \
+            if os.path.isdir(root) else []
+        raise ConversionError(f"iteration {iteration} does not exist: no {iteration_dir} "
+                              f"(available: {available or 'none'}); pass an existing --iteration")
+    try:
+        metadata = _read_metadata(os.path.join(iteration_dir, METADATA_FILENAME))
+    except CheckpointError as error:
+        raise ConversionError(str(error)) from None
+    layout = metadata["layout"]
+    tp_size = layout["tensor_model_parallel_size"]
+    pp_size = layout["pipeline_model_parallel_size"]
+    payloads = {}
+    for tp_rank in range(tp_size):
+        for pp_rank in range(pp_size):
+            path = checkpoint_file(root, iteration, tp_rank, pp_rank, pp_size)
+            relative = os.path.relpath(path, iteration_dir)
+            if relative not in metadata["files"]:
+                raise ConversionError(f"{METADATA_FILENAME} of {iteration_dir} lists no "
+                                      f"{relative}; the checkpoint is incomplete")
+            try:
+                _verify_file(path, metadata["files"][relative])
+                payload = load_file(path)
+            except CheckpointError as error:
+                raise ConversionError(str(error)) from None
+            for key in ("config", *model_keys(layout["model_chunks_per_rank"])):
+                if key not in payload:
+                    raise ConversionError(f"checkpoint file {path} has no {key!r} entry; it is "
+                                          f"corrupt or not written by this project")
+            payloads[(tp_rank, pp_rank)] = payload
+    config = config_from_dict(payloads[(0, 0)]["config"])
+    return SourceCheckpoint(root, iteration, metadata, config, payloads)
+
+
+def merge_full_state(source: SourceCheckpoint) -> dict:
+    """``{name: full tensor}`` of every parameter of the source checkpoint.
+
+    TP shards are concatenated along ``partition_dim``; replicated parameters must agree over TP
+    ranks, and every copy of a parameter (Chimera replicas, tied embedding copies) must agree.
+    Raises ConversionError naming the parameter otherwise.
+    """
+    layout = source.metadata["layout"]
+    tp_size = layout["tensor_model_parallel_size"]
+    pp_size = layout["pipeline_model_parallel_size"]
+    keys = model_keys(layout["model_chunks_per_rank"])
+    templates = _templates(source.config)
+    full: dict = {}
+    where: dict = {}
+    for pp_rank in range(pp_size):
+        if len(templates[pp_rank]) != len(keys):
+            raise ConversionError(f"the checkpoint's layout [{describe_layout(layout)}] holds "
+                                  f"{len(keys)} chunks per rank, but its config's schedule hosts "
+                                  f"{len(templates[pp_rank])}; the checkpoint is inconsistent")
+        for key, template in zip(keys, templates[pp_rank]):
+            states = [source.payloads[(tp_rank, pp_rank)][key] for tp_rank in range(tp_size)]
+            location = f"pipeline rank {pp_rank} {key}"
+            for tp_rank, state in enumerate(states):
+                if set(state) != set(template):
+                    missing = sorted(set(template) - set(state))[:3]
+                    unexpected = sorted(set(state) - set(template))[:3]
+                    raise ConversionError(
+                        f"{location} (TP rank {tp_rank}) does not hold the parameters its layout "
+                        f"implies (missing {missing}, unexpected {unexpected}); the checkpoint "
+                        f"does not match its own config")
+            for name, (shape, dim) in template.items():
+                shards = [state[name] for state in states]
+                if dim is None:
+                    for tp_rank, shard in enumerate(shards[1:], start=1):
+                        if not torch.equal(shard, shards[0]):
+                            raise ConversionError(
+                                f"replicated parameter {name} differs between TP ranks 0 and "
+                                f"{tp_rank} ({location}); the checkpoint's replicas diverged: "
+                                f"convert an iteration saved before they diverged")
+                    value = shards[0]
+                else:
+                    value = torch.cat(shards, dim=dim)
+                if tuple(value.shape) != shape:
+                    raise ConversionError(f"{name} ({location}) merges to shape "
+                                          f"{tuple(value.shape)}, the model expects {shape}; the "
+                                          f"checkpoint does not match its config")
+                if name in full:
+                    if not torch.equal(full[name], value):
+                        raise ConversionError(
+                            f"parameter {name} differs between its copies ({where[name]} and "
+                            f"{location}): the replicas (Chimera stage replicas or tied "
+                            f"embedding copies) must be identical; convert a checkpoint whose "
+                            f"replicas were kept in sync")
+                else:
+                    full[name], where[name] = value.clone(), location
+    return full
+
+
+# ----------------------------------------------------------------------------------------------
+# Splitting and writing
+# ----------------------------------------------------------------------------------------------
+
+def split_for_layout(full: dict, config: MegatronConfig) -> dict:
+    """``{(tp_rank, pp_rank): [state dict of each hosted chunk]}`` of the layout of ``config``."""
+    tp_size = config.parallel.tensor_model_parallel_size
+    result = {}
+    for pp_rank, templates in _templates(config).items():
+        for tp_rank in range(tp_size):
+            chunks = []
+            for template in templates:
+                state = {}
+                for name, (shape, dim) in template.items():
+                    if name not in full:
+                        raise ConversionError(f"the source checkpoint has no {name}, which the "
+                                              f"target layout needs; the model flags differ")
+                    value = full[name]
+                    if tuple(value.shape) != shape:
+                        raise ConversionError(f"{name} has shape {tuple(value.shape)} in the "
+                                              f"source, the target model expects {shape}")
+                    if dim is not None:
+                        value = shard_of(value, dim, tp_rank, tp_size)
+                    state[name] = value.clone().contiguous()  # own storage: small files
+                chunks.append(state)
+            result[(tp_rank, pp_rank)] = chunks
+    return result
+
+
+def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, chunks: dict,
+                             progress: dict, note: str = "") -> str:
+    """Write ``chunks`` (from :func:`split_for_layout`) as a weights-only checkpoint of the
+    layout of ``config`` into ``root``: rank files, metadata with CRCs, then the tracker.
+    Returns the iteration directory. Refuses to overwrite an existing iteration directory."""
+    final_dir = os.path.join(root, iteration_dir_name(iteration))
+    if os.path.exists(final_dir):
+        raise ConversionError(f"{final_dir} already exists; choose an empty --save directory")
+    staging_dir = final_dir + STAGING_SUFFIX
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(staging_dir, ignore_errors=True)
+    num_chunks = len(next(iter(chunks.values())))
+    layout = parallel_layout(config, num_chunks)
+    header = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION,
+              "iteration": iteration,
+              "consumed_train_samples": int(progress.get("consumed_train_samples", 0)),
+              "consumed_valid_samples": int(progress.get("consumed_valid_samples", 0)),
+              "layout": layout, "data_parallel_size": 1}
+    pp_size = config.parallel.pipeline_model_parallel_size
+    files = {}
+    try:
+        for (tp_rank, pp_rank), states in sorted(chunks.items()):
+            relative = os.path.join(rank_dir_name(tp_rank, pp_rank, pp_size), CHECKPOINT_FILENAME)
+            payload = {**header, "config": dataclasses.asdict(config), "weights_only": True,
+                       "converted_from": note, "optimizer": None, "opt_param_scheduler": None,
+                       "rng_state": []}
+            for key, state in zip(model_keys(num_chunks), states):
+                payload[key] = state
+            path = os.path.join(staging_dir, relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_file(payload, path)
+            files[relative] = {"size": os.path.getsize(path), "crc32": file_crc32(path)}
+        with open(os.path.join(staging_dir, METADATA_FILENAME), "w") as handle:
+            json.dump({**header, "weights_only": True, "files": dict(sorted(files.items()))},
+                      handle, indent=2)
+        os.replace(staging_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(staging_dir, ignore_errors=True)
+        raise
+    write_tracker(root, iteration)
+    return final_dir
+
+
+def convert_checkpoint(load: str, save: str, target: TargetLayout,
+                       iteration: Optional[int] = None, log=print) -> str:
+    """Convert ``load``'s iteration (default: the tracker's) to ``target``; write it to ``save``.
+
+    Returns the written iteration directory. Raises ConversionError (a ValueError) naming the
+    problem and the fix for a missing iteration, corrupt files, diverged replicas, a model that
+    does not fit the target layout.
+    """
+    source = read_checkpoint(load, iteration)
+    source_layout = describe_layout(source.metadata["layout"])
+    config = target_config(source.config, target)
+    log(f"converting {load} iteration {source.iteration} [{source_layout}]")
+    full = merge_full_state(source)
+    chunks = split_for_layout(full, config)
+    target_layout = describe_layout(parallel_layout(config, len(next(iter(chunks.values())))))
+    first = source.payloads[(0, 0)]
+    written = write_weights_checkpoint(save, source.iteration, config, chunks, first,
+                                       note=source_layout)
+    log(f"  wrote {written} [{target_layout}]: {len(full)} parameters, weights only (load it "
+        f"with --finetune or --no-load-optim)")
+    return written
