@@ -2,6 +2,7 @@
 merged to full weights, written in another layout, loaded there by the Checkpointer, and give the
 same weights (exactly) and the same loss; diverged replicas and broken checkpoints are refused."""
 
+import dataclasses
 import json
 import os
 import types
@@ -89,7 +90,7 @@ def _write_source(root, config, full, tamper=None):
             payload = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION,
                        "iteration": ITERATION, "consumed_train_samples": CONSUMED[0],
                        "consumed_valid_samples": CONSUMED[1], "layout": layout,
-                       "data_parallel_size": 1, "config": __import__("dataclasses").asdict(config),
+                       "data_parallel_size": 1, "config": dataclasses.asdict(config),
                        "optimizer": {}, "opt_param_scheduler": {},
                        "rng_state": [capture_rng_state()]}
             for key, chunk in zip(model_keys(len(chunks)), chunks):
