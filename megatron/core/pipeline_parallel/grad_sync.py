@@ -164,11 +164,3 @@ def grad_norm_owners(chunks: Sequence[torch.nn.Module], keys: Sequence,
             if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
                 owners.add(id(param))
     return owners
-
-
-def reducer_params(reducers: Iterable) -> list:
-    """Every parameter some reducer covers (for checks)."""
-    params = []
-    for reducer in reducers:
-        params.extend(getattr(reducer, "params", getattr(reducer, "copies", [])))
-    return params

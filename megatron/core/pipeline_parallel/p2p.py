@@ -15,8 +15,9 @@ cannot mix messages up.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,6 @@ class P2PTransport:
                  receives: Sequence[ExpectedTensor]) -> list[torch.Tensor]:
         """Send ``sends`` and receive ``receives`` in one batch; returns the received tensors in
         the order of ``receives``."""
-        import time
         start = time.perf_counter()
         if getattr(self.packer, "enabled", False):
             received = self._exchange_packed(sends, receives)
@@ -130,8 +130,3 @@ class P2PTransport:
             for item, tensor in zip(expected, tensors):
                 received[id(item)] = tensor
         return [received[id(item)] for item in receives]
-
-
-def describe_transport(packer) -> str:
-    """One log line naming the active packing."""
-    return f"> p2p packing: {packer.describe()}"
