@@ -31,7 +31,7 @@ from megatron.core.pipeline_parallel.instructions import (  # noqa: E402
     Instruction, format_schedule_csv)
 from megatron.core.pipeline_parallel.lowering import GRAD_SYNC_POLICIES  # noqa: E402
 from megatron.core.pipeline_parallel.schedules import (  # noqa: E402
-    CHIMERA_VARIANTS, SCHEDULE_NAMES, check_schedule_options, schedule_layout)
+    CHIMERA_VARIANTS, SCHEDULE_NAMES, check_schedule_options, family_options, schedule_layout)
 from megatron.core.pipeline_parallel.simulator import simulate_schedule  # noqa: E402
 
 FORMATS = ("text", "csv", "json", "png")
@@ -77,11 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def schedule_options(args) -> dict:
-    if args.schedule == "chimera":
-        return {"num_pipelines": args.chimera_pipelines, "variant": args.chimera_variant}
-    if args.schedule == "interleaved-1f1b":
-        return {"num_model_chunks": args.num_model_chunks}
-    return {}
+    """The builder options of ``--schedule`` from this tool's flags."""
+    return family_options(args.schedule, num_pipelines=args.chimera_pipelines,
+                          variant=args.chimera_variant, num_model_chunks=args.num_model_chunks)
 
 
 def op_label(op: Instruction, name: str, num_pipelines: int) -> str:

@@ -294,16 +294,14 @@ def _check_schedule_options(config: MegatronConfig) -> None:
     """Ask the schedule builders whether they accept this depth and micro-batch count."""
     # Imported here: the schedules package owns these rules, and validation must not import it at
     # module level (it is pure, but keeping the flag parser's import light costs nothing).
-    from megatron.core.pipeline_parallel.schedules import check_schedule_options
+    from megatron.core.pipeline_parallel.schedules import (check_schedule_options,
+                                                           schedule_from_config)
     parallel = config.parallel
-    # The schedules package ignores the options of other schedule families, so pass them all.
-    options = {"num_model_chunks": parallel.virtual_pipeline_model_parallel_size,
-               "num_pipelines": parallel.chimera_pipelines,
-               "variant": parallel.chimera_variant,
-               "micro_batch_size": config.training.micro_batch_size}
+    name, options = schedule_from_config(parallel)
     try:
-        check_schedule_options(parallel.pipeline_schedule, parallel.pipeline_model_parallel_size,
-                               config.training.num_microbatches, **options)
+        check_schedule_options(name, parallel.pipeline_model_parallel_size,
+                               config.training.num_microbatches,
+                               micro_batch_size=config.training.micro_batch_size, **options)
     except ValueError as error:
         raise ValueError(
             f"--pipeline-schedule {parallel.pipeline_schedule} with --pipeline-model-parallel-size "

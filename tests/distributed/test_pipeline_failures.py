@@ -47,7 +47,7 @@ def test_interpreter_error_prints_the_grid_with_the_failing_step():
 
     layout = schedule_layout("chimera", 2)
     lowered = lower_schedule(build_schedule("chimera", 2, 2), layout)
-    context = ExecutionContext(chunks={}, num_stages=2, transport=None, forward_step_func=None,
+    context = ExecutionContext(chunks={}, layout=layout, transport=None, forward_step_func=None,
                                microbatches=[], loss_divisor=2, activation_shape=(1, 1, 1),
                                wire_dtype=torch.float32)
     with pytest.raises(PipelineExecutionError) as failure:

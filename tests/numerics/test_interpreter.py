@@ -54,7 +54,7 @@ def test_first_stage_frees_sent_activations_and_backpropagates_received_gradient
                      "sample_ids": torch.arange(BATCH) + 2 * k} for k in range(2)]
     transport, reducer = RecordingTransport(), CountingReducer()
     interpreter = Interpreter(ExecutionContext(
-        chunks={ModuleKey(0, 0): chunk}, num_stages=2, transport=transport,
+        chunks={ModuleKey(0, 0): chunk}, layout=layout, transport=transport,
         forward_step_func=pretrain_gpt.forward_step, microbatches=microbatches, loss_divisor=2,
         activation_shape=(SEQ, BATCH, HIDDEN), wire_dtype=torch.float32,
         reducers={ModuleKey(0, 0): reducer}))

@@ -218,8 +218,10 @@ def recording_schedule_check(monkeypatch):
         if num_microbatches == 3:
             raise ValueError("3 micro-batches do not fill the schedule; use a multiple of 2")
 
+    from megatron.core.pipeline_parallel.schedules import schedule_from_config
     fake = types.ModuleType("megatron.core.pipeline_parallel.schedules")
     fake.check_schedule_options = check_schedule_options
+    fake.schedule_from_config = schedule_from_config  # the real flags -> options mapping
     monkeypatch.setitem(sys.modules, "megatron.core.pipeline_parallel.schedules", fake)
     return calls
 
@@ -230,10 +232,9 @@ def test_validation_asks_the_schedule_builders(recording_schedule_check):
     parse_args(TINY + ["--pipeline-model-parallel-size", "2",
                        "--num-layers-per-virtual-pipeline-stage", "1"], world_size=2)
     assert recording_schedule_check == [
-        ("chimera", 2, 8, {"num_model_chunks": None, "num_pipelines": 2,
-                           "variant": "forward-doubling", "micro_batch_size": 2}),
-        ("interleaved-1f1b", 2, 8, {"num_model_chunks": 4, "num_pipelines": 2,
-                                    "variant": "direct", "micro_batch_size": 2}),
+        ("chimera", 2, 8, {"num_pipelines": 2, "variant": "forward-doubling",
+                           "micro_batch_size": 2}),
+        ("interleaved-1f1b", 2, 8, {"num_model_chunks": 4, "micro_batch_size": 2}),
     ]
     with pytest.raises(ValueError) as error:
         parse_args(replaced(TINY, "--global-batch-size", "6") + [

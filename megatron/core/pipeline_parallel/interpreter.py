@@ -112,7 +112,7 @@ class ExecutionContext:
     """
 
     chunks: dict  # ModuleKey -> model chunk
-    num_stages: int
+    layout: object  # the schedule's ScheduleLayout (which stages read data / compute the loss)
     transport: object
     forward_step_func: Callable
     microbatches: Sequence[dict]
@@ -205,9 +205,9 @@ class Interpreter:
     def _forward(self, op: Instruction) -> None:
         context = self.context
         chunk = context.chunks[ModuleKey(op.pipeline, op.stage)]
-        is_last = op.stage == context.num_stages - 1
+        is_last = context.layout.is_last_stage(op.stage)
         input_tensor = None
-        if op.stage > 0:
+        if not context.layout.is_first_stage(op.stage):
             input_tensor = self.received.pop((ACTIVATION, op.pipeline, op.stage - 1, op.microbatch))
             if not context.forward_only:
                 input_tensor.requires_grad_(True)
@@ -232,13 +232,13 @@ class Interpreter:
 
     def _backward(self, op: Instruction) -> None:
         input_tensor, output, nbytes = self.stored.pop((op.pipeline, op.stage, op.microbatch))
-        if op.stage == self.context.num_stages - 1:
+        if self.context.layout.is_last_stage(op.stage):
             output.backward()
         else:
             grad = self.received.pop((GRADIENT, op.pipeline, op.stage + 1, op.microbatch))
             backward_from(output, grad.to(output.dtype))
         self.live_bytes -= nbytes
-        if op.stage > 0:
+        if not self.context.layout.is_first_stage(op.stage):
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_tensor.grad
 
     def _communicate(self, group: P2PGroup) -> None:

@@ -42,12 +42,13 @@ def build_model_chunks(model_provider: Callable, config, parallel_state, schedul
     ``model_provider(config, parallel_state, *, pre_process, post_process, layer_range)`` builds
     one chunk (``pretrain_gpt.model_provider``).
     """
-    num_stages = schedule_layout.num_stages
     chunks, keys = [], []
     for pipeline, stage in schedule_layout.hosted(parallel_state.pp_rank):
-        layers = stage_layer_range(config.model.num_layers, num_stages, stage)
-        chunk = model_provider(config, parallel_state, pre_process=stage == 0,
-                               post_process=stage == num_stages - 1, layer_range=layers)
+        layers = stage_layer_range(config.model.num_layers, schedule_layout.num_stages, stage)
+        chunk = model_provider(config, parallel_state,
+                               pre_process=schedule_layout.is_first_stage(stage),
+                               post_process=schedule_layout.is_last_stage(stage),
+                               layer_range=layers)
         chunks.append(chunk.to(device))
         keys.append(ModuleKey(pipeline, stage))
     return chunks, keys

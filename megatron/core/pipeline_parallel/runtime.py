@@ -32,27 +32,15 @@ from .lowering import lower_schedule
 from .model_chunks import build_model_chunks
 from .p2p import P2PTransport
 from .packing import select_packer
-from .schedules import build_schedule, schedule_layout
+from .schedules import build_schedule, schedule_from_config, schedule_layout
 from .timeline import report_memory, write_timeline
 from .validator import validate_schedule
 
 
-def schedule_options(parallel_config) -> dict:
-    """The schedule builder's options from ``config.parallel``."""
-    name = parallel_config.pipeline_schedule or "1f1b"
-    if name == "interleaved-1f1b":
-        return {"num_model_chunks": parallel_config.virtual_pipeline_model_parallel_size}
-    if name == "chimera":
-        return {"num_pipelines": parallel_config.chimera_pipelines,
-                "variant": parallel_config.chimera_variant}
-    return {}
-
-
 def layout_for(config):
     """The :class:`ScheduleLayout` of the configured schedule."""
-    parallel = config.parallel
-    return schedule_layout(parallel.pipeline_schedule or "1f1b",
-                           parallel.pipeline_model_parallel_size, **schedule_options(parallel))
+    name, options = schedule_from_config(config.parallel)
+    return schedule_layout(name, config.parallel.pipeline_model_parallel_size, **options)
 
 
 def lowered_schedule_for(config, packing: bool = False) -> list[list]:
@@ -60,11 +48,11 @@ def lowered_schedule_for(config, packing: bool = False) -> list[list]:
 
     With ``packing`` the two activations of a doubled forward step share one message."""
     parallel = config.parallel
-    name = parallel.pipeline_schedule or "1f1b"
-    layout = layout_for(config)
+    name, options = schedule_from_config(parallel)
+    layout = schedule_layout(name, parallel.pipeline_model_parallel_size, **options)
     num_microbatches = config.training.num_microbatches
     schedule = build_schedule(name, parallel.pipeline_model_parallel_size, num_microbatches,
-                              **schedule_options(parallel))
+                              **options)
     validate_schedule(schedule, layout, num_microbatches)
     return lower_schedule(schedule, layout, parallel.chimera_grad_sync,
                           doubled_step_messages=packing)
@@ -92,6 +80,7 @@ class PipelineRuntime:
         self.transport = P2PTransport(parallel_state, self.packer, device)
         self.keys: list = []
         self.reducers_by_key: dict = {}
+        self.final_reducers: list = []
         self._norm_owners: set = set()
         self.last_interpreter = None
         self.log = functools.partial(print, flush=True)
@@ -104,8 +93,8 @@ class PipelineRuntime:
     def describe(self) -> str:
         """The log lines naming the schedule and the active packing."""
         parallel = self.config.parallel
-        name = parallel.pipeline_schedule or "1f1b"
-        details = ", ".join(f"{k}={v}" for k, v in schedule_options(parallel).items())
+        name, options = schedule_from_config(parallel)
+        details = ", ".join(f"{k}={v}" for k, v in options.items())
         return (f"> pipeline schedule: {name}" + (f" ({details})" if details else "")
                 + f", {self.layout.num_pipelines} pipeline(s) x {self.layout.num_stages} stages, "
                 f"grad sync {parallel.chimera_grad_sync}\n> {self.packer.describe()}")
@@ -118,6 +107,8 @@ class PipelineRuntime:
     def build_gradient_reducers(self, model_chunks) -> list:
         self.reducers_by_key, reducers = build_stage_reducers(
             model_chunks, self.keys, self.parallel_state, self.layout)
+        # Reducers no GradSyncStart names (the tied embedding): started at the end of the list.
+        self.final_reducers = reducers[len(self.reducers_by_key):]
         self._norm_owners = grad_norm_owners(model_chunks, self.keys, self.parallel_state.tp_rank)
         return reducers
 
@@ -129,7 +120,7 @@ class PipelineRuntime:
         count = self.layout.num_schedule_microbatches(len(microbatches))
         if count == len(microbatches):
             return list(microbatches)
-        micro_batch_size = microbatches[0]["tokens"].shape[0]
+        micro_batch_size = self.config.training.micro_batch_size
         share = {key: torch.cat([mb[key] for mb in microbatches]) for key in microbatches[0]}
         result = []
         for index in range(count):
@@ -143,14 +134,13 @@ class PipelineRuntime:
         model = self.config.model
         instruction_batches = self.instruction_microbatches(microbatches)
         batch = instruction_batches[0]["tokens"].shape[0]
-        final = [r for r in gradient_reducers if r not in self.reducers_by_key.values()]
         context = ExecutionContext(
-            chunks=dict(zip(self.keys, model_chunks)), num_stages=self.layout.num_stages,
+            chunks=dict(zip(self.keys, model_chunks)), layout=self.layout,
             transport=self.transport, forward_step_func=forward_step_func,
             microbatches=instruction_batches, loss_divisor=len(instruction_batches),
             activation_shape=(model.seq_length, batch, model.hidden_size),
             wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
-            reducers=self.reducers_by_key, final_reducers=final, forward_only=forward_only,
+            reducers=self.reducers_by_key, final_reducers=self.final_reducers, forward_only=forward_only,
             autocast=autocast)
         if not forward_only:
             self.iterations += 1

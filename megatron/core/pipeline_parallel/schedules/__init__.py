@@ -46,7 +46,8 @@ _OPTIONS = {
 _ALL_OPTION_NAMES = sorted({key for options in _OPTIONS.values() for key in options})
 
 __all__ = ["SCHEDULE_NAMES", "CHIMERA_VARIANTS", "ScheduleLayout", "build_schedule",
-           "check_schedule_options", "schedule_layout", "placement"]
+           "check_schedule_options", "family_options", "schedule_from_config", "schedule_layout",
+           "placement"]
 
 
 def _resolve(name: str, pipeline_size, num_microbatches, options: dict) -> dict:
@@ -77,6 +78,21 @@ def _resolve(name: str, pipeline_size, num_microbatches, options: dict) -> dict:
         elif name == "chimera":
             check_chimera(pipeline_size, pipeline_size, **resolved)
     return resolved
+
+
+def family_options(name: str, **options) -> dict:
+    """Of ``options``, the ones schedule ``name`` understands (other families' and None dropped)."""
+    understood = _OPTIONS.get(name, {})
+    return {key: value for key, value in options.items()
+            if key in understood and value is not None}
+
+
+def schedule_from_config(parallel_config) -> tuple[str, dict]:
+    """The schedule name and builder options that ``config.parallel`` (Megatron's flags) selects."""
+    name = parallel_config.pipeline_schedule or "1f1b"
+    return name, family_options(
+        name, num_model_chunks=parallel_config.virtual_pipeline_model_parallel_size,
+        num_pipelines=parallel_config.chimera_pipelines, variant=parallel_config.chimera_variant)
 
 
 def check_schedule_options(name: str, pipeline_size: int, num_microbatches: int,
