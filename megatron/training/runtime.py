@@ -63,6 +63,12 @@ class TrainingRuntime(Protocol):
         """Run the micro-batches; return the loss dicts of the micro-batches whose loss this rank
         computed. Unless ``forward_only``, every reducer has been started on return."""
 
+    def describe(self) -> str:
+        """Log line(s) naming how this runtime runs a step (printed once at start-up)."""
+
+    def report(self, log) -> None:
+        """Collective, after training: end-of-run figures, logged where ``log`` is not None."""
+
 
 def autocast_context(training_config, device: torch.device) -> Callable:
     """A factory of the forward-pass autocast context for the run's precision.
@@ -120,6 +126,13 @@ class NoPipelineRuntime:
 
     def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
         return self._owns(param)
+
+    def describe(self) -> str:
+        return (f"> no pipeline parallelism: {self.config.training.num_microbatches} micro-batch(es) "
+                f"of gradient accumulation per iteration")
+
+    def report(self, log) -> None:
+        """Nothing to add at the end of a run without a pipeline."""
 
     def forward_backward(self, *, forward_step_func: ForwardStepFunc, model_chunks,
                          microbatches: Sequence[dict], scale_loss: Callable, gradient_reducers,

@@ -368,8 +368,7 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
             f"backend: {parallel_state.backend}; world size: {parallel_state.world_size} "
             f"(TP {parallel_state.tp_size}, DP {parallel_state.dp_size}, "
             f"PP {parallel_state.pp_size})")
-        if hasattr(runtime, "describe"):
-            log(runtime.describe())
+        log(runtime.describe())
 
     state = TrainingState()
     if checkpointing is not None and config.checkpoint.load:
@@ -379,8 +378,7 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
     result = train(components, forward_step_func, train_dataset, valid_dataset, state, log=log,
                    checkpointing=checkpointing, start_time=start_time,
                    tensorboard_writer=tensorboard_writer)
-    if hasattr(runtime, "report"):  # collective: every rank calls it
-        runtime.report(log if is_logging_rank(parallel_state) else None)
+    runtime.report(log if is_logging_rank(parallel_state) else None)  # collective
     if result.exited_early:
         if tensorboard_writer is not None and hasattr(tensorboard_writer, "flush"):
             tensorboard_writer.flush()
