@@ -13,7 +13,8 @@ LOSS = re.compile(r" iteration +(\d+)/ +(\d+) \|.*\| lm loss: ([0-9.E+-]+) \|")
 VALIDATION = re.compile(r"validation loss at (.*?) \| lm loss value: ([0-9.E+-]+) \|")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for a rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -22,7 +23,7 @@ def _free_port() -> int:
 def launch(nproc: int, arguments: list[str]) -> subprocess.Popen:
     """Start ``torchrun --nproc-per-node nproc pretrain_gpt.py arguments`` (one thread per rank)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                os.path.join(REPO, "pretrain_gpt.py"), *arguments]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,

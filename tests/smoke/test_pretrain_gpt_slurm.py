@@ -3,24 +3,22 @@ variables only, no torchrun) find each other and train with data parallelism."""
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from torchrun_helpers import REPO, free_port
+
 pytestmark = pytest.mark.smoke
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --vocab-size 64 "
         "--micro-batch-size 1 --global-batch-size 4 --lr 1e-3 --train-iters 2 --log-interval 1 "
         "--mock-data --eval-iters 0 --distributed-timeout-minutes 1").split()
 
 
 def test_srun_style_environment_trains_with_two_ranks():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     base = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     processes = []
