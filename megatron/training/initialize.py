@@ -91,10 +91,9 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
         # Several ranks per node: share the cores instead of each rank using all of them. A plain
         # process (or one whose group the caller created) keeps the threads it was given.
         torch.set_num_threads(cpu_threads_per_rank(env, _local_world_size(env, launch)))
-    local_rank = launch.local_rank if launch.launcher != "none" else (parallel.local_rank or 0)
     backend = choose_backend(parallel)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(local_rank_from_environment(config, env))
 
     rank, world_size = launch.rank, launch.world_size
     if world_size > 1 and not dist.is_initialized():
