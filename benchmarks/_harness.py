@@ -66,19 +66,17 @@ def _build(rank: int, world_size: int, argv: list, parallel_state):
     """Config, runtime, model/optimizer and micro-batches of one variant on this rank."""
     import pretrain_gpt
     from megatron.training.arguments import parse_args
-    from megatron.training.microbatches import build_microbatches
-    from megatron.training.training import select_runtime_class, setup_model_and_optimizer
+    from megatron.training.training import (iteration_microbatches, select_runtime_class,
+                                            setup_model_and_optimizer)
 
     config = parse_args(MODEL_FLAGS + list(argv), world_size=world_size)
     device = torch.device("cpu")
     runtime = select_runtime_class(config)(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime,
                                            pretrain_gpt.model_provider, device)
-    training = config.training
     train, _, _ = pretrain_gpt.datasets_provider(config, parallel_state,
-                                                 (training.global_batch_size, 0, 0))
-    microbatches = build_microbatches(train, 0, training.micro_batch_size, parallel_state.dp_size,
-                                      parallel_state.dp_rank, training.num_microbatches, device)
+                                                 (config.training.global_batch_size, 0, 0))
+    microbatches = iteration_microbatches(components, train, 0)
     return components, microbatches
 
 

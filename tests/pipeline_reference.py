@@ -18,8 +18,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
 from megatron.core.tensor_parallel.utils import gather_full_state
 from megatron.training.arguments import parse_args
-from megatron.training.microbatches import build_microbatches
-from megatron.training.training import select_runtime_class, setup_model_and_optimizer, train_step
+from megatron.training.training import (iteration_microbatches, select_runtime_class,
+                                        setup_model_and_optimizer, train_step)
 
 MODEL_FLAGS = ("--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
                "--max-position-embeddings 16 --vocab-size 96 --make-vocab-size-divisible-by 64 "
@@ -50,11 +50,9 @@ def train_one_step(rank: int, world_size: int, argv: list[str]) -> dict:
     runtime = runtime_class(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime,
                                            test_model_provider, device)
-    training = config.training
     train, _, _ = pretrain_gpt.datasets_provider(config, parallel_state,
-                                                 (training.global_batch_size, 0, 0))
-    microbatches = build_microbatches(train, 0, training.micro_batch_size, parallel_state.dp_size,
-                                      parallel_state.dp_rank, training.num_microbatches, device)
+                                                 (config.training.global_batch_size, 0, 0))
+    microbatches = iteration_microbatches(components, train, 0)
     record = train_step(components, pretrain_gpt.forward_step, microbatches)
     keys = getattr(runtime, "keys", None) or [None] * len(components.model_chunks)
     grads, params = {}, {}

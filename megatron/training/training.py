@@ -140,7 +140,9 @@ def reduce_losses(loss_dicts: list[dict], parallel_state, device: torch.device,
     return {key: totals[index].item() / count for index, key in enumerate(keys)}
 
 
-def _microbatches(components: TrainingComponents, dataset, first_sample: int) -> list[dict]:
+def iteration_microbatches(components: TrainingComponents, dataset, first_sample: int
+                           ) -> list[dict]:
+    """This rank's micro-batches of the global batch starting at ``first_sample``."""
     training, state = components.config.training, components.parallel_state
     return build_microbatches(dataset, first_sample, training.micro_batch_size, state.dp_size,
                               state.dp_rank, training.num_microbatches, components.device)
@@ -181,7 +183,7 @@ def evaluate(components: TrainingComponents, forward_step_func, dataset, first_s
     global_batch_size = components.config.training.global_batch_size
     try:
         for step in range(eval_iters):
-            microbatches = _microbatches(components, dataset, first_sample + step * global_batch_size)
+            microbatches = iteration_microbatches(components, dataset, first_sample + step * global_batch_size)
             loss_dicts = components.runtime.forward_backward(
                 forward_step_func=forward_step_func, model_chunks=components.model_chunks,
                 microbatches=microbatches, scale_loss=components.optimizer.scale_loss,
@@ -249,7 +251,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
             last_saved = state.iteration
 
     while state.iteration < training.train_iters:
-        microbatches = _microbatches(components, train_dataset, state.consumed_train_samples)
+        microbatches = iteration_microbatches(components, train_dataset, state.consumed_train_samples)
         record = train_step(components, forward_step_func, microbatches)
         state.iteration += 1
         state.consumed_train_samples += training.global_batch_size
