@@ -49,7 +49,7 @@ def lowered_schedule_for(config, packing: bool = False) -> list[list]:
     With ``packing`` the two activations of a doubled forward step share one message."""
     parallel = config.parallel
     name, options = schedule_from_config(parallel)
-    layout = schedule_layout(name, parallel.pipeline_model_parallel_size, **options)
+    layout = layout_for(config)
     num_microbatches = config.training.num_microbatches
     schedule = build_schedule(name, parallel.pipeline_model_parallel_size, num_microbatches,
                               **options)
@@ -134,21 +134,20 @@ class PipelineRuntime:
         model = self.config.model
         instruction_batches = self.instruction_microbatches(microbatches)
         batch = instruction_batches[0]["tokens"].shape[0]
-        context = ExecutionContext(
-            chunks=dict(zip(self.keys, model_chunks)), layout=self.layout,
-            transport=self.transport, forward_step_func=forward_step_func,
-            microbatches=instruction_batches, loss_divisor=len(instruction_batches),
-            activation_shape=(model.seq_length, batch, model.hidden_size),
-            wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
-            reducers=self.reducers_by_key, final_reducers=self.final_reducers, forward_only=forward_only,
-            autocast=autocast)
         if not forward_only:
             self.iterations += 1
         record = (not forward_only and self.config.logging.pipeline_timeline is not None
                   and self.iterations == self.timeline_iteration)
         if record and dist.is_initialized():
             dist.barrier()  # a common origin for every rank's clock
-        context.record_timeline = record
+        context = ExecutionContext(
+            chunks=dict(zip(self.keys, model_chunks)), layout=self.layout,
+            transport=self.transport, forward_step_func=forward_step_func,
+            microbatches=instruction_batches, loss_divisor=len(instruction_batches),
+            activation_shape=(model.seq_length, batch, model.hidden_size),
+            wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
+            reducers=self.reducers_by_key, final_reducers=self.final_reducers,
+            forward_only=forward_only, autocast=autocast, record_timeline=record)
         interpreter = Interpreter(context)
         losses = interpreter.run(self.lowered_forward_only if forward_only else self.lowered,
                                  self.parallel_state.pp_rank)
