@@ -2,7 +2,7 @@
 
 The extension is built when torch is importable at build time, which needs
 `pip install --no-build-isolation -e .` (an isolated build environment has no torch). Without torch,
-or when compilation fails, the package installs without it: megatron.core.pipeline_parallel.packing
+or when compilation fails, the package installs without it: megatron.core.pipeline_parallel.execution.packing
 then compiles it on first use, or falls back to its byte-identical pure-Python implementation.
 Set MEGATRON_SKIP_CPP_EXTENSION=1 to skip the build on purpose.
 """

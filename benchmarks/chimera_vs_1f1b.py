@@ -41,7 +41,7 @@ PAPER_SPEEDUP_D32_N32 = 1.21
 
 def simulate(name: str, depth: int, num_microbatches: int, backward_ratio: float, options: dict):
     """Simulator result of one schedule with F = 1 and Bk = ``backward_ratio`` (zero p2p cost)."""
-    from megatron.core.pipeline_parallel.simulator import simulate_schedule
+    from megatron.core.pipeline_parallel.planning.simulator import simulate_schedule
 
     _, _, result = simulate_schedule(name, depth, num_microbatches, forward_cost=1.0,
                                      backward_cost=backward_ratio, **options)
@@ -50,7 +50,7 @@ def simulate(name: str, depth: int, num_microbatches: int, backward_ratio: float
 
 def allowed(name: str, options: dict, depth: int, num_microbatches: int) -> bool:
     """Whether the schedule is defined for (D, N) (forward doubling needs N a multiple of D)."""
-    from megatron.core.pipeline_parallel.schedules.chimera import check_chimera
+    from megatron.core.pipeline_parallel.planning.schedules.chimera import check_chimera
 
     if name != "chimera":
         return True

@@ -49,8 +49,8 @@ def lowered_message_counts(world_size: int, flags: list) -> dict:
     ``packed``: distinct (communication group, peer) pairs (the message count with packing on);
     ``max_per_message``: the most tensors any packed message carries.
     """
-    from megatron.core.pipeline_parallel.lowering import SEND, P2PGroup
-    from megatron.core.pipeline_parallel.runtime import lowered_schedule_for
+    from megatron.core.pipeline_parallel.planning.lowering import SEND, P2PGroup
+    from megatron.core.pipeline_parallel.execution.runtime import lowered_schedule_for
     from megatron.training.arguments import parse_args
     from _harness import MODEL_FLAGS
 
@@ -109,7 +109,7 @@ def print_lowered_table(rows: list) -> None:
 
 def measure_pack_unpack(repeats: int) -> list:
     """Pack + unpack cost, C++ vs Python, on message shapes of this benchmark's pipelines."""
-    from megatron.core.pipeline_parallel.packing import microbenchmark_table
+    from megatron.core.pipeline_parallel.execution.packing import microbenchmark_table
 
     activation = 64 * 2 * 64 * 4  # seq x micro-batch x hidden, float32
     cases = ((1, activation), (2, activation), (4, activation), (1, 4 << 20), (64, 16 << 10))
@@ -157,7 +157,7 @@ def parse_arguments(argv=None):
 def main(argv=None) -> dict:
     import torch
 
-    from megatron.core.pipeline_parallel.packing import select_packer
+    from megatron.core.pipeline_parallel.execution.packing import select_packer
 
     args = parse_arguments(argv)
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@ import argparse
 
 import torch
 
-from megatron.core.pipeline_parallel.packing import microbenchmark_table, select_packer
+from megatron.core.pipeline_parallel.execution.packing import microbenchmark_table, select_packer
 
 
 def main():

@@ -4,7 +4,7 @@
 Enumerates (W, D) with W·D = --world-size, a micro-batch size and recomputation per shape, and
 prints the configurations ranked by predicted sequences/s. With --pipeline-model-parallel-size
 (and --micro-batch-size) it evaluates that one shape only, e.g. to compare schemes at the same
-(W, D, B). No torch needed. Model: megatron/core/pipeline_parallel/performance_model.py;
+(W, D, B). No torch needed. Model: megatron/performance_model.py;
 documentation: docs/performance_model.md.
 
 Example (the paper's GPT-2 on 512 P100 nodes):
@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-from megatron.core.pipeline_parallel.performance_model import (  # noqa: E402
+from megatron.performance_model import (  # noqa: E402
     SCHEMES, HardwareSpec, ModelSpec, search_configurations)
 
 GRAD_SYNC_POLICIES = ("eager-opt", "eager", "end")

@@ -26,13 +26,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.core.pipeline_parallel.grid import format_time_grid, time_unit  # noqa: E402
-from megatron.core.pipeline_parallel.instructions import (  # noqa: E402
+from megatron.core.pipeline_parallel.planning.grid import format_time_grid, time_unit  # noqa: E402
+from megatron.core.pipeline_parallel.planning.instructions import (  # noqa: E402
     Instruction, format_schedule_csv)
-from megatron.core.pipeline_parallel.lowering import GRAD_SYNC_POLICIES  # noqa: E402
-from megatron.core.pipeline_parallel.schedules import (  # noqa: E402
+from megatron.core.pipeline_parallel.planning.lowering import GRAD_SYNC_POLICIES  # noqa: E402
+from megatron.core.pipeline_parallel.planning.schedules import (  # noqa: E402
     CHIMERA_VARIANTS, SCHEDULE_NAMES, check_schedule_options, family_options, schedule_layout)
-from megatron.core.pipeline_parallel.simulator import simulate_schedule  # noqa: E402
+from megatron.core.pipeline_parallel.planning.simulator import simulate_schedule  # noqa: E402
 
 FORMATS = ("text", "csv", "json", "png")
 # Colours per pipeline (down pipelines blue-ish, up pipelines orange-ish), forward lighter.

@@ -32,8 +32,8 @@ import torch
 
 from megatron.core.config import MegatronConfig
 from megatron.core.parallel_state import ParallelState
-from megatron.core.pipeline_parallel.model_chunks import stage_layer_range
-from megatron.core.pipeline_parallel.runtime import layout_for
+from megatron.core.pipeline_parallel.execution.model_chunks import stage_layer_range
+from megatron.core.pipeline_parallel.execution.runtime import layout_for
 from megatron.core.tensor_parallel.utils import shard_of
 from megatron.training.checkpointing import (
     CHECKPOINT_FILENAME, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,

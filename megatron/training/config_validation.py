@@ -294,7 +294,7 @@ def _check_schedule_options(config: MegatronConfig) -> None:
     """Ask the schedule builders whether they accept this depth and micro-batch count."""
     # Imported here: the schedules package owns these rules, and validation must not import it at
     # module level (it is pure, but keeping the flag parser's import light costs nothing).
-    from megatron.core.pipeline_parallel.schedules import (check_schedule_options,
+    from megatron.core.pipeline_parallel.planning.schedules import (check_schedule_options,
                                                            schedule_from_config)
     parallel = config.parallel
     name, options = schedule_from_config(parallel)

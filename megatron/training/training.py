@@ -98,10 +98,10 @@ def select_runtime_class(config):
     if config.parallel.pipeline_model_parallel_size == 1:
         return NoPipelineRuntime
     try:
-        from megatron.core.pipeline_parallel.runtime import PipelineRuntime
+        from megatron.core.pipeline_parallel.execution.runtime import PipelineRuntime
     except ImportError as error:
         raise ValueError("--pipeline-model-parallel-size > 1 needs the pipeline runtime "
-                         "(megatron.core.pipeline_parallel.runtime), which is not available in "
+                         "(megatron.core.pipeline_parallel.execution.runtime), which is not available in "
                          f"this build ({error}); use --pipeline-model-parallel-size 1") from None
     return PipelineRuntime
 

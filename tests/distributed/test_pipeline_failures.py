@@ -40,10 +40,10 @@ def test_a_dead_rank_makes_its_peer_raise_not_hang():
 
 
 def test_interpreter_error_prints_the_grid_with_the_failing_step():
-    from megatron.core.pipeline_parallel.interpreter import (ExecutionContext, Interpreter,
+    from megatron.core.pipeline_parallel.execution.interpreter import (ExecutionContext, Interpreter,
                                                              PipelineExecutionError)
-    from megatron.core.pipeline_parallel.lowering import lower_schedule
-    from megatron.core.pipeline_parallel.schedules import build_schedule, schedule_layout
+    from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
+    from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
 
     layout = schedule_layout("chimera", 2)
     lowered = lower_schedule(build_schedule("chimera", 2, 2), layout)

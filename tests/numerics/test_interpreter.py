@@ -7,10 +7,10 @@ import pretrain_gpt
 from megatron.core.config import ModelConfig, RecomputeConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState
-from megatron.core.pipeline_parallel.interpreter import ExecutionContext, Interpreter
-from megatron.core.pipeline_parallel.lowering import lower_schedule
-from megatron.core.pipeline_parallel.model_chunks import ModuleKey
-from megatron.core.pipeline_parallel.schedules import build_schedule, schedule_layout
+from megatron.core.pipeline_parallel.execution.interpreter import ExecutionContext, Interpreter
+from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
+from megatron.core.pipeline_parallel.execution.model_chunks import ModuleKey
+from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
 
 SEQ, BATCH, HIDDEN = 8, 2, 16
 

@@ -210,7 +210,7 @@ def test_pipeline_schedule_selection():
 
 @pytest.fixture
 def recording_schedule_check(monkeypatch):
-    """Stand-in for megatron.core.pipeline_parallel.schedules.check_schedule_options."""
+    """Stand-in for megatron.core.pipeline_parallel.planning.schedules.check_schedule_options."""
     calls = []
 
     def check_schedule_options(name, pipeline_size, num_microbatches, **options):
@@ -218,11 +218,11 @@ def recording_schedule_check(monkeypatch):
         if num_microbatches == 3:
             raise ValueError("3 micro-batches do not fill the schedule; use a multiple of 2")
 
-    from megatron.core.pipeline_parallel.schedules import schedule_from_config
-    fake = types.ModuleType("megatron.core.pipeline_parallel.schedules")
+    from megatron.core.pipeline_parallel.planning.schedules import schedule_from_config
+    fake = types.ModuleType("megatron.core.pipeline_parallel.planning.schedules")
     fake.check_schedule_options = check_schedule_options
     fake.schedule_from_config = schedule_from_config  # the real flags -> options mapping
-    monkeypatch.setitem(sys.modules, "megatron.core.pipeline_parallel.schedules", fake)
+    monkeypatch.setitem(sys.modules, "megatron.core.pipeline_parallel.planning.schedules", fake)
     return calls
 
 
@@ -245,7 +245,7 @@ def test_validation_asks_the_schedule_builders(recording_schedule_check):
 
 def test_real_schedule_options_reject_bad_microbatch_counts():
     """Exercises the real check of the schedules package (it must exist: no fallback here)."""
-    from megatron.core.pipeline_parallel.schedules import check_schedule_options  # noqa: F401
+    from megatron.core.pipeline_parallel.planning.schedules import check_schedule_options  # noqa: F401
     chimera = ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "chimera"]
     doubling = chimera + ["--chimera-variant", "forward-doubling"]
     # D = 4 with N = 4 (one basic unit) and N = 8 (two units) are valid for every variant.

@@ -7,12 +7,12 @@ from collections import Counter
 
 import pytest
 
-from megatron.core.pipeline_parallel.dependencies import ACTIVATION, GRADIENT
-from megatron.core.pipeline_parallel.instructions import Instruction
-from megatron.core.pipeline_parallel.lowering import (
+from megatron.core.pipeline_parallel.planning.dependencies import ACTIVATION, GRADIENT
+from megatron.core.pipeline_parallel.planning.instructions import Instruction
+from megatron.core.pipeline_parallel.planning.lowering import (
     RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup, format_lowered, lower_schedule,
     parse_lowered)
-from megatron.core.pipeline_parallel.schedules import build_schedule, schedule_layout
+from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "schedules")
 
@@ -181,7 +181,7 @@ def test_unknown_policy():
     (8, 16, "forward-doubling"), (4, 4, "backward-halving")])
 def test_doubled_step_messages_pair_the_activations_of_a_doubled_step(depth, num_microbatches,
                                                                       variant):
-    from megatron.core.pipeline_parallel.simulator import simulate
+    from megatron.core.pipeline_parallel.planning.simulator import simulate
     layout = schedule_layout("chimera", depth, variant=variant)
     schedule = build_schedule("chimera", depth, num_microbatches, variant=variant)
     plain = lower_schedule(schedule, layout)

@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 
-from megatron.core.pipeline_parallel import packing
+from megatron.core.pipeline_parallel.execution import packing
 
 ALL_DTYPES = list(packing.DTYPE_CODES)
 SHAPES = [(), (0,), (7,), (3, 5), (2, 0, 4), (2, 3, 4, 5), (1, 1, 1, 1, 1, 1, 1, 3)]

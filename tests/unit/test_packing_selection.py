@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.core import config as config_module
-from megatron.core.pipeline_parallel import packing
+from megatron.core.pipeline_parallel.execution import packing
 
 
 def test_config_flag_matches_the_modes():

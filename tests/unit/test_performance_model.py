@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from megatron.core.pipeline_parallel.performance_model import (
+from megatron.performance_model import (
     HardwareSpec, ModelSpec, StageCosts, allreduce_time, closed_form_iteration_time,
     compare_schemes, critical_path_counts, evaluate, layer_forward_flops, memory_per_worker,
     num_replicas, peak_stored_microbatches, search_configurations, simulated_iteration_time,
     total_parameters, valid_shapes)
-from megatron.core.pipeline_parallel.simulator import simulate_schedule
+from megatron.core.pipeline_parallel.planning.simulator import simulate_schedule
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOOL = os.path.join(ROOT, "tools", "performance_model.py")

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from megatron.core.pipeline_parallel.instructions import (
+from megatron.core.pipeline_parallel.planning.instructions import (
     Instruction, Kind, backward, format_schedule, format_schedule_csv, forward, parse_schedule,
     parse_schedule_csv)
-from megatron.core.pipeline_parallel.schedules import (
+from megatron.core.pipeline_parallel.planning.schedules import (
     build_schedule, check_schedule_options, placement, schedule_layout)
-from megatron.core.pipeline_parallel.validator import ScheduleError, validate_schedule
+from megatron.core.pipeline_parallel.planning.validator import ScheduleError, validate_schedule
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "schedules")
 
@@ -340,9 +340,9 @@ def test_validator_circular_wait_is_reported_with_grid():
 
 
 def test_no_torch_import():
-    code = ("import sys; import megatron.core.pipeline_parallel.schedules, "
-            "megatron.core.pipeline_parallel.validator, megatron.core.pipeline_parallel.lowering, "
-            "megatron.core.pipeline_parallel.simulator; print('torch' in sys.modules)")
+    code = ("import sys; import megatron.core.pipeline_parallel.planning.schedules, "
+            "megatron.core.pipeline_parallel.planning.validator, megatron.core.pipeline_parallel.planning.lowering, "
+            "megatron.core.pipeline_parallel.planning.simulator; print('torch' in sys.modules)")
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     output = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                             text=True, check=True).stdout

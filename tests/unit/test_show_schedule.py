@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from megatron.core.pipeline_parallel.instructions import parse_schedule_csv
-from megatron.core.pipeline_parallel.schedules import build_schedule
+from megatron.core.pipeline_parallel.planning.instructions import parse_schedule_csv
+from megatron.core.pipeline_parallel.planning.schedules import build_schedule
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOOL = os.path.join(ROOT, "tools", "show_schedule.py")

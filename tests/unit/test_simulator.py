@@ -15,10 +15,10 @@ import os
 
 import pytest
 
-from megatron.core.pipeline_parallel.instructions import backward, forward
-from megatron.core.pipeline_parallel.lowering import (
+from megatron.core.pipeline_parallel.planning.instructions import backward, forward
+from megatron.core.pipeline_parallel.planning.lowering import (
     GradSyncStart, GradSyncWait, P2PGroup, parse_lowered)
-from megatron.core.pipeline_parallel.simulator import (
+from megatron.core.pipeline_parallel.planning.simulator import (
     DeadlockError, LoweringError, simulate, simulate_schedule)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "schedules")
@@ -217,8 +217,8 @@ def test_empty_group_is_rejected():
 def test_default_lowering_reaches_closed_forms_for_other_costs():
     # The runtime lowers once with the default planning costs (F = 1, Bk = 2); the grouping must
     # stay deadlock-free and optimal when the real costs differ.
-    from megatron.core.pipeline_parallel.lowering import lower_schedule
-    from megatron.core.pipeline_parallel.schedules import build_schedule, schedule_layout
+    from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
+    from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
 
     checked = 0
     for name, depth, num_microbatches, options in grid_cases():

@@ -2,9 +2,9 @@
 
 import pytest
 
-from megatron.core.pipeline_parallel.lowering import lower_schedule
-from megatron.core.pipeline_parallel.schedules import build_schedule, schedule_layout
-from megatron.core.pipeline_parallel.timeline import (chrome_trace, measured_bubble_ratios,
+from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
+from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
+from megatron.core.pipeline_parallel.execution.timeline import (chrome_trace, measured_bubble_ratios,
                                                       predicted_bubble_ratios)
 
 RECORDS = [

@@ -1,6 +1,6 @@
 """The interpreter: executes one rank's lowered instruction list, whatever the schedule.
 
-The lowered list (:mod:`megatron.core.pipeline_parallel.lowering`) holds four kinds of op:
+The lowered list (:mod:`megatron.core.pipeline_parallel.planning.lowering`) holds four kinds of op:
 compute :class:`Instruction` (forward / backward of one micro-batch through one of the rank's model
 chunks), :class:`P2PGroup` (one batched exchange with pipeline peers), :class:`GradSyncStart` (launch
 a module's gradient reduction) and :class:`GradSyncWait` (the end of the list). There is no
@@ -25,9 +25,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .grid import format_op_grid
-from .instructions import Instruction, Kind
-from .lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup
+from ..planning.grid import format_op_grid
+from ..planning.instructions import Instruction, Kind
+from ..planning.lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup
 from .model_chunks import ModuleKey
 from .p2p import ExpectedTensor, OutgoingTensor
 

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .simulator import simulate
+from ..planning.simulator import simulate
 
 
 def _gather(value) -> list:

@@ -10,7 +10,7 @@ Two estimates of the iteration time are given for every configuration:
   ``T = (F + Cp2p)·Cf + (Bk + Cp2p)·Cb + max_r exposed_allreduce(r)`` with critical-path counts
   Cf, Cb (:func:`critical_path_counts`).
 * :func:`simulated_iteration_time` -- the lowered schedule run by
-  :func:`~megatron.core.pipeline_parallel.simulator.simulate` with ``p2p_cost = Cp2p`` and the
+  :func:`~megatron.core.pipeline_parallel.planning.simulator.simulate` with ``p2p_cost = Cp2p`` and the
   per-stage all-reduce times applied to the simulated gradient-sync start times, so the overlap
   of eager gradient sync with each worker's idle regions is that of the real lowered schedule.
 
@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .lowering import GradSyncStart, GradSyncWait
-from .simulator import peak_activations, simulate
+from megatron.core.pipeline_parallel.planning.lowering import GradSyncStart, GradSyncWait
+from megatron.core.pipeline_parallel.planning.simulator import peak_activations, simulate
 
 # Scheme name -> (schedule name, schedule options).
 SCHEMES = {
@@ -352,9 +352,9 @@ def lowered_schedule(scheme: str, num_stages: int, num_microbatches: int,
 
 @lru_cache(maxsize=256)
 def _lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy):
-    from .lowering import lower_schedule
-    from .schedules import build_schedule, schedule_layout
-    from .validator import validate_schedule
+    from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
+    from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
+    from megatron.core.pipeline_parallel.planning.validator import validate_schedule
 
     name, options = _schedule(scheme)
     schedule = build_schedule(name, num_stages, num_microbatches, **options)
@@ -409,7 +409,7 @@ def memory_per_worker(model: ModelSpec, hardware: HardwareSpec, scheme: str, num
     recomputed); on the rank holding the last stage the logits and their gradient
     (2·B·s·V values). Framework overhead and fragmentation are not modelled.
     """
-    from .schedules import schedule_layout
+    from megatron.core.pipeline_parallel.planning.schedules import schedule_layout
 
     name, options = _schedule(scheme)
     layout = schedule_layout(name, num_stages, **options)
@@ -452,7 +452,7 @@ def evaluate(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_paralle
 
 
 def _check_schedule(scheme: str, num_stages: int, num_microbatches: int) -> None:
-    from .schedules import check_schedule_options
+    from megatron.core.pipeline_parallel.planning.schedules import check_schedule_options
     name, options = _schedule(scheme)
     check_schedule_options(name, num_stages, num_microbatches, **options)
 

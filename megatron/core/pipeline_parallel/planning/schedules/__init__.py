@@ -3,7 +3,7 @@
 Public API:
 
 * ``build_schedule(name, pipeline_size, num_microbatches, **options)`` -> one list of
-  :class:`~megatron.core.pipeline_parallel.instructions.Instruction` per pipeline rank.
+  :class:`~megatron.core.pipeline_parallel.planning.instructions.Instruction` per pipeline rank.
 * ``check_schedule_options(name, pipeline_size, num_microbatches, **options)`` raises
   ValueError (saying what is allowed) for a bad configuration; call it before creating groups.
 * ``schedule_layout(name, pipeline_size, **options)`` -> :class:`ScheduleLayout` (placement,

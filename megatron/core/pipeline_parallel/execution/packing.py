@@ -51,7 +51,7 @@ _ENTRY = struct.Struct("<BB6xQ")             # dtype code, ndim, reserved, paylo
 
 EXTENSION_MODULE = "megatron._packing_cpp"
 JIT_MODULE = "megatron_packing_jit"
-SOURCE_PATH = Path(__file__).resolve().parents[2] / "csrc" / "packing.cpp"
+SOURCE_PATH = Path(__file__).resolve().parents[3] / "csrc" / "packing.cpp"
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 

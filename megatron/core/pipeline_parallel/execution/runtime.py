@@ -28,13 +28,13 @@ from megatron.core.parallel_state import RankLayout
 
 from .grad_sync import build_stage_reducers, grad_norm_owners, required_group_specs
 from .interpreter import ExecutionContext, Interpreter, forward_only_ops
-from .lowering import lower_schedule
+from ..planning.lowering import lower_schedule
 from .model_chunks import build_model_chunks
 from .p2p import P2PTransport
 from .packing import select_packer
-from .schedules import build_schedule, schedule_from_config, schedule_layout
+from ..planning.schedules import build_schedule, schedule_from_config, schedule_layout
 from .timeline import report_memory, write_timeline
-from .validator import validate_schedule
+from ..planning.validator import validate_schedule
 
 
 def layout_for(config):

@@ -1,6 +1,6 @@
 """Which transformer layers each pipeline stage holds, and building a rank's model chunks.
 
-A schedule's :class:`~megatron.core.pipeline_parallel.schedules.ScheduleLayout` says which
+A schedule's :class:`~megatron.core.pipeline_parallel.planning.schedules.ScheduleLayout` says which
 (pipeline, stage) modules a pipeline rank hosts: one stage for GPipe and 1F1B, v chunks for
 interleaved 1F1B, two stages for Chimera (down stage r and up stage D-1-r), 2f for 2f pipelines.
 Layers are split evenly over the stages; stage 0 also holds the embedding, the last stage the final

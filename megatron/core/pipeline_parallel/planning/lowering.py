@@ -3,7 +3,7 @@
 Input: a validated schedule (per-rank :class:`Instruction` lists) and its ``ScheduleLayout``.
 Output: per rank, a list of *lowered ops*, which is exactly what the runtime interpreter runs:
 
-* :class:`~megatron.core.pipeline_parallel.instructions.Instruction` -- a compute step (forward
+* :class:`~megatron.core.pipeline_parallel.planning.instructions.Instruction` -- a compute step (forward
   or backward of one micro-batch through the rank's model chunk ``instruction.chunk``). A
   forward of stage 0 reads its micro-batch from the data; a forward of the last stage computes
   the loss; a backward of the last stage starts from that loss. Nothing is communicated for them.

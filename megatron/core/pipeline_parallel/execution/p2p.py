@@ -1,13 +1,13 @@
 """Point-to-point transport between pipeline ranks: one batched exchange per communication group.
 
-The lowering (:mod:`megatron.core.pipeline_parallel.lowering`) groups every send and receive a rank
+The lowering (:mod:`megatron.core.pipeline_parallel.planning.lowering`) groups every send and receive a rank
 issues at one communication point so that both sides of each message are in matching groups; this
 module executes one such group as a single ``torch.distributed.batch_isend_irecv`` and waits for it.
 
 Shapes and dtypes of received tensors are known from the config (activations and their gradients are
 ``[seq, micro-batch, hidden]``), so receive buffers are allocated before the data arrives. With packing
 on, every tensor bound for the same peer is packed into one contiguous message (C++ extension or its
-Python twin, :mod:`megatron.core.pipeline_parallel.packing`); the receiver checks the header against
+Python twin, :mod:`megatron.core.pipeline_parallel.execution.packing`); the receiver checks the header against
 what the schedule says it should get, and a mismatch names the instructions involved. On each
 directed link the send order equals the receive order, so an in-order channel (NCCL ignores tags)
 cannot mix messages up.
@@ -58,7 +58,7 @@ class P2PTransport:
 
     Args:
         parallel_state: gives the global rank of a pipeline peer (same TP and DP coordinates).
-        packer: a :class:`~megatron.core.pipeline_parallel.packing.Packer`; ``packer.enabled``
+        packer: a :class:`~megatron.core.pipeline_parallel.execution.packing.Packer`; ``packer.enabled``
             False sends one message per tensor.
         device: where receive buffers live.
     """

@@ -1,0 +1,1 @@
+"""Torch execution of a planned pipeline: interpreter, transports, reducers, model chunks, runtime."""

@@ -1,0 +1,1 @@
+"""Pure pipeline planning: schedules as data, validation, lowering, simulation (no torch import)."""
