@@ -50,13 +50,13 @@ def lowered_message_counts(world_size: int, flags: list) -> dict:
     ``max_per_message``: the most tensors any packed message carries.
     """
     from megatron.core.pipeline_parallel.planning.lowering import SEND, P2PGroup
-    from megatron.core.pipeline_parallel.execution.runtime import lowered_schedule_for
+    from megatron.core.pipeline_parallel.planning.plan import plan_from_config
     from megatron.training.arguments import parse_args
     from _harness import MODEL_FLAGS
 
     config = parse_args(MODEL_FLAGS + list(flags), world_size=world_size)
     tensors, per_message = 0, []
-    for rank_ops in lowered_schedule_for(config, packing=True):
+    for rank_ops in plan_from_config(config, doubled_step_messages=True).lowered:
         for op in rank_ops:
             if not isinstance(op, P2PGroup):
                 continue

@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES  # noqa: E402
 from megatron.training.checkpoint_conversion import (  # noqa: E402
     ConversionError, TargetLayout, convert_checkpoint)
 
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-schedule", default=None,
-                        choices=("1f1b", "gpipe", "interleaved-1f1b", "chimera"))
+                        choices=BUILTIN_SCHEDULES.names)
     parser.add_argument("--chimera-pipelines", type=int, default=2)
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     return parser

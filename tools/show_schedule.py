@@ -30,9 +30,10 @@ from megatron.core.pipeline_parallel.planning.grid import format_time_grid, time
 from megatron.core.pipeline_parallel.planning.instructions import (  # noqa: E402
     Instruction, format_schedule_csv)
 from megatron.core.pipeline_parallel.planning.lowering import GRAD_SYNC_POLICIES  # noqa: E402
+from megatron.core.pipeline_parallel.planning.plan import make_plan  # noqa: E402
 from megatron.core.pipeline_parallel.planning.schedules import (  # noqa: E402
-    CHIMERA_VARIANTS, SCHEDULE_NAMES, check_schedule_options, family_options, schedule_layout)
-from megatron.core.pipeline_parallel.planning.simulator import simulate_schedule  # noqa: E402
+    BUILTIN_SCHEDULES, check_schedule_options, family_options)
+from megatron.core.pipeline_parallel.planning.simulator import simulate_plan  # noqa: E402
 
 FORMATS = ("text", "csv", "json", "png")
 # Colours per pipeline (down pipelines blue-ish, up pipelines orange-ish), forward lighter.
@@ -40,18 +41,18 @@ _PIPELINE_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c
                      "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, registry=BUILTIN_SCHEDULES) -> argparse.Namespace:
+    """This tool's flags; ``--schedule`` and the schedule option flags come from ``registry``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
+    parser.add_argument("--schedule", choices=registry.names, default="1f1b")
     parser.add_argument("--pipeline-model-parallel-size", type=int, required=True,
                         help="Pipeline depth D.")
     parser.add_argument("--num-microbatches", type=int, required=True,
                         help="Micro-batches N per data-parallel rank per iteration.")
-    parser.add_argument("--chimera-pipelines", type=int, default=2,
-                        help="Number of Chimera pipelines 2f (f down, f up); f must divide D/2.")
-    parser.add_argument("--chimera-variant", choices=CHIMERA_VARIANTS, default="direct")
-    parser.add_argument("--num-model-chunks", type=int, default=2,
-                        help="Model chunks per rank for interleaved-1f1b.")
+    for option in registry.tool_options():
+        parser.add_argument(option.flag, dest=option.name, type=option.type,
+                            choices=option.choices, default=option.default_for_tools,
+                            help=option.help)
     parser.add_argument("--forward-cost", type=float, default=1.0,
                         help="Time of one forward of one stage on one micro-batch.")
     parser.add_argument("--backward-cost", type=float, default=2.0,
@@ -70,38 +71,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--format png needs --output FILE.png")
     try:
         check_schedule_options(args.schedule, args.pipeline_model_parallel_size,
-                               args.num_microbatches, **schedule_options(args))
+                               args.num_microbatches, registry=registry,
+                               **schedule_options(args, registry))
     except ValueError as error:
         parser.error(str(error))
     return args
 
 
-def schedule_options(args) -> dict:
+def schedule_options(args, registry=BUILTIN_SCHEDULES) -> dict:
     """The builder options of ``--schedule`` from this tool's flags."""
-    return family_options(args.schedule, num_pipelines=args.chimera_pipelines,
-                          variant=args.chimera_variant, num_model_chunks=args.num_model_chunks)
+    given = {option.name: getattr(args, option.name) for option in registry.tool_options()}
+    return family_options(args.schedule, registry, **given)
 
 
-def op_label(op: Instruction, name: str, num_pipelines: int) -> str:
-    """Short label of a compute instruction for grids and pictures (see module docstring)."""
-    text = f"{op.kind.value}{op.microbatch}"
-    if name == "chimera":
-        text += "v" if op.pipeline % 2 == 0 else "^"
-        if num_pipelines > 2:
-            text += str(op.pipeline // 2)
-    elif name == "interleaved-1f1b":
-        text += f"c{op.chunk}"
-    return text
-
-
-def describe(args) -> str:
+def describe(args, plan) -> str:
     parts = [f"{args.schedule}", f"D={args.pipeline_model_parallel_size}",
              f"N={args.num_microbatches}"]
-    if args.schedule == "chimera":
-        parts += [f"pipelines={args.chimera_pipelines}", f"variant={args.chimera_variant}",
-                  f"grad-sync={args.grad_sync}"]
-    if args.schedule == "interleaved-1f1b":
-        parts.append(f"chunks={args.num_model_chunks}")
+    parts += [f"{name}={value}" for name, value in plan.options.items()]
+    if plan.layout.has_stage_replicas:
+        parts.append(f"grad-sync={args.grad_sync}")
     parts += [f"F={args.forward_cost:g}", f"B={args.backward_cost:g}"]
     return " ".join(parts)
 
@@ -110,18 +98,19 @@ def _number(value: float) -> str:
     return f"{value:g}" if abs(value - round(value)) > 1e-9 else str(int(round(value)))
 
 
-def render_text(args, layout, result) -> str:
+def render_text(args, plan, result) -> str:
+    layout = plan.layout
     timelines = [[(entry.op, entry.start, entry.end) for entry in timeline]
                  for timeline in result.compute_timelines()]
     # one column = the largest unit dividing every duration and start (p2p costs shift starts)
     unit = time_unit([value for timeline in timelines for _, start, end in timeline
                       for value in (end - start, start)])
     grid = format_time_grid(
-        timelines, unit, label=lambda op: op_label(op, layout.name, layout.num_pipelines),
+        timelines, unit, label=lambda op: plan.op_label(op),
         makespan=result.makespan)
     fraction = layout.microbatch_fraction
     peaks = " ".join(str(peak) for peak in result.peak_activations)
-    lines = [f"# {describe(args)} (one column = {_number(float(unit))} time units)", grid,
+    lines = [f"# {describe(args, plan)} (one column = {_number(float(unit))} time units)", grid,
              f"makespan {_number(result.makespan)}",
              f"bubble ratio {result.bubble_ratio:.4f}",
              f"peak activations per rank (micro-batches): {peaks}"]
@@ -130,10 +119,10 @@ def render_text(args, layout, result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_json(args, layout, result) -> str:
+def render_json(args, plan, result) -> str:
     """Chrome trace events (open in https://ui.perfetto.dev or chrome://tracing)."""
     microseconds_per_unit = 1000.0
-    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": describe(args)}}]
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": describe(args, plan)}}]
     for rank, timeline in enumerate(result.timelines):
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
                        "args": {"name": f"pipeline rank {rank}"}})
@@ -143,7 +132,7 @@ def render_json(args, layout, result) -> str:
                      "ts": entry.start * microseconds_per_unit,
                      "dur": (entry.end - entry.start) * microseconds_per_unit}
             if isinstance(op, Instruction):
-                event["name"] = op_label(op, layout.name, layout.num_pipelines)
+                event["name"] = plan.op_label(op)
                 event["cat"] = "forward" if op.kind.is_forward else "backward"
                 event["args"] = {"instruction": str(op), "pipeline": op.pipeline,
                                  "stage": op.stage, "microbatch": op.microbatch}
@@ -156,7 +145,7 @@ def render_json(args, layout, result) -> str:
                                      "peak_activations": result.peak_activations}}, indent=1)
 
 
-def render_png(args, layout, result, path: str) -> None:
+def render_png(args, plan, result, path: str) -> None:
     import matplotlib  # lazily: only the png format needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -172,14 +161,14 @@ def render_png(args, layout, result, path: str) -> None:
                       color=colour, alpha=0.45 if op.kind.is_forward else 0.95,
                       edgecolor="black", linewidth=0.5)
             axes.text((entry.start + entry.end) / 2, rank,
-                      op_label(op, layout.name, layout.num_pipelines),
+                      plan.op_label(op),
                       ha="center", va="center", fontsize=7)
     axes.set_yticks(range(len(timelines)))
     axes.set_yticklabels([f"P{rank}" for rank in range(len(timelines))])
     axes.invert_yaxis()
     axes.set_xlim(0, result.makespan)
     axes.set_xlabel("time")
-    axes.set_title(f"{describe(args)}\nmakespan {_number(result.makespan)}, "
+    axes.set_title(f"{describe(args, plan)}\nmakespan {_number(result.makespan)}, "
                    f"bubble ratio {result.bubble_ratio:.3f} (light = forward, dark = backward)",
                    fontsize=9)
     figure.tight_layout()
@@ -187,24 +176,23 @@ def render_png(args, layout, result, path: str) -> None:
     plt.close(figure)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    options = schedule_options(args)
-    schedule, _, result = simulate_schedule(
-        args.schedule, args.pipeline_model_parallel_size, args.num_microbatches,
-        forward_cost=args.forward_cost, backward_cost=args.backward_cost,
-        p2p_cost=args.p2p_cost, allreduce_cost=args.allreduce_cost,
-        grad_sync_policy=args.grad_sync, **options)
-    layout = schedule_layout(args.schedule, args.pipeline_model_parallel_size, **options)
+def main(argv=None, registry=BUILTIN_SCHEDULES) -> int:
+    args = parse_args(argv, registry)
+    plan = make_plan(args.schedule, args.pipeline_model_parallel_size, args.num_microbatches,
+                     schedule_options(args, registry), grad_sync_policy=args.grad_sync,
+                     forward_cost=args.forward_cost, backward_cost=args.backward_cost,
+                     registry=registry)
+    result = simulate_plan(plan, args.forward_cost, args.backward_cost, args.p2p_cost,
+                           args.allreduce_cost)
     if args.format == "png":
-        render_png(args, layout, result, args.output)
+        render_png(args, plan, result, args.output)
         return 0
     if args.format == "text":
-        text = render_text(args, layout, result)
+        text = render_text(args, plan, result)
     elif args.format == "csv":
-        text = format_schedule_csv(schedule)
+        text = format_schedule_csv(plan.schedule)
     else:
-        text = render_json(args, layout, result)
+        text = render_json(args, plan, result)
     if args.output:
         with open(args.output, "w") as handle:
             handle.write(text)

@@ -14,6 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron.core.pipeline_parallel.planning.lowering import GRAD_SYNC_POLICIES
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, CHIMERA_VARIANTS
+
 
 def option(default: Any = None, help: str = "", *, choices: tuple | None = None,
            aliases: tuple[str, ...] = (), derived: bool = False, factory=None) -> Any:
@@ -91,15 +94,15 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = option(
         None, "Pipeline schedule (default 1f1b, or interleaved-1f1b when "
               "--num-layers-per-virtual-pipeline-stage is given).",
-        choices=("1f1b", "gpipe", "interleaved-1f1b", "chimera"))
+        choices=("1f1b",) + tuple(name for name in BUILTIN_SCHEDULES.names if name != "1f1b"))
     chimera_pipelines: int = option(
         2, "Number of Chimera pipelines 2f (f down, f up); f must divide D/2.")
     chimera_variant: str = option(
         "direct", "How Chimera handles more micro-batches than stages.",
-        choices=("direct", "forward-doubling", "backward-halving"))
+        choices=CHIMERA_VARIANTS)
     chimera_grad_sync: str = option(
         "eager-opt", "When the all-reduce between the replicas of a Chimera stage starts.",
-        choices=("eager-opt", "eager", "end"))
+        choices=GRAD_SYNC_POLICIES)
     p2p_packing: str = option(
         "auto", "Pack all tensors bound for one peer into one message: auto (C++ if it builds, "
                 "else Python), cpp, python or off.", choices=("auto", "cpp", "python", "off"))

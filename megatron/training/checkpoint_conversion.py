@@ -33,7 +33,7 @@ import torch
 from megatron.core.config import MegatronConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.execution.model_chunks import stage_layer_range
-from megatron.core.pipeline_parallel.execution.runtime import layout_for
+from megatron.core.pipeline_parallel.planning.plan import layout_from_config
 from megatron.core.tensor_parallel.utils import shard_of
 from megatron.training.checkpointing import (
     CHECKPOINT_FILENAME, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
@@ -142,7 +142,7 @@ def target_config(source: MegatronConfig, target: TargetLayout) -> MegatronConfi
 
 def chunk_specs(config: MegatronConfig) -> dict:
     """``{pp_rank: [(pre_process, post_process, layer_range), ...]}`` in hosted (file) order."""
-    layout = layout_for(config)
+    layout = layout_from_config(config)
     num_stages = layout.num_stages
     specs = {}
     for pp_rank in range(config.parallel.pipeline_model_parallel_size):

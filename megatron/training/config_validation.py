@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron.core.config import MegatronConfig, ModelConfig
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, schedule_layout
 
 logger = logging.getLogger(__name__)
 
@@ -224,33 +225,9 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
                          f"--pipeline-model-parallel-size {pp}; every stage needs the same number "
                          f"of layers")
 
-    if schedule == "chimera":
-        if pp % 2:
-            raise ValueError(f"Chimera needs an even pipeline depth, got "
-                             f"--pipeline-model-parallel-size {pp}; use an even size or another "
-                             f"--pipeline-schedule")
-        pipelines = parallel.chimera_pipelines
-        if pipelines < 2 or pipelines % 2:
-            raise ValueError(f"--chimera-pipelines {pipelines} must be an even number 2f >= 2 "
-                             f"(f down and f up pipelines)")
-        if (pp // 2) % (pipelines // 2):
-            raise ValueError(f"--chimera-pipelines {pipelines} (f = {pipelines // 2}) needs f to "
-                             f"divide D/2 = {pp // 2}; use 2 or a 2f with f dividing {pp // 2}")
-        if parallel.chimera_variant == "backward-halving" and config.training.micro_batch_size % 2:
-            raise ValueError(f"--chimera-variant backward-halving splits each micro-batch in two "
-                             f"and needs an even --micro-batch-size, got "
-                             f"{config.training.micro_batch_size}")
-        if parallel.chimera_variant == "forward-doubling" and \
-                config.recompute.recompute_granularity is None:
-            logger.warning("--chimera-variant forward-doubling doubles the stored activations; "
-                           "it is meant to be combined with --recompute-granularity full")
-    else:
-        defaults = type(parallel)()
-        for name in ("chimera_pipelines", "chimera_variant", "chimera_grad_sync"):
-            if getattr(parallel, name) != getattr(defaults, name):
-                raise ValueError(f"{_flag(name)} only applies to --pipeline-schedule chimera (the "
-                                 f"schedule is {schedule}); add --pipeline-schedule chimera or "
-                                 f"drop {_flag(name)}")
+    # The family's own check (planning/schedules) rules on depth, pipelines, variant and N (see
+    # _check_schedule_options); here only flags that belong to another family are refused.
+    _refuse_other_families_flags(config)
     if pp > 1 and parallel.overlap_grad_reduce:
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "
@@ -288,6 +265,38 @@ def _validate_batch(config: MegatronConfig) -> None:
         raise ValueError("--fp16 and --bf16 are mutually exclusive; choose one")
     if training.eval_interval < 1 or training.eval_iters < 0:
         raise ValueError("--eval-interval must be >= 1 and --eval-iters >= 0")
+
+
+def _refuse_other_families_flags(config: MegatronConfig) -> None:
+    """A schedule option flag given for a family that does not take it is a mistake, and so is a
+    gradient-sync policy for a schedule whose stages have no replicas. Logs the family's note on
+    stored activations when recomputation is off."""
+    parallel = config.parallel
+    defaults = type(parallel)()
+    family = BUILTIN_SCHEDULES.family(parallel.pipeline_schedule)
+    own_fields = {option.config_field for option in family.options}
+    for other in BUILTIN_SCHEDULES.families:
+        for field_name in (option.config_field for option in other.options):
+            if field_name not in own_fields and \
+                    getattr(parallel, field_name) != getattr(defaults, field_name):
+                flag = _flag(field_name)
+                raise ValueError(f"{flag} only applies to --pipeline-schedule {other.name} (the "
+                                 f"schedule is {family.name}); add --pipeline-schedule "
+                                 f"{other.name} or drop {flag}")
+    options = family.options_from_config(parallel)
+    if parallel.chimera_grad_sync != defaults.chimera_grad_sync:
+        try:
+            replicated = schedule_layout(family.name, parallel.pipeline_model_parallel_size,
+                                         **options).has_stage_replicas
+        except ValueError:
+            replicated = True  # the schedule's own check reports this configuration
+        if not replicated:
+            raise ValueError(f"--chimera-grad-sync only applies to schedules whose stages have "
+                             f"replicas on other pipeline ranks (chimera; the schedule is "
+                             f"{family.name}); add --pipeline-schedule chimera or drop it")
+    note = family.memory_note({**family.defaults(), **options})
+    if note and config.recompute.recompute_granularity is None:
+        logger.warning(note)
 
 
 def _check_schedule_options(config: MegatronConfig) -> None:

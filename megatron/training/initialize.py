@@ -81,7 +81,7 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
 
     ``config`` is a validated :class:`~megatron.core.config.MegatronConfig`. ``extra_group_ranks``
     lists further process groups to create (e.g. Chimera replica groups; see
-    :class:`megatron.training.runtime.TrainingRuntime`). If torch.distributed is already initialised
+    :class:`megatron.core.runtimes.TrainingRuntime`). If torch.distributed is already initialised
     (tests, notebooks) it is reused.
     """
     env = os.environ if env is None else env

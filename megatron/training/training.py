@@ -12,7 +12,7 @@
 4. the reported lm loss is averaged over all micro-batches of the global batch (all-reduced over data-
    and pipeline-parallel ranks), so it is the same number in every layout.
 
-The loop holds no schedule-specific code (see :mod:`megatron.training.runtime`) and no module
+The loop holds no schedule-specific code (see :mod:`megatron.core.runtimes`) and no module
 globals; config, process groups and components are passed explicitly. Checkpointing is a hook object
 (``load(components)`` -> TrainingState or None, ``save(components, state)``) supplied by the caller.
 """
@@ -37,7 +37,7 @@ from megatron.training.logging_utils import (IntervalStats, build_tensorboard_wr
                                              format_iteration_line, format_validation_lines,
                                              write_training_scalars, write_validation_scalars)
 from megatron.training.microbatches import build_microbatches
-from megatron.training.runtime import (NoPipelineRuntime, autocast_context, model_parameters)
+from megatron.core.runtimes import autocast_context, model_parameters, select_runtime_class
 
 LOSS_KEYS = ("lm loss",)
 
@@ -91,19 +91,6 @@ class TrainingResult:
 def is_logging_rank(parallel_state) -> bool:
     """Megatron prints from the last rank of the world (a last pipeline stage)."""
     return parallel_state.rank == parallel_state.world_size - 1
-
-
-def select_runtime_class(config):
-    """The runtime for the config: no pipeline, or the pipeline runtime for PP > 1."""
-    if config.parallel.pipeline_model_parallel_size == 1:
-        return NoPipelineRuntime
-    try:
-        from megatron.core.pipeline_parallel.execution.runtime import PipelineRuntime
-    except ImportError as error:
-        raise ValueError("--pipeline-model-parallel-size > 1 needs the pipeline runtime "
-                         "(megatron.core.pipeline_parallel.execution.runtime), which is not available in "
-                         f"this build ({error}); use --pipeline-model-parallel-size 1") from None
-    return PipelineRuntime
 
 
 def setup_model_and_optimizer(config, parallel_state, runtime, model_provider,

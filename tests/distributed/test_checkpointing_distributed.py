@@ -14,7 +14,7 @@ from megatron.training import checkpointing
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import Checkpointer, checkpoint_file, read_tracker
 from megatron.training.initialize import initialize_megatron
-from megatron.training.runtime import NoPipelineRuntime
+from megatron.core.runtimes import NoPipelineRuntime
 from megatron.training.training import pretrain, setup_model_and_optimizer
 
 pytestmark = pytest.mark.distributed

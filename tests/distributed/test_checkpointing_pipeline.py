@@ -12,7 +12,7 @@ from megatron.core.optimizer import build_lr_scheduler, build_optimizer
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import Checkpointer, checkpoint_file, read_tracker
 from megatron.training.initialize import initialize_megatron
-from megatron.training.runtime import model_parameters
+from megatron.core.runtimes import model_parameters
 from megatron.training.training import TrainingComponents, TrainingState
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,7 @@ import torch
 import pretrain_gpt
 from megatron.core.parallel_state import ParallelState, RankCoords, RankLayout
 from megatron.core.pipeline_parallel.execution.model_chunks import build_model_chunks
-from megatron.core.pipeline_parallel.execution.runtime import layout_for
+from megatron.core.pipeline_parallel.planning.plan import layout_from_config as layout_for
 from megatron.core.tensor_parallel.utils import shard_of
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_conversion import (

@@ -17,7 +17,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import (NO_CHECKPOINT_MESSAGE, TRACKER_FILENAME, Checkpointer,
                                              checkpoint_file, describe_layout, file_crc32,
                                              read_tracker)
-from megatron.training.runtime import (NoPipelineRuntime, forward_backward_no_pipelining,
+from megatron.core.runtimes import (NoPipelineRuntime, forward_backward_no_pipelining,
                                        model_parameters)
 from megatron.training.training import TrainingState, pretrain, setup_model_and_optimizer
 

@@ -157,18 +157,32 @@ class GPTModel(torch.nn.Module):
 
         initialize_parameters(self, seed, parallel_state)
         self.dropout = CounterBasedDropout(stable_seed(seed, "dropout"))
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
+        """Pipeline stage contract: the previous stage's hidden state ``[s, b, h]`` that the next
+        forward of a chunk without the embedding uses instead of its ``inputs`` argument."""
+        self.input_tensor = tensor
+
+    def input_activation_shape(self, microbatch: dict) -> tuple[int, ...]:
+        """Pipeline stage contract: shape ``[s, b, h]`` of the hidden state this chunk receives."""
+        batch, sequence = microbatch["tokens"].shape
+        return (sequence, batch, self.config.hidden_size)
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                 sample_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run this chunk.
 
         ``inputs``: token ids ``[b, s]`` when ``pre_process``, else the previous stage's hidden
-        state ``[s, b, h]``. ``sample_ids``: global sample indices ``[b]`` (default ``arange(b)``);
+        state ``[s, b, h]`` (the tensor given to :meth:`set_input_tensor`, when there is one, takes
+        its place, so a pipeline calls every chunk with the micro-batch's tokens). ``sample_ids``: global sample indices ``[b]`` (default ``arange(b)``);
         they key the dropout masks. Returns the per-token loss ``[b, s]`` (float32, or float64 for
         float64 parameters) when ``post_process`` and ``labels`` are given, the vocabulary-parallel
         logits ``[b, s, V/tp]`` when ``post_process`` without labels, else the hidden state
         ``[s, b, h]``.
         """
+        if not self.pre_process and self.input_tensor is not None:
+            inputs = self.input_tensor
         batch = inputs.shape[0] if self.pre_process else inputs.shape[1]
         if sample_ids is None:
             sample_ids = torch.arange(batch, device=inputs.device)

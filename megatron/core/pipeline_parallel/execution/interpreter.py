@@ -21,17 +21,20 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from megatron.core.distributed.reducers import GradientReduction
+
+from ..planning.dependencies import ACTIVATION, GRADIENT
 from ..planning.grid import format_op_grid
 from ..planning.instructions import Instruction, Kind
 from ..planning.lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup
+from ..planning.schedules import ScheduleLayout
 from .model_chunks import ModuleKey
-from .p2p import ExpectedTensor, OutgoingTensor
-
-ACTIVATION, GRADIENT = "activation", "gradient"
+from .stage import PipelineStageModule
+from .transport import ExpectedTensor, OutgoingTensor, Transport
 
 
 class PipelineExecutionError(RuntimeError):
@@ -79,20 +82,6 @@ class _SavedActivationCounter:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-class _StageCall:
-    """What ``forward_step_func(microbatch, model)`` calls as ``model``: one chunk, fed the token ids
-    when it is a first stage, the received activation otherwise; labels only on a last stage."""
-
-    def __init__(self, chunk: torch.nn.Module, input_tensor: Optional[torch.Tensor]):
-        self.chunk = chunk
-        self.input_tensor = input_tensor
-
-    def __call__(self, tokens, labels=None, *, sample_ids=None):
-        inputs = tokens if self.chunk.pre_process else self.input_tensor
-        return self.chunk(inputs, labels if self.chunk.post_process else None,
-                          sample_ids=sample_ids)
-
-
 @dataclass
 class TimelineRecord:
     """One executed op with measured times (seconds since the iteration started)."""
@@ -108,20 +97,22 @@ class ExecutionContext:
 
     ``microbatches[k]`` is instruction micro-batch k (see ``ScheduleLayout.microbatch_samples``);
     ``loss_divisor`` is the number of instruction micro-batches of this data-parallel rank, so the
-    summed gradients are those of the mean loss.
+    summed gradients are those of the mean loss. Received activations have the shape the consuming
+    chunk declares (stage contract), unless ``activation_shape`` fixes one for every message;
+    received gradients have the shape of the activation they belong to.
     """
 
-    chunks: dict  # ModuleKey -> model chunk
-    layout: object  # the schedule's ScheduleLayout (which stages read data / compute the loss)
-    transport: object
+    chunks: Mapping[ModuleKey, PipelineStageModule]
+    layout: ScheduleLayout  # which stages read data / compute the loss
+    transport: Optional[Transport]
     forward_step_func: Callable
     microbatches: Sequence[dict]
     loss_divisor: int
-    activation_shape: tuple
     wire_dtype: torch.dtype
+    activation_shape: Optional[tuple] = None
     scale_loss: Callable = lambda loss: loss
-    reducers: dict = field(default_factory=dict)  # ModuleKey -> reducer
-    final_reducers: Sequence = ()  # started at GradSyncWait (tied embedding)
+    reducers: Mapping[ModuleKey, GradientReduction] = field(default_factory=dict)
+    final_reducers: Sequence[GradientReduction] = ()  # started at GradSyncWait (tied embedding)
     forward_only: bool = False
     autocast: Callable = contextlib.nullcontext
     record_timeline: bool = False
@@ -135,6 +126,7 @@ class Interpreter:
         self.received: dict = {}  # (kind, pipeline, stage, microbatch) -> tensor
         self.produced: dict = {}  # (kind, pipeline, stage, microbatch) -> tensor to send
         self.stored: dict = {}  # (pipeline, stage, microbatch) -> (input, output, nbytes)
+        self.output_shapes: dict = {}  # (pipeline, stage, microbatch) -> shape of its gradient
         self.loss_dicts: list = []
         self.timeline: list[TimelineRecord] = []
         self.live_bytes = 0
@@ -213,16 +205,20 @@ class Interpreter:
                 input_tensor.requires_grad_(True)
         counter = _SavedActivationCounter(self._parameter_pointers)
         grad_mode = torch.no_grad() if context.forward_only else contextlib.nullcontext()
+        chunk.set_input_tensor(input_tensor)
         with grad_mode, counter.hooks():
             with context.autocast():
                 output, loss_func = context.forward_step_func(
-                    context.microbatches[op.microbatch], _StageCall(chunk, input_tensor))
+                    context.microbatches[op.microbatch], chunk)
             if is_last:
                 loss, loss_dict = loss_func(output)
                 self.loss_dicts.append(loss_dict)
                 output = context.scale_loss(loss / context.loss_divisor)
+        chunk.set_input_tensor(None)
         if not is_last:
             self.produced[(ACTIVATION, op.pipeline, op.stage, op.microbatch)] = output
+            if not context.forward_only:
+                self.output_shapes[(op.pipeline, op.stage, op.microbatch)] = tuple(output.shape)
         if not context.forward_only:
             self.stored[(op.pipeline, op.stage, op.microbatch)] = (input_tensor, output,
                                                                    counter.nbytes)
@@ -255,7 +251,7 @@ class Interpreter:
                                             .contiguous(), str(p2p)))
             else:
                 assert p2p.direction == RECV
-                receives.append(ExpectedTensor(p2p.peer, context.activation_shape,
+                receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
                                                context.wire_dtype, str(p2p)))
                 receive_keys.append(key)
         received = context.transport.exchange(sends, receives)
@@ -263,19 +259,13 @@ class Interpreter:
         for output in sent_outputs:
             free_tensor_data(output)
 
-
-def forward_only_ops(ops: Sequence) -> list:
-    """The ops of a forward-only pass (evaluation): forwards and activation messages only.
-
-    Dropping whole messages on both sides keeps every group matched, and removing ops never adds
-    a wait, so the result is deadlock-free whenever the full list is.
-    """
-    result = []
-    for op in ops:
-        if isinstance(op, Instruction) and op.kind is Kind.FORWARD:
-            result.append(op)
-        elif isinstance(op, P2PGroup):
-            kept = tuple(p2p for p2p in op.ops if p2p.message.kind == ACTIVATION)
-            if kept:
-                result.append(P2PGroup(kept))
-    return result
+    def _incoming_shape(self, message) -> tuple:
+        """Shape of a received activation (declared by its consumer chunk) or gradient (that of
+        the activation this rank produced for it)."""
+        if message.kind == GRADIENT:
+            return self.output_shapes.pop((message.pipeline, message.consumer_stage,
+                                           message.microbatch))
+        if self.context.activation_shape is not None:
+            return self.context.activation_shape
+        consumer = self.context.chunks[ModuleKey(message.pipeline, message.consumer_stage)]
+        return tuple(consumer.input_activation_shape(self.context.microbatches[message.microbatch]))

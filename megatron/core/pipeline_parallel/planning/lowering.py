@@ -345,7 +345,7 @@ def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str) -> list:
             continue
         index = last_backward[module]
         later_compute = len(compute_positions) - bisect.bisect_right(compute_positions, index)
-        eager = layout.name == "chimera" and later_compute > 0 and (
+        eager = layout.has_stage_replicas and later_compute > 0 and (
             policy == "eager" or (policy == "eager-opt" and later_compute > 1))
         if eager:
             # After the communication that directly follows the backward (its gradient send).
@@ -373,3 +373,20 @@ def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str) -> list:
 def _sync_start(module, layout) -> GradSyncStart:
     pipeline, stage = module
     return GradSyncStart(pipeline, stage, layout.chunk(pipeline, stage))
+
+
+def forward_only_ops(ops: Sequence) -> list:
+    """The ops of a forward-only pass (evaluation): forwards and activation messages only.
+
+    Dropping whole messages on both sides keeps every group matched, and removing ops never adds
+    a wait, so the result is deadlock-free whenever the full list is.
+    """
+    result = []
+    for op in ops:
+        if isinstance(op, Instruction) and op.kind is Kind.FORWARD:
+            result.append(op)
+        elif isinstance(op, P2PGroup):
+            kept = tuple(p2p for p2p in op.ops if p2p.message.kind == ACTIVATION)
+            if kept:
+                result.append(P2PGroup(kept))
+    return result

@@ -216,30 +216,26 @@ def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cos
                             [peak_activations(ops) for ops in lowered], busy)
 
 
+def simulate_plan(plan, forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
+                  allreduce_cost: float = 0) -> SimulationResult:
+    """Simulate a :class:`~.plan.PipelinePlan`; costs per micro-batch of --micro-batch-size
+    (scaled by the layout's micro-batch fraction, half for backward halving)."""
+    fraction = float(plan.layout.microbatch_fraction)
+    return simulate(plan.lowered, forward_cost * fraction, backward_cost * fraction, p2p_cost,
+                    allreduce_cost)
+
+
 def simulate_schedule(name: str, pipeline_size: int, num_microbatches: int,
                       forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
                       allreduce_cost: float = 0, grad_sync_policy: str = "eager-opt",
-                      **options):
-    """Build, validate, lower and simulate one schedule; returns (schedule, lowered, result).
+                      registry=None, **options):
+    """Plan (with the simulation costs as planning costs) and simulate one schedule; returns
+    (schedule, lowered, result)."""
+    from .plan import make_plan
+    from .schedules import BUILTIN_SCHEDULES
 
-    ``forward_cost`` / ``backward_cost`` are per micro-batch of --micro-batch-size; instruction
-    costs are scaled by the layout's micro-batch fraction (half for backward halving).
-    """
-    from .schedules import build_schedule, schedule_layout
-    from .validator import validate_schedule
-
-    schedule = build_schedule(name, pipeline_size, num_microbatches, **options)
-    layout = schedule_layout(name, pipeline_size, **options)
-    validate_schedule(schedule, layout, num_microbatches)
-    fraction = float(layout.microbatch_fraction)
-    lowered = lower_schedule_for(schedule, layout, grad_sync_policy, forward_cost * fraction,
-                                 backward_cost * fraction)
-    result = simulate(lowered, forward_cost * fraction, backward_cost * fraction, p2p_cost,
-                      allreduce_cost)
-    return schedule, lowered, result
-
-
-def lower_schedule_for(schedule, layout, grad_sync_policy, forward_cost, backward_cost):
-    """Lower with the given costs as planning costs (helper of :func:`simulate_schedule`)."""
-    from .lowering import lower_schedule
-    return lower_schedule(schedule, layout, grad_sync_policy, forward_cost, backward_cost)
+    plan = make_plan(name, pipeline_size, num_microbatches, options,
+                     grad_sync_policy=grad_sync_policy, forward_cost=forward_cost,
+                     backward_cost=backward_cost, registry=registry or BUILTIN_SCHEDULES)
+    result = simulate_plan(plan, forward_cost, backward_cost, p2p_cost, allreduce_cost)
+    return [list(ops) for ops in plan.schedule], [list(ops) for ops in plan.lowered], result

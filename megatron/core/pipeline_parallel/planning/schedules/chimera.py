@@ -33,7 +33,11 @@ A rank's order is its ops sorted by slot; the builder checks that no two ops sha
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from ..instructions import Instruction, backward, forward
+from .family import ScheduleFamily, ScheduleOption
+from .layout import ScheduleLayout
 
 VARIANTS = ("direct", "forward-doubling", "backward-halving")
 
@@ -48,12 +52,14 @@ def check_chimera(pipeline_size: int, num_microbatches: int, num_pipelines=2,
     depth = pipeline_size
     if depth < 2 or depth % 2 != 0:
         raise ValueError(
-            f"chimera needs an even --pipeline-model-parallel-size >= 2 (got {depth}); "
-            f"allowed: 2, 4, 6, 8, ...")
+            f"Chimera needs an even pipeline depth (an even --pipeline-model-parallel-size >= 2, "
+            f"got {depth}); allowed: 2, 4, 6, 8, ...; use an even size or another "
+            f"--pipeline-schedule")
     if not isinstance(num_pipelines, int) or num_pipelines < 2 or num_pipelines % 2 != 0:
         raise ValueError(
-            f"chimera needs an even number of pipelines 2f >= 2 (got {num_pipelines!r}); "
-            f"allowed: {_allowed_num_pipelines(depth)}")
+            f"--chimera-pipelines {num_pipelines!r} must be an even number 2f >= 2 (f down and f "
+            f"up pipelines, f dividing D/2 = {depth // 2}); allowed: "
+            f"{_allowed_num_pipelines(depth)}")
     f = num_pipelines // 2
     if (depth // 2) % f != 0:
         raise ValueError(
@@ -176,3 +182,38 @@ def _check_no_slot_conflict(rank: int, ops) -> None:
         assert len(slot_ops) == 1 or pair, (
             f"chimera slot conflict on rank {rank} at slot {slot}: "
             f"{' '.join(map(str, slot_ops))}")
+
+
+def chimera_layout(pipeline_size: int, num_pipelines: int = 2,
+                   variant: str = "direct") -> ScheduleLayout:
+    """2f pipelines of D stages (see :func:`chimera_placements`); backward halving runs half
+    micro-batches; the doubling variants pair forwards inside units of 2D micro-batches."""
+    fraction = Fraction(1, 2) if variant == "backward-halving" else Fraction(1)
+    doubling_unit = 2 * pipeline_size if variant != "direct" else 0
+    return ScheduleLayout(f"chimera {variant}", pipeline_size, pipeline_size,
+                          chimera_placements(pipeline_size, num_pipelines), fraction,
+                          doubling_unit)
+
+
+def chimera_op_label(op: Instruction, options: dict) -> str:
+    """'v' for a down pipeline, '^' for an up one, then the pair index when 2f > 2."""
+    label = "v" if op.pipeline % 2 == 0 else "^"
+    if options.get("num_pipelines", 2) > 2:
+        label += str(op.pipeline // 2)
+    return label
+
+
+CHIMERA = ScheduleFamily(
+    name="chimera", description="bidirectional pipelines (Li & Hoefler, SC'21)",
+    build=build_chimera, layout=chimera_layout, check=check_chimera, op_label=chimera_op_label,
+    options=(
+        ScheduleOption("num_pipelines", 2, "chimera_pipelines", "--chimera-pipelines", int,
+                       help="Number of Chimera pipelines 2f (f down, f up); f must divide D/2."),
+        ScheduleOption("variant", "direct", "chimera_variant", "--chimera-variant", str,
+                       choices=VARIANTS, help="How Chimera schedules N > D micro-batches."),
+    ),
+    checkpoint_options=("num_pipelines",),
+    memory_note=lambda options: (
+        "--chimera-variant forward-doubling doubles the stored activations; it is meant to be "
+        "combined with --recompute-granularity full" if options.get("variant") == "forward-doubling"
+        else None))

@@ -12,6 +12,8 @@ Constraints (as in Megatron): v >= 2, D >= 2 and N a multiple of D.
 from __future__ import annotations
 
 from ..instructions import Instruction, backward, forward
+from .family import ScheduleFamily, ScheduleOption
+from .layout import ScheduleLayout
 
 
 def check_interleaved(pipeline_size: int, num_microbatches: int, num_model_chunks) -> None:
@@ -64,3 +66,21 @@ def build_interleaved(pipeline_size: int, num_microbatches: int,
         ops += [op(k, False) for k in range(total - num_warmup, total)]
         schedule.append(ops)
     return schedule
+
+
+def interleaved_layout(pipeline_size: int, num_model_chunks: int) -> ScheduleLayout:
+    """One pipeline of D * v virtual stages; virtual stage c * D + r on rank r (its chunk c)."""
+    num_stages = pipeline_size * num_model_chunks
+    return ScheduleLayout("interleaved-1f1b", pipeline_size, num_stages,
+                          (tuple(stage % pipeline_size for stage in range(num_stages)),))
+
+
+INTERLEAVED_1F1B = ScheduleFamily(
+    name="interleaved-1f1b", description="Megatron's virtual pipeline: v model chunks per rank",
+    build=build_interleaved, layout=interleaved_layout,
+    check=lambda pipeline_size, num_microbatches, num_model_chunks=None: check_interleaved(
+        pipeline_size, num_microbatches, num_model_chunks),
+    options=(ScheduleOption(
+        "num_model_chunks", None, "virtual_pipeline_model_parallel_size", "--num-model-chunks",
+        int, help="Model chunks per rank for interleaved-1f1b (v >= 2).", tool_default=2),),
+    op_label=lambda op, options: f"c{op.chunk}")

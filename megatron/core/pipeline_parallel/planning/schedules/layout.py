@@ -19,7 +19,7 @@ class ScheduleLayout:
     """Static placement of a schedule's stages on pipeline ranks.
 
     Attributes:
-        name: schedule name ("gpipe", "1f1b", "interleaved-1f1b", "chimera").
+        name: schedule family name (used in messages only).
         pipeline_size: number of pipeline ranks D.
         num_stages: stages per pipeline (D, or D * num_model_chunks for interleaved 1F1B).
         placements: ``placements[pipeline][stage]`` is the pipeline rank hosting that stage.
@@ -41,6 +41,12 @@ class ScheduleLayout:
     @property
     def num_pipelines(self) -> int:
         return len(self.placements)
+
+    @property
+    def has_stage_replicas(self) -> bool:
+        """Whether each stage has copies on other pipeline ranks (Chimera), so the gradient-sync
+        policy decides when their all-reduce starts; otherwise syncs run at the end."""
+        return self.num_pipelines > 1
 
     def placement(self, pipeline: int, stage: int) -> int:
         """Pipeline rank hosting ``stage`` of ``pipeline``."""
@@ -106,3 +112,8 @@ class ScheduleLayout:
                 f"use an even --micro-batch-size")
         size = int(size)
         return range(microbatch * size, (microbatch + 1) * size)
+
+
+def single_pipeline_layout(name: str, pipeline_size: int) -> ScheduleLayout:
+    """One pipeline of D stages, stage s on rank s (GPipe, 1F1B and their relatives)."""
+    return ScheduleLayout(name, pipeline_size, pipeline_size, (tuple(range(pipeline_size)),))

@@ -8,6 +8,8 @@ activations min(D - r, N) on rank r.
 from __future__ import annotations
 
 from ..instructions import Instruction, backward, forward
+from .family import ScheduleFamily
+from .layout import single_pipeline_layout
 
 
 def build_one_f_one_b(pipeline_size: int, num_microbatches: int) -> list[list[Instruction]]:
@@ -23,3 +25,9 @@ def build_one_f_one_b(pipeline_size: int, num_microbatches: int) -> list[list[In
                 for m in range(num_microbatches - num_warmup, num_microbatches)]
         schedule.append(ops)
     return schedule
+
+
+ONE_F_ONE_B = ScheduleFamily(
+    name="1f1b", description="one forward, one backward (PipeDream-flush / DAPPLE / Megatron)",
+    build=build_one_f_one_b,
+    layout=lambda pipeline_size: single_pipeline_layout("1f1b", pipeline_size))

@@ -1,4 +1,4 @@
-"""Gradient synchronisation of pipeline stages: who holds what, which groups, and the reducers.
+"""Replica groups of pipeline stages: who holds a copy of which stage, their process groups.
 
 Every stage of a schedule is held by one pipeline rank per pipeline (Chimera: stage s on ranks s
 and D-1-s; 2f pipelines: on 2f ranks; one-directional schedules: on one rank), and the whole
@@ -13,19 +13,18 @@ dividing by the data-parallel size gives exactly the single-process gradient of 
 
 Tied embeddings: with a pipeline, the word embedding (stage 0) and the output layer (last stage) are
 copies of one weight held by different modules, on different ranks (and on Chimera's end ranks, two
-copies on the same rank). :class:`TiedEmbeddingReducer` sums the local copies, all-reduces over
-every rank holding one and writes the total back into each copy, so they stay identical.
+copies on the same rank); their group is every rank holding one. The reductions themselves are built
+by :func:`megatron.core.distributed.reducers.build_gradient_reducers`.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from megatron.core.distributed import GradientReducer
-from megatron.core.distributed.collectives import group_size
+from megatron.core.distributed.reducers import (ModelReducers, build_gradient_reducers,
+                                                is_shared_embedding)
 from megatron.core.parallel_state import GroupSpec
 
 TIED_EMBEDDING_LABEL = "tied-embedding"
@@ -72,78 +71,16 @@ def tied_embedding_group(parallel_state, schedule_layout):
     return parallel_state.group_for(ranks, label=TIED_EMBEDDING_LABEL)
 
 
-def is_shared_embedding(param: torch.nn.Parameter) -> bool:
-    return bool(getattr(param, "shared_embedding", False))
-
-
-def tied_copies(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    """The copies of the tied embedding weight in this rank's chunks (empty when untied)."""
-    return [p for chunk in chunks for p in chunk.parameters() if is_shared_embedding(p)]
-
-
-class TiedEmbeddingReducer:
-    """Keeps the tied word-embedding copies identical: local sum, all-reduce, write back."""
-
-    def __init__(self, copies: Sequence[torch.nn.Parameter], group, divide_by: float):
-        self.copies = list(copies)
-        self.group = group
-        self.divide_by = float(divide_by)
-        self._total = None
-        self._handle = None
-
-    @property
-    def started(self) -> bool:
-        return self._total is not None
-
-    def start(self) -> None:
-        grads = [p.grad for p in self.copies if p.grad is not None]
-        if not grads:
-            # A copy may have no gradient yet (e.g. forward-only); treat it as zero.
-            grads = [torch.zeros_like(self.copies[0])]
-        total = torch.stack(grads).sum(0) / self.divide_by
-        if group_size(self.group) > 1:
-            self._handle = dist.all_reduce(total, group=self.group, async_op=True)
-        self._total = total
-
-    def wait(self) -> None:
-        if self._total is None:
-            self.start()
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
-        for param in self.copies:
-            if param.grad is None:
-                param.grad = self._total.clone()
-            else:
-                param.grad.copy_(self._total)
-        self._total = None
-
-    def zero_grad(self) -> None:
-        for param in self.copies:
-            if param.grad is not None:
-                param.grad.zero_()
-
-
-def build_stage_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence, parallel_state,
-                         schedule_layout) -> tuple[dict, list]:
-    """One reducer per hosted module over its stage's replica group, plus the tied reducer.
-
-    Returns ``(reducer by module key, all reducers)``; the tied-embedding reducer (if any) is the
-    last element of the list and not in the dict (it is started once every module is done).
-    """
-    by_key = {}
-    for chunk, key in zip(chunks, keys):
-        params = [p for p in chunk.parameters() if p.requires_grad and not is_shared_embedding(p)]
-        by_key[key] = GradientReducer(params, stage_group(parallel_state, schedule_layout,
-                                                          key.stage),
-                                      divide_by=parallel_state.dp_size)
-    reducers = list(by_key.values())
-    copies = tied_copies(chunks)
-    if copies:
-        reducers.append(TiedEmbeddingReducer(
-            copies, tied_embedding_group(parallel_state, schedule_layout),
-            divide_by=parallel_state.dp_size))
-    return by_key, reducers
+def pipeline_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence, parallel_state,
+                      schedule_layout) -> ModelReducers:
+    """This rank's reductions: each hosted module over its stage's replica group, plus the
+    tied-embedding reduction when the embedding and the output layer are different stages."""
+    tied = None
+    if schedule_layout.num_stages > 1:
+        tied = lambda: tied_embedding_group(parallel_state, schedule_layout)  # noqa: E731
+    return build_gradient_reducers(
+        chunks, keys, lambda key: stage_group(parallel_state, schedule_layout, key.stage),
+        divide_by=parallel_state.dp_size, tied_group=tied)
 
 
 def grad_norm_owners(chunks: Sequence[torch.nn.Module], keys: Sequence,

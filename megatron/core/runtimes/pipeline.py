@@ -1,10 +1,12 @@
-"""The pipeline runtime: plugs a schedule into the training loop.
+"""The pipeline runtime: plugs a planned schedule into the training loop.
 
-:class:`PipelineRuntime` implements the runtime protocol of :mod:`megatron.training.runtime` for
-every schedule (``--pipeline-schedule 1f1b|gpipe|interleaved-1f1b|chimera``): it builds the schedule
-once (build -> validate -> lower, all pure data), builds the model chunks this pipeline rank hosts,
-one gradient reducer per hosted module over that stage's replica group (plus the tied-embedding
-reducer), and runs each iteration through the :class:`~.interpreter.Interpreter`.
+:class:`PipelineRuntime` implements :class:`~.protocol.TrainingRuntime` for every schedule family of
+its ``registry`` (the built-in gpipe, 1f1b, interleaved-1f1b and chimera, or a registry of your own):
+it plans the schedule once (:func:`~megatron.core.pipeline_parallel.planning.plan.plan_from_config`:
+build -> validate -> lower, all pure data), builds the model chunks this pipeline rank hosts, one
+gradient reduction per hosted module over that stage's replica group (plus the tied-embedding one),
+and runs each iteration through the :class:`~megatron.core.pipeline_parallel.execution.interpreter.
+Interpreter`.
 
 Data: the training loop hands over this data-parallel rank's N micro-batches of --micro-batch-size
 (order in :mod:`megatron.training.microbatches`). Instruction micro-batch k covers samples
@@ -25,37 +27,17 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import RankLayout
-
-from .grad_sync import build_stage_reducers, grad_norm_owners, required_group_specs
-from .interpreter import ExecutionContext, Interpreter, forward_only_ops
-from ..planning.lowering import lower_schedule
-from .model_chunks import build_model_chunks
-from .p2p import P2PTransport
-from .packing import select_packer
-from ..planning.schedules import build_schedule, schedule_from_config, schedule_layout
-from .timeline import report_memory, write_timeline
-from ..planning.validator import validate_schedule
-
-
-def layout_for(config):
-    """The :class:`ScheduleLayout` of the configured schedule."""
-    name, options = schedule_from_config(config.parallel)
-    return schedule_layout(name, config.parallel.pipeline_model_parallel_size, **options)
-
-
-def lowered_schedule_for(config, packing: bool = False) -> list[list]:
-    """Build, validate and lower the configured schedule (every rank's op list).
-
-    With ``packing`` the two activations of a doubled forward step share one message."""
-    parallel = config.parallel
-    name, options = schedule_from_config(parallel)
-    layout = layout_for(config)
-    num_microbatches = config.training.num_microbatches
-    schedule = build_schedule(name, parallel.pipeline_model_parallel_size, num_microbatches,
-                              **options)
-    validate_schedule(schedule, layout, num_microbatches)
-    return lower_schedule(schedule, layout, parallel.chimera_grad_sync,
-                          doubled_step_messages=packing)
+from megatron.core.pipeline_parallel.execution.interpreter import ExecutionContext, Interpreter
+from megatron.core.pipeline_parallel.execution.model_chunks import build_model_chunks
+from megatron.core.pipeline_parallel.execution.packing import select_packer
+from megatron.core.pipeline_parallel.execution.replica_groups import (grad_norm_owners,
+                                                                      pipeline_reducers,
+                                                                      required_group_specs)
+from megatron.core.pipeline_parallel.execution.stage import check_stage_module
+from megatron.core.pipeline_parallel.execution.timeline import report_memory, write_timeline
+from megatron.core.pipeline_parallel.execution.transport import make_transport
+from megatron.core.pipeline_parallel.planning.plan import layout_from_config, plan_from_config
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
 
 
 def _is_tied(config) -> bool:
@@ -63,21 +45,29 @@ def _is_tied(config) -> bool:
 
 
 class PipelineRuntime:
-    """Runs the configured pipeline schedule (see the module docstring)."""
+    """Runs the configured pipeline schedule (see the module docstring).
 
-    @staticmethod
-    def required_group_ranks(config, layout: RankLayout) -> list:
-        return required_group_specs(layout_for(config), layout, _is_tied(config))
+    ``registry`` (a class attribute) holds the schedule families this runtime knows; a subclass
+    with another registry runs families of its own.
+    """
+
+    registry = BUILTIN_SCHEDULES
+
+    @classmethod
+    def required_group_ranks(cls, config, layout: RankLayout) -> list:
+        return required_group_specs(layout_from_config(config, cls.registry), layout,
+                                    _is_tied(config))
 
     def __init__(self, config, parallel_state, device: torch.device):
         self.config = config
         self.parallel_state = parallel_state
         self.device = device
-        self.layout = layout_for(config)
         self.packer = select_packer(config.parallel.p2p_packing)
-        self.lowered = lowered_schedule_for(config, packing=self.packer.enabled)
-        self.lowered_forward_only = [forward_only_ops(ops) for ops in self.lowered]
-        self.transport = P2PTransport(parallel_state, self.packer, device)
+        self.plan = plan_from_config(config, doubled_step_messages=self.packer.enabled,
+                                     registry=self.registry)
+        self.layout = self.plan.layout
+        self.lowered = self.plan.lowered
+        self.transport = make_transport(parallel_state, self.packer, device)
         self.keys: list = []
         self.reducers_by_key: dict = {}
         self.final_reducers: list = []
@@ -92,25 +82,22 @@ class PipelineRuntime:
 
     def describe(self) -> str:
         """The log lines naming the schedule and the active packing."""
-        parallel = self.config.parallel
-        name, options = schedule_from_config(parallel)
-        details = ", ".join(f"{k}={v}" for k, v in options.items())
-        return (f"> pipeline schedule: {name}" + (f" ({details})" if details else "")
-                + f", {self.layout.num_pipelines} pipeline(s) x {self.layout.num_stages} stages, "
-                f"grad sync {parallel.chimera_grad_sync}\n> {self.packer.describe()}")
+        return f"> pipeline schedule: {self.plan.describe()}\n> {self.packer.describe()}"
 
     def build_model_chunks(self, model_provider: Callable) -> list[torch.nn.Module]:
         chunks, self.keys = build_model_chunks(model_provider, self.config, self.parallel_state,
                                                self.layout, self.device)
+        for chunk in chunks:
+            check_stage_module(chunk)
         return chunks
 
     def build_gradient_reducers(self, model_chunks) -> list:
-        self.reducers_by_key, reducers = build_stage_reducers(
-            model_chunks, self.keys, self.parallel_state, self.layout)
+        reducers = pipeline_reducers(model_chunks, self.keys, self.parallel_state, self.layout)
+        self.reducers_by_key = reducers.by_module
         # Reducers no GradSyncStart names (the tied embedding): started at the end of the list.
-        self.final_reducers = reducers[len(self.reducers_by_key):]
+        self.final_reducers = reducers.final
         self._norm_owners = grad_norm_owners(model_chunks, self.keys, self.parallel_state.tp_rank)
-        return reducers
+        return reducers.all
 
     def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
         return id(param) in self._norm_owners
@@ -131,9 +118,7 @@ class PipelineRuntime:
     def forward_backward(self, *, forward_step_func, model_chunks, microbatches: Sequence[dict],
                          scale_loss: Callable, gradient_reducers, forward_only: bool,
                          autocast: Callable = contextlib.nullcontext) -> list[dict]:
-        model = self.config.model
         instruction_batches = self.instruction_microbatches(microbatches)
-        batch = instruction_batches[0]["tokens"].shape[0]
         if not forward_only:
             self.iterations += 1
         record = (not forward_only and self.config.logging.pipeline_timeline is not None
@@ -144,12 +129,11 @@ class PipelineRuntime:
             chunks=dict(zip(self.keys, model_chunks)), layout=self.layout,
             transport=self.transport, forward_step_func=forward_step_func,
             microbatches=instruction_batches, loss_divisor=len(instruction_batches),
-            activation_shape=(model.seq_length, batch, model.hidden_size),
             wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
             reducers=self.reducers_by_key, final_reducers=self.final_reducers,
             forward_only=forward_only, autocast=autocast, record_timeline=record)
         interpreter = Interpreter(context)
-        losses = interpreter.run(self.lowered_forward_only if forward_only else self.lowered,
+        losses = interpreter.run(self.plan.forward_only if forward_only else self.lowered,
                                  self.parallel_state.pp_rank)
         if not forward_only:
             self.last_interpreter = interpreter

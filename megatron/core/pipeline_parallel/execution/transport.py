@@ -1,0 +1,203 @@
+"""Point-to-point transport between pipeline ranks: the seam, and its two implementations.
+
+The lowering (:mod:`megatron.core.pipeline_parallel.planning.lowering`) groups every send and receive
+a rank issues at one communication point so that both sides of each message are in matching groups;
+a transport executes one such group. :class:`Transport` is the seam the interpreter uses:
+
+* ``start(sends, receives)`` posts the whole group without blocking and returns a
+  :class:`PendingExchange`, whose ``wait_received()`` completes the receives (and returns the
+  tensors in the order of ``receives``) and ``wait_sent()`` completes the sends (after which the
+  sent buffers may be reused);
+* ``exchange(sends, receives)`` is ``start`` followed by both waits.
+
+:class:`TensorTransport` sends one message per tensor; :class:`PackedTransport` packs every tensor
+bound for one peer into one contiguous message (C++ extension or its Python twin,
+:mod:`~megatron.core.pipeline_parallel.execution.packing`) and the receiver checks the header against
+what the schedule says it should get. :func:`make_transport` picks one from the packer.
+
+Shapes and dtypes of received tensors are known in advance (the stage contract declares them), so
+receive buffers are allocated before the data arrives. On each directed link the send order equals
+the receive order, so an in-order channel (NCCL ignores tags) cannot mix messages up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class OutgoingTensor:
+    """A tensor to send: to pipeline rank ``peer``; ``what`` names it in error messages."""
+
+    peer: int
+    tensor: torch.Tensor
+    what: str
+
+
+@dataclass(frozen=True)
+class ExpectedTensor:
+    """A tensor to receive from pipeline rank ``peer``, with its shape and dtype."""
+
+    peer: int
+    shape: tuple
+    dtype: torch.dtype
+    what: str
+
+
+@dataclass
+class TransportStats:
+    """What crossed the wire (for the packing benchmark and the log)."""
+
+    messages: int = 0
+    bytes: int = 0
+    exchanges: int = 0
+    seconds: float = 0.0
+
+
+class PendingExchange(Protocol):
+    """A posted communication group."""
+
+    def wait_received(self) -> list[torch.Tensor]:
+        """Complete the receives; the received tensors in the order they were asked for."""
+
+    def wait_sent(self) -> None:
+        """Complete the sends (their buffers may be reused afterwards)."""
+
+
+class Transport(Protocol):
+    """What the interpreter needs to move activations and gradients between pipeline ranks."""
+
+    stats: TransportStats
+
+    def start(self, sends: Sequence[OutgoingTensor],
+              receives: Sequence[ExpectedTensor]) -> PendingExchange:
+        """Post one communication group without blocking."""
+
+    def exchange(self, sends: Sequence[OutgoingTensor],
+                 receives: Sequence[ExpectedTensor]) -> list[torch.Tensor]:
+        """Post one group and complete it; the received tensors in the order of ``receives``."""
+
+
+@dataclass
+class _Posted:
+    """The requests of one posted group and how to turn its receive buffers into tensors."""
+
+    send_requests: list
+    receive_requests: list
+    finish: Callable[[], list]
+    stats: TransportStats
+    started: float
+    outgoing: list  # the sent buffers, alive until the sends complete
+
+    def wait_received(self) -> list[torch.Tensor]:
+        for request in self.receive_requests:
+            request.wait()
+        self.receive_requests = []
+        received = self.finish()
+        self.stats.seconds += time.perf_counter() - self.started
+        return received
+
+    def wait_sent(self) -> None:
+        for request in self.send_requests:
+            request.wait()
+        self.send_requests = []
+        self.outgoing = []
+
+
+@dataclass
+class _PeerTransport:
+    """Shared part: pipeline peer -> global rank, posting a list of P2P ops, statistics."""
+
+    parallel_state: object
+    device: torch.device
+    stats: TransportStats = field(default_factory=TransportStats)
+
+    def global_rank(self, pipeline_rank: int) -> int:
+        coords = self.parallel_state.coords
+        return self.parallel_state.layout.rank(type(coords)(coords.tp, coords.dp, pipeline_rank))
+
+    def _post(self, sends: list, receives: list, finish: Callable[[], list]) -> _Posted:
+        """Issue ``sends`` then ``receives`` (``dist.P2POp`` lists) as one batch."""
+        started = time.perf_counter()
+        self.stats.exchanges += 1
+        self.stats.messages += len(sends)
+        self.stats.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in sends)
+        requests = dist.batch_isend_irecv(sends + receives) if sends or receives else []
+        if len(requests) == len(sends) + len(receives):
+            send_requests, receive_requests = requests[:len(sends)], requests[len(sends):]
+        else:  # a backend that coalesces the batch into fewer requests: wait for all of them
+            send_requests, receive_requests = [], list(requests)
+        return _Posted(send_requests, receive_requests, finish, self.stats, started,
+                       [op.tensor for op in sends])
+
+    def exchange(self, sends: Sequence[OutgoingTensor],
+                 receives: Sequence[ExpectedTensor]) -> list[torch.Tensor]:
+        pending = self.start(sends, receives)
+        received = pending.wait_received()
+        pending.wait_sent()
+        return received
+
+
+class TensorTransport(_PeerTransport):
+    """One message per tensor."""
+
+    def describe(self) -> str:
+        return "one message per tensor"
+
+    def start(self, sends: Sequence[OutgoingTensor],
+              receives: Sequence[ExpectedTensor]) -> PendingExchange:
+        send_ops = [dist.P2POp(dist.isend, item.tensor.contiguous(), self.global_rank(item.peer))
+                    for item in sends]
+        buffers = [torch.empty(item.shape, dtype=item.dtype, device=self.device)
+                   for item in receives]
+        receive_ops = [dist.P2POp(dist.irecv, buffer, self.global_rank(item.peer))
+                       for item, buffer in zip(receives, buffers)]
+        return self._post(send_ops, receive_ops, lambda: buffers)
+
+
+@dataclass
+class PackedTransport(_PeerTransport):
+    """Every tensor bound for one peer in one packed message (see the module docstring)."""
+
+    packer: object = None
+
+    def start(self, sends: Sequence[OutgoingTensor],
+              receives: Sequence[ExpectedTensor]) -> PendingExchange:
+        send_ops = []
+        for peer in dict.fromkeys(item.peer for item in sends):
+            tensors = [item.tensor for item in sends if item.peer == peer]
+            send_ops.append(dist.P2POp(dist.isend, self.packer.pack(tensors, device=self.device),
+                                       self.global_rank(peer)))
+        incoming = {}
+        for peer in dict.fromkeys(item.peer for item in receives):
+            expected = [item for item in receives if item.peer == peer]
+            nbytes = self.packer.packed_nbytes([(item.shape, item.dtype) for item in expected])
+            incoming[peer] = (torch.empty(nbytes, dtype=torch.uint8, device=self.device), expected)
+        receive_ops = [dist.P2POp(dist.irecv, buffer, self.global_rank(peer))
+                       for peer, (buffer, _) in incoming.items()]
+        return self._post(send_ops, receive_ops,
+                          lambda: self._unpack_all(incoming, receives))
+
+    def _unpack_all(self, incoming: dict, receives: Sequence[ExpectedTensor]) -> list:
+        received = {}
+        for peer, (buffer, expected) in incoming.items():
+            what = (f"message from pipeline rank {peer} carrying "
+                    f"{', '.join(item.what for item in expected)}")
+            tensors = self.packer.unpack(buffer, device=self.device,
+                                         expected=[(item.shape, item.dtype) for item in expected],
+                                         what=what)
+            for item, tensor in zip(expected, tensors):
+                received[id(item)] = tensor
+        return [received[id(item)] for item in receives]
+
+
+def make_transport(parallel_state, packer, device: torch.device) -> Transport:
+    """The packed transport when ``packer.enabled``, else one message per tensor."""
+    if getattr(packer, "enabled", False):
+        return PackedTransport(parallel_state, device, packer=packer)
+    return TensorTransport(parallel_state, device)

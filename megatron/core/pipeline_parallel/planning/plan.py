@@ -1,0 +1,113 @@
+"""One resolved pipeline plan: schedule, layout and lowered op lists, built once and passed on.
+
+``make_plan`` composes build -> validate -> lower for a schedule family; ``plan_from_config`` does
+it for Megatron's flags. The runtime, the simulator, the performance model, the schedule viewer
+and the checkpoint tools all consume the resulting :class:`PipelinePlan` instead of composing the
+steps themselves. ``layout_from_config`` gives the static layout alone (no N needed), for code
+that only places stages (checkpoint conversion, process-group creation). No torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Mapping, Optional
+
+from .lowering import GRAD_SYNC_POLICIES, lower_schedule
+from .schedules import BUILTIN_SCHEDULES, ScheduleFamily, ScheduleLayout, ScheduleRegistry
+from .schedules import resolve_schedule, schedule_from_config
+from .validator import validate_schedule
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A schedule resolved for one (D, N, options, grad-sync policy): immutable.
+
+    Attributes:
+        family: the schedule family record.
+        options: the family's options with defaults filled in.
+        pipeline_size: D.
+        num_microbatches: N micro-batches of --micro-batch-size per data-parallel rank.
+        layout: static placement of the stages.
+        schedule: per rank, the compute instructions (validated).
+        lowered: per rank, compute + p2p groups + gradient-sync ops (what the runtime runs).
+        grad_sync_policy: when stage replicas start their gradient all-reduce.
+    """
+
+    family: ScheduleFamily
+    options: Mapping
+    pipeline_size: int
+    num_microbatches: int
+    layout: ScheduleLayout
+    schedule: tuple
+    lowered: tuple
+    grad_sync_policy: str
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @cached_property
+    def forward_only(self) -> tuple:
+        """Per rank, the ops of a forward-only pass (evaluation): forwards and activations."""
+        from .lowering import forward_only_ops
+        return tuple(tuple(forward_only_ops(ops)) for ops in self.lowered)
+
+    def describe(self) -> str:
+        """``chimera (num_pipelines=2, variant=direct), 2 pipeline(s) x 4 stages, grad sync ...``"""
+        details = ", ".join(f"{key}={value}" for key, value in self.options.items())
+        return (f"{self.name}" + (f" ({details})" if details else "")
+                + f", {self.layout.num_pipelines} pipeline(s) x {self.layout.num_stages} stages, "
+                f"grad sync {self.grad_sync_policy}")
+
+    def op_label(self, op) -> str:
+        """Short label of a compute op for grids and pictures: kind, micro-batch, family suffix."""
+        return f"{op.kind.value}{op.microbatch}" + self.family.op_label(op, dict(self.options))
+
+
+def make_plan(name: str, pipeline_size: int, num_microbatches: int,
+              options: Optional[Mapping] = None, *, grad_sync_policy: str = "eager-opt",
+              forward_cost: float = 1, backward_cost: float = 2,
+              doubled_step_messages: bool = False,
+              registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> PipelinePlan:
+    """Build, validate and lower one schedule.
+
+    ``forward_cost`` / ``backward_cost`` (per micro-batch of --micro-batch-size; scaled by the
+    layout's micro-batch fraction) only shape where the lowering groups communication.
+    ``doubled_step_messages``: the two inputs of a doubled forward step travel together (worth it
+    with packing; see :func:`~.lowering.lower_schedule`).
+    """
+    if grad_sync_policy not in GRAD_SYNC_POLICIES:
+        raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
+                         f"{', '.join(GRAD_SYNC_POLICIES)}")
+    family, resolved = resolve_schedule(name, pipeline_size, num_microbatches,
+                                        dict(options or {}), registry)
+    layout = family.layout(pipeline_size, **resolved)
+    schedule = family.build(pipeline_size, num_microbatches, **resolved)
+    validate_schedule(schedule, layout, num_microbatches)
+    fraction = float(layout.microbatch_fraction)
+    lowered = lower_schedule(schedule, layout, grad_sync_policy, forward_cost * fraction,
+                             backward_cost * fraction, doubled_step_messages=doubled_step_messages)
+    return PipelinePlan(family, resolved, pipeline_size, num_microbatches, layout,
+                        tuple(tuple(ops) for ops in schedule),
+                        tuple(tuple(ops) for ops in lowered), grad_sync_policy)
+
+
+def plan_from_config(config, *, doubled_step_messages: bool = False,
+                     registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> PipelinePlan:
+    """The plan of the configured schedule (``config.parallel``, ``config.training``)."""
+    parallel = config.parallel
+    name, options = schedule_from_config(parallel, registry)
+    return make_plan(name, parallel.pipeline_model_parallel_size,
+                     config.training.num_microbatches, options,
+                     grad_sync_policy=parallel.chimera_grad_sync,
+                     doubled_step_messages=doubled_step_messages, registry=registry)
+
+
+def layout_from_config(config, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> ScheduleLayout:
+    """The static layout of the configured schedule (no micro-batch count needed)."""
+    parallel = config.parallel
+    name, options = schedule_from_config(parallel, registry)
+    family, resolved = resolve_schedule(name, parallel.pipeline_model_parallel_size, None,
+                                        options, registry)
+    return family.layout(parallel.pipeline_model_parallel_size, **resolved)

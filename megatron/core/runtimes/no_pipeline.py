@@ -1,0 +1,98 @@
+"""The runtime without pipeline parallelism: one model chunk, gradient accumulation.
+
+:class:`NoPipelineRuntime` runs each micro-batch's forward and backward in turn (gradients
+accumulate), with one data-parallel gradient reduction started after the last backward (or, with
+``--overlap-grad-reduce``, bucket by bucket during it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+
+from megatron.core.distributed.reducers import build_gradient_reducers
+from megatron.core.optimizer import default_owns_grad_norm
+
+from .protocol import ForwardStepFunc
+
+# Elements per all-reduce bucket with --overlap-grad-reduce (Megatron's default is 40M elements;
+# smaller buckets start earlier in the backward).
+OVERLAP_BUCKET_SIZE = 40_000_000
+
+class NoPipelineRuntime:
+    """One model chunk per rank; tensor and data parallelism only (pipeline size 1)."""
+
+    @classmethod
+    def required_group_ranks(cls, config, layout) -> list:
+        return []
+
+    def __init__(self, config, parallel_state, device: torch.device):
+        if parallel_state.pp_size != 1:
+            raise ValueError("NoPipelineRuntime runs without pipeline parallelism; use the pipeline "
+                             "runtime for --pipeline-model-parallel-size > 1")
+        self.config = config
+        self.parallel_state = parallel_state
+        self.device = device
+        self._owns = default_owns_grad_norm(parallel_state)
+
+    def build_model_chunks(self, model_provider) -> list[torch.nn.Module]:
+        model = model_provider(self.config, self.parallel_state, pre_process=True,
+                               post_process=True)
+        return [model.to(self.device)]
+
+    def build_gradient_reducers(self, model_chunks) -> list:
+        overlap = self.config.parallel.overlap_grad_reduce and self.parallel_state.dp_size > 1
+        return build_gradient_reducers(
+            model_chunks, range(len(model_chunks)), lambda _: self.parallel_state.data_group,
+            divide_by=self.parallel_state.dp_size,
+            bucket_size=OVERLAP_BUCKET_SIZE if overlap else None, overlap=overlap).all
+
+    def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
+        return self._owns(param)
+
+    def describe(self) -> str:
+        return (f"> no pipeline parallelism: {self.config.training.num_microbatches} micro-batch(es) "
+                f"of gradient accumulation per iteration")
+
+    def report(self, log) -> None:
+        """Nothing to add at the end of a run without a pipeline."""
+
+    def forward_backward(self, *, forward_step_func: ForwardStepFunc, model_chunks,
+                         microbatches: Sequence[dict], scale_loss: Callable, gradient_reducers,
+                         forward_only: bool, autocast: Callable = contextlib.nullcontext
+                         ) -> list[dict]:
+        return forward_backward_no_pipelining(
+            forward_step_func=forward_step_func, model=model_chunks[0],
+            microbatches=microbatches, scale_loss=scale_loss,
+            gradient_reducers=gradient_reducers, forward_only=forward_only, autocast=autocast)
+
+
+def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, model: torch.nn.Module,
+                                   microbatches: Sequence[dict], scale_loss: Callable,
+                                   gradient_reducers=(), forward_only: bool = False,
+                                   autocast: Callable = contextlib.nullcontext) -> list[dict]:
+    """Forward and backward each micro-batch in turn, accumulating gradients.
+
+    Each micro-batch loss is divided by the number of micro-batches before backward, so the
+    accumulated gradient is that of the mean loss. The reducers start after the last backward.
+    """
+    num_microbatches = len(microbatches)
+    reported = []
+    grad_context = torch.no_grad if forward_only else contextlib.nullcontext
+    for index, microbatch in enumerate(microbatches):
+        if not forward_only and index == num_microbatches - 1:
+            for reducer in gradient_reducers:  # overlap: buckets start during this backward
+                reducer.start_when_ready()
+        with grad_context():
+            with autocast():
+                output, loss_func = forward_step_func(microbatch, model)
+            loss, loss_dict = loss_func(output)
+        reported.append(loss_dict)
+        if not forward_only:
+            scale_loss(loss / num_microbatches).backward()
+    if not forward_only:
+        for reducer in gradient_reducers:
+            reducer.start()
+    return reported
