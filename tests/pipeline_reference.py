@@ -35,9 +35,14 @@ def test_model_provider(config, parallel_state, *, pre_process=True, post_proces
                     params_dtype=torch.float32 if half else torch.float64)
 
 
-def train_one_step(rank: int, world_size: int, argv: list[str]) -> dict:
+def train_one_step(rank: int, world_size: int, argv: list[str], runtime_class=None,
+                   pipeline_schedule: str | None = None) -> dict:
+    """``runtime_class`` and ``pipeline_schedule`` (set after parsing) let a test run a schedule
+    family the flag parser does not know, through a runtime with its own registry."""
     config = parse_args(MODEL_FLAGS + list(argv), world_size=world_size)
-    runtime_class = select_runtime_class(config)
+    if pipeline_schedule is not None:
+        config.parallel.pipeline_schedule = pipeline_schedule
+    runtime_class = runtime_class or select_runtime_class(config)
     if world_size == 1:
         parallel_state = ParallelState.single_process()
     else:

@@ -1,0 +1,218 @@
+"""The seams hold: a schedule family and a model defined here, in the test, run everywhere.
+
+1. A toy schedule family (GPipe run on each half of the micro-batches in turn; the validator
+   requires micro-batch order within a stage, so a reversed GPipe is refused) is registered from inside
+   this test with ``BUILTIN_SCHEDULES.with_family`` and goes through planning (validation and
+   lowering), simulation, the viewer and the distributed runtime on 2 ranks, where one GPT training
+   step matches the single-process model (1e-9 relative, float64), without any project file
+   knowing the family.
+2. A model that is not a GPT (linear + GeLU blocks with a squared-error loss of its own) implements
+   the stage contract and runs under 1F1B and Chimera on 2 ranks; every gradient of every copy
+   equals its single-process gradient (1e-12 relative, float64: only summation order differs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from pipeline_reference import merge_copies, train_one_step
+from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
+from megatron.core.pipeline_parallel.planning.instructions import backward, forward
+from megatron.core.pipeline_parallel.planning.plan import make_plan
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleFamily
+from megatron.core.pipeline_parallel.planning.schedules.layout import single_pipeline_layout
+from megatron.core.pipeline_parallel.planning.simulator import simulate_plan
+from megatron.core.runtimes import PipelineRuntime
+from megatron.training.arguments import parse_args
+
+BATCH_N4 = "--micro-batch-size 2 --global-batch-size 8"
+
+
+def build_two_wave_gpipe(pipeline_size: int, num_microbatches: int):
+    """GPipe on micro-batches 0 .. N/2 - 1 (forwards, then backwards), then on the rest."""
+    half = (num_microbatches + 1) // 2
+    waves = (range(0, half), range(half, num_microbatches))
+    return [[op for wave in waves for op in ([forward(0, rank, m) for m in wave]
+                                            + [backward(0, rank, m) for m in wave])]
+            for rank in range(pipeline_size)]
+
+
+TWO_WAVE_GPIPE = ScheduleFamily(
+    name="two-wave-gpipe", description="GPipe on each half of the micro-batches (test only)",
+    build=build_two_wave_gpipe,
+    layout=lambda pipeline_size: single_pipeline_layout("two-wave-gpipe", pipeline_size))
+REGISTRY = BUILTIN_SCHEDULES.with_family(TWO_WAVE_GPIPE)
+
+
+class TwoWaveGPipeRuntime(PipelineRuntime):
+    registry = REGISTRY
+
+
+def test_toy_family_plans_and_simulates():
+    assert "two-wave-gpipe" not in BUILTIN_SCHEDULES.names  # the built-in registry is unchanged
+    plan = make_plan("two-wave-gpipe", 4, 6, registry=REGISTRY)
+    assert plan.schedule[0][3] == backward(0, 0, 0)
+    # Two GPipe waves of 3 micro-batches: 2 x (D - 1 + 3) (F + B) with F = 1, B = 2.
+    assert simulate_plan(plan).makespan == 2 * (4 - 1 + 3) * 3
+    assert simulate_plan(make_plan("gpipe", 4, 6)).makespan == (4 - 1 + 6) * 3
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'two-wave-gpipe'"):
+        make_plan("two-wave-gpipe", 4, 6)
+
+
+def load_viewer():
+    """tools/show_schedule.py as a module."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "show_schedule.py")
+    spec = importlib.util.spec_from_file_location("show_schedule", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_toy_family_in_the_viewer(capsys):
+    show_schedule = load_viewer()
+    assert show_schedule.main(["--schedule", "two-wave-gpipe", "--pipeline-model-parallel-size",
+                               "2", "--num-microbatches", "3"], registry=REGISTRY) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[1].split()[1:4] == ["F0", "F1", "."]
+    assert "makespan" in text
+
+
+def _toy_family_rank(rank: int, world_size: int, argv: list[str]) -> dict:
+    return train_one_step(rank, world_size, argv, runtime_class=TwoWaveGPipeRuntime,
+                          pipeline_schedule="two-wave-gpipe")
+
+
+def test_toy_family_runs_distributed_with_exact_numerics():
+    expected = train_one_step(0, 1, BATCH_N4.split())
+    argv = (BATCH_N4 + " --pipeline-model-parallel-size 2 --pipeline-schedule gpipe").split()
+    results = run_distributed(_toy_family_rank, 2, argv, timeout=240)
+    for result in results:
+        if result["loss"] is not None:
+            assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    reference = {name: value for (_, name), value in expected["grads"].items()}
+    for name, copies in merge_copies(results, "grads").items():
+        scale = reference[name].abs().max().item() + 1e-30
+        for value in copies:
+            assert (value - reference[name]).abs().max().item() / scale < 1e-9, name
+
+
+# ------------------------------------------------------------------------------- a non-GPT model
+
+WIDTH, NUM_LAYERS, MICRO_BATCH, NUM_MICROBATCHES = 8, 4, 2, 4
+
+
+class LinearGeluStack(torch.nn.Module):
+    """``layer_range`` of a stack of Linear + GeLU blocks; the last stage returns the per-sample
+    squared error against the target. Weights depend only on the global layer index."""
+
+    def __init__(self, layer_range: range, pre_process: bool, post_process: bool):
+        super().__init__()
+        self.layer_indices = list(layer_range)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.blocks = torch.nn.ModuleList()
+        for index in self.layer_indices:
+            block = torch.nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+            generator = torch.Generator().manual_seed(1000 + index)
+            with torch.no_grad():
+                block.weight.copy_(torch.randn(WIDTH, WIDTH, generator=generator,
+                                               dtype=torch.float64) / math.sqrt(WIDTH))
+                block.bias.copy_(torch.randn(WIDTH, generator=generator, dtype=torch.float64))
+            self.blocks.append(block)
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+    def input_activation_shape(self, microbatch: dict) -> tuple:
+        return tuple(microbatch["x"].shape)
+
+    def forward(self, x, target):
+        hidden = x if self.pre_process else self.input_tensor
+        for block in self.blocks:
+            hidden = torch.nn.functional.gelu(block(hidden))
+        if self.post_process:
+            return ((hidden - target) ** 2).sum(dim=1)
+        return hidden
+
+
+def stack_provider(config, parallel_state, *, pre_process=True, post_process=True,
+                   layer_range=None):
+    return LinearGeluStack(layer_range or range(NUM_LAYERS), pre_process, post_process)
+
+
+def stack_forward_step(microbatch: dict, model):
+    output = model(microbatch["x"], microbatch["target"])
+    return output, lambda out: (out.mean(), {"loss": out.mean().detach()})
+
+
+def stack_microbatches() -> list[dict]:
+    generator = torch.Generator().manual_seed(7)
+    return [{"x": torch.randn(MICRO_BATCH, WIDTH, generator=generator, dtype=torch.float64),
+             "target": torch.randn(MICRO_BATCH, WIDTH, generator=generator, dtype=torch.float64)}
+            for _ in range(NUM_MICROBATCHES)]
+
+
+def stack_config(schedule_flags: str, world_size: int):
+    """A config for the runtime's bookkeeping (layers, micro-batches, schedule flags)."""
+    flags = (f"--num-layers {NUM_LAYERS} --hidden-size 32 --num-attention-heads 4 --seq-length 8 "
+             f"--max-position-embeddings 8 --vocab-size 64 --lr 1e-2 --train-iters 1 --mock-data "
+             f"--micro-batch-size {MICRO_BATCH} --global-batch-size "
+             f"{MICRO_BATCH * NUM_MICROBATCHES} --pipeline-model-parallel-size 2 {schedule_flags}")
+    return parse_args(flags.split(), world_size=world_size)
+
+
+def stack_gradients_by_layer(model_chunks) -> dict:
+    grads = {}
+    for chunk in model_chunks:
+        for index, block in zip(chunk.layer_indices, chunk.blocks):
+            grads.setdefault(index, []).append(torch.cat([block.weight.grad.flatten(),
+                                                          block.bias.grad]))
+    return grads
+
+
+def _stack_rank(rank: int, world_size: int, schedule_flags: str) -> dict:
+    config = stack_config(schedule_flags, world_size)
+    layout = RankLayout.from_world_size(world_size, 1, 2)
+    state = create_parallel_state(layout, rank, "gloo",
+                                  extra_group_ranks=PipelineRuntime.required_group_ranks(config,
+                                                                                         layout))
+    runtime = PipelineRuntime(config, state, torch.device("cpu"))
+    chunks = runtime.build_model_chunks(stack_provider)
+    reducers = runtime.build_gradient_reducers(chunks)
+    runtime.forward_backward(forward_step_func=stack_forward_step, model_chunks=chunks,
+                             microbatches=stack_microbatches(), scale_loss=lambda loss: loss,
+                             gradient_reducers=reducers, forward_only=False)
+    for reducer in reducers:
+        reducer.wait()
+    return stack_gradients_by_layer(chunks)
+
+
+def single_process_stack_gradients() -> dict:
+    model = stack_provider(None, ParallelState.single_process())
+    microbatches = stack_microbatches()
+    for microbatch in microbatches:
+        output, loss_func = stack_forward_step(microbatch, model)
+        (loss_func(output)[0] / len(microbatches)).backward()
+    return {index: grads[0] for index, grads in stack_gradients_by_layer([model]).items()}
+
+
+@pytest.mark.parametrize("schedule_flags", ["--pipeline-schedule 1f1b",
+                                            "--pipeline-schedule chimera"])
+def test_non_gpt_model_matches_single_process_gradients(schedule_flags):
+    expected = single_process_stack_gradients()
+    results = run_distributed(_stack_rank, 2, schedule_flags, timeout=120)
+    seen = {}
+    for result in results:
+        for index, copies in result.items():
+            seen[index] = seen.get(index, 0) + len(copies)
+            for value in copies:
+                error = (value - expected[index]).abs().max().item()
+                assert error <= 1e-12 * expected[index].abs().max().item(), (index, error)
+    copies_per_layer = 2 if "chimera" in schedule_flags else 1
+    assert seen == {index: copies_per_layer for index in range(NUM_LAYERS)}
