@@ -73,6 +73,7 @@ class PipelineRuntime:
         self.final_reducers: list = []
         self._norm_owners: set = set()
         self.last_interpreter = None
+        self.saved_bytes_cache: dict = {}
         self.log = functools.partial(print, flush=True)
         self.iterations = 0
         self.peak_bytes = 0
@@ -131,7 +132,8 @@ class PipelineRuntime:
             microbatches=instruction_batches, loss_divisor=len(instruction_batches),
             wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
             reducers=self.reducers_by_key, final_reducers=self.final_reducers,
-            forward_only=forward_only, autocast=autocast, record_timeline=record)
+            forward_only=forward_only, autocast=autocast, record_timeline=record,
+            saved_bytes_cache=self.saved_bytes_cache)
         interpreter = Interpreter(context)
         losses = interpreter.run(self.plan.forward_only if forward_only else self.lowered,
                                  self.parallel_state.pp_rank)

@@ -7,11 +7,19 @@ a module's gradient reduction) and :class:`GradSyncWait` (the end of the list). 
 schedule-specific branch here: GPipe, 1F1B, interleaved 1F1B and every Chimera variant run through
 the same loop.
 
-State lives in dictionaries keyed by (pipeline, stage, micro-batch): received tensors waiting for
-their consumer, stored activations waiting for their backward, and produced tensors waiting for
-their send. Everything is released as soon as it is consumed; an activation that has been sent keeps
+Communication is asynchronous (the simulator's ``p2p_semantics="async"``): the receives of the
+groups that follow a compute op are posted before that op runs (prefetch), a received tensor is
+waited for only when the op that consumes it starts, and sends are posted when the list reaches
+their group and complete in the background; the rank waits for them at the end of the iteration.
+No wait depends on anything but the schedule's compute dependencies, so every schedule the
+simulator finds deadlock-free runs.
+
+State lives in dictionaries keyed by (pipeline, stage, micro-batch): received tensors (or their
+posted receives) waiting for their consumer, stored activations waiting for their backward, and
+produced tensors waiting for their send. Everything is released as soon as it is consumed; an activation that has been sent keeps
 no data (only its autograd graph, which the backward needs). Stored-activation bytes (what autograd
-saves for the backward, parameters excluded) are counted per micro-batch, and their peak is kept.
+saves for the backward, parameters excluded) are counted per micro-batch, and their peak is kept;
+the counting hook runs on the first forward of each module and micro-batch shape only.
 
 Any exception is re-raised with the rank's op list printed as a grid, the failing step marked.
 """
@@ -84,11 +92,26 @@ class _SavedActivationCounter:
 
 @dataclass
 class TimelineRecord:
-    """One executed op with measured times (seconds since the iteration started)."""
+    """One executed op with measured times (seconds since the iteration started); ``lane`` is
+    "compute" or "communication" (posting messages, waiting for them)."""
 
     op: str
     start: float
     end: float
+    lane: str = "compute"
+
+
+class _PostedReceives:
+    """The receives of one group, posted together; completed on first use."""
+
+    def __init__(self, pending):
+        self.pending = pending
+        self.tensors = None
+
+    def tensor(self, index: int) -> torch.Tensor:
+        if self.tensors is None:
+            self.tensors = self.pending.wait_received()
+        return self.tensors[index]
 
 
 @dataclass
@@ -113,6 +136,9 @@ class ExecutionContext:
     scale_loss: Callable = lambda loss: loss
     reducers: Mapping[ModuleKey, GradientReduction] = field(default_factory=dict)
     final_reducers: Sequence[GradientReduction] = ()  # started at GradSyncWait (tied embedding)
+    # (pipeline, stage, micro-batch shapes) -> bytes autograd saves in one forward; kept by the
+    # runtime across iterations so the counting hook runs once per module and shape.
+    saved_bytes_cache: dict = field(default_factory=dict)
     forward_only: bool = False
     autocast: Callable = contextlib.nullcontext
     record_timeline: bool = False
@@ -123,7 +149,9 @@ class Interpreter:
 
     def __init__(self, context: ExecutionContext):
         self.context = context
-        self.received: dict = {}  # (kind, pipeline, stage, microbatch) -> tensor
+        self.received: dict = {}  # message key -> (_PostedReceives, index in it)
+        self.pending_sends: list = []  # posted sends, completed at the end of the iteration
+        self.prefetched: set = set()  # ids of groups whose receives are already posted
         self.produced: dict = {}  # (kind, pipeline, stage, microbatch) -> tensor to send
         self.stored: dict = {}  # (pipeline, stage, microbatch) -> (input, output, nbytes)
         self.output_shapes: dict = {}  # (pipeline, stage, microbatch) -> shape of its gradient
@@ -142,11 +170,16 @@ class Interpreter:
         With ``context.forward_only`` the lists must be :func:`forward_only_ops` of the schedule.
         """
         ops = lowered[rank]
-        origin = time.perf_counter()
+        self._origin = time.perf_counter()
+        prefetch = _prefetch_plan(ops)
         for index, op in enumerate(ops):
             start = time.perf_counter()
             try:
+                for group in prefetch.get(index, ()):
+                    self._post_receives(group, prefetch=True)
                 self._execute(op)
+                if index == len(ops) - 1:
+                    self._complete_sends()
             except Exception as error:
                 raise PipelineExecutionError(
                     f"pipeline rank failed at step {index} ({op}): {type(error).__name__}: "
@@ -154,14 +187,18 @@ class Interpreter:
                         [[str(o) for o in rank_ops] for rank_ops in lowered], {(rank, index)},
                         title=f"lowered schedule (rank x step), failing step of rank {rank} "
                               f"marked")) from error
-            if self.context.record_timeline:
-                self.timeline.append(TimelineRecord(str(op), start - origin,
-                                                    time.perf_counter() - origin))
+            self._record(str(op), start, "communication" if isinstance(op, P2PGroup)
+                         else "compute")
         leftovers = [key for key in (*self.received, *self.produced, *self.stored)]
         if leftovers:
             raise PipelineExecutionError(f"the schedule left unconsumed tensors {leftovers[:8]}; "
                                          f"the lowered list is inconsistent")
         return self.loss_dicts
+
+    def _record(self, name: str, start: float, lane: str) -> None:
+        if self.context.record_timeline:
+            self.timeline.append(TimelineRecord(name, start - self._origin,
+                                                time.perf_counter() - self._origin, lane))
 
     def _execute(self, op) -> None:
         if isinstance(op, Instruction):
@@ -200,16 +237,23 @@ class Interpreter:
         is_last = context.layout.is_last_stage(op.stage)
         input_tensor = None
         if not context.layout.is_first_stage(op.stage):
-            input_tensor = self.received.pop((ACTIVATION, op.pipeline, op.stage - 1, op.microbatch))
+            input_tensor = self._take_received((ACTIVATION, op.pipeline, op.stage - 1,
+                                                op.microbatch))
             if not context.forward_only:
                 input_tensor.requires_grad_(True)
-        counter = _SavedActivationCounter(self._parameter_pointers)
+        # What autograd saves depends only on the module and the input shapes: it is counted
+        # (with a per-tensor Python hook) once per module and micro-batch shape, then reused.
+        microbatch = context.microbatches[op.microbatch]
+        bytes_key = (op.pipeline, op.stage, _shape_signature(microbatch))
+        counter = None
+        if not context.forward_only and bytes_key not in context.saved_bytes_cache:
+            counter = _SavedActivationCounter(self._parameter_pointers)
         grad_mode = torch.no_grad() if context.forward_only else contextlib.nullcontext()
+        hooks = counter.hooks() if counter is not None else contextlib.nullcontext()
         chunk.set_input_tensor(input_tensor)
-        with grad_mode, counter.hooks():
+        with grad_mode, hooks:
             with context.autocast():
-                output, loss_func = context.forward_step_func(
-                    context.microbatches[op.microbatch], chunk)
+                output, loss_func = context.forward_step_func(microbatch, chunk)
             if is_last:
                 loss, loss_dict = loss_func(output)
                 self.loss_dicts.append(loss_dict)
@@ -220,9 +264,11 @@ class Interpreter:
             if not context.forward_only:
                 self.output_shapes[(op.pipeline, op.stage, op.microbatch)] = tuple(output.shape)
         if not context.forward_only:
-            self.stored[(op.pipeline, op.stage, op.microbatch)] = (input_tensor, output,
-                                                                   counter.nbytes)
-            self.live_bytes += counter.nbytes
+            if counter is not None:
+                context.saved_bytes_cache[bytes_key] = counter.nbytes
+            nbytes = context.saved_bytes_cache[bytes_key]
+            self.stored[(op.pipeline, op.stage, op.microbatch)] = (input_tensor, output, nbytes)
+            self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             self.peak_stored = max(self.peak_stored, len(self.stored))
 
@@ -231,41 +277,103 @@ class Interpreter:
         if self.context.layout.is_last_stage(op.stage):
             output.backward()
         else:
-            grad = self.received.pop((GRADIENT, op.pipeline, op.stage + 1, op.microbatch))
+            grad = self._take_received((GRADIENT, op.pipeline, op.stage + 1, op.microbatch))
             backward_from(output, grad.to(output.dtype))
         self.live_bytes -= nbytes
         if not self.context.layout.is_first_stage(op.stage):
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_tensor.grad
 
     def _communicate(self, group: P2PGroup) -> None:
+        """Post the group's sends (and its receives, unless prefetched); wait for nothing."""
         context = self.context
-        sends, receives, receive_keys, sent_outputs = [], [], [], []
+        self._post_receives(group)
+        sends, sent_outputs = [], []
         for p2p in group.ops:
+            if p2p.direction != SEND:
+                continue
             message = p2p.message
-            key = (message.kind, message.pipeline, message.stage, message.microbatch)
-            if p2p.direction == SEND:
-                tensor = self.produced.pop(key)
-                if message.kind == ACTIVATION and not context.forward_only:
-                    sent_outputs.append(tensor)
-                sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
-                                            .contiguous(), str(p2p)))
-            else:
-                assert p2p.direction == RECV
-                receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
-                                               context.wire_dtype, str(p2p)))
-                receive_keys.append(key)
-        received = context.transport.exchange(sends, receives)
-        self.received.update(zip(receive_keys, received))
+            tensor = self.produced.pop((message.kind, message.pipeline, message.stage,
+                                        message.microbatch))
+            if message.kind == ACTIVATION and not context.forward_only:
+                sent_outputs.append(tensor)
+            sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
+                                        .contiguous(), str(p2p)))
+        if sends:
+            self.pending_sends.append(context.transport.start(sends, []))
         for output in sent_outputs:
+            # The send buffer keeps the storage alive until the send completes.
             free_tensor_data(output)
+
+    def _post_receives(self, group: P2PGroup, prefetch: bool = False) -> None:
+        """Post the group's receives once. A prefetch is skipped when a gradient's shape is not
+        known yet (its activation is produced by the op about to run); the group posts it."""
+        if id(group) in self.prefetched:
+            return
+        if prefetch and any(p2p.direction == RECV and p2p.message.kind == GRADIENT
+                            and self._producing_key(p2p.message) not in self.output_shapes
+                            for p2p in group.ops):
+            return
+        self.prefetched.add(id(group))
+        keys, receives = [], []
+        for p2p in group.ops:
+            if p2p.direction != RECV:
+                continue
+            message = p2p.message
+            keys.append((message.kind, message.pipeline, message.stage, message.microbatch))
+            receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
+                                           self.context.wire_dtype, str(p2p)))
+        if receives:
+            posted = _PostedReceives(self.context.transport.start([], receives))
+            self.received.update((key, (posted, index)) for index, key in enumerate(keys))
+
+    def _take_received(self, key) -> torch.Tensor:
+        """The received tensor for ``key``, waiting for its message if it is still in flight."""
+        posted, index = self.received.pop(key)
+        if posted.tensors is not None or not self.context.record_timeline:
+            return posted.tensor(index)
+        start = time.perf_counter()
+        tensor = posted.tensor(index)
+        self._record(f"wait {key[0][0]}{key[1]}.{key[2]}.{key[3]}", start, "communication")
+        return tensor
+
+    def _complete_sends(self) -> None:
+        start = time.perf_counter()
+        for pending in self.pending_sends:
+            pending.wait_sent()
+        if self.pending_sends:
+            self._record("wait sends", start, "communication")
+        self.pending_sends = []
+
+    @staticmethod
+    def _producing_key(gradient_message) -> tuple:
+        """(pipeline, stage, microbatch) of the activation a gradient message belongs to."""
+        return (gradient_message.pipeline, gradient_message.consumer_stage,
+                gradient_message.microbatch)
 
     def _incoming_shape(self, message) -> tuple:
         """Shape of a received activation (declared by its consumer chunk) or gradient (that of
         the activation this rank produced for it)."""
         if message.kind == GRADIENT:
-            return self.output_shapes.pop((message.pipeline, message.consumer_stage,
-                                           message.microbatch))
+            return self.output_shapes.pop(self._producing_key(message))
         if self.context.activation_shape is not None:
             return self.context.activation_shape
         consumer = self.context.chunks[ModuleKey(message.pipeline, message.consumer_stage)]
         return tuple(consumer.input_activation_shape(self.context.microbatches[message.microbatch]))
+
+
+def _prefetch_plan(ops: Sequence) -> dict:
+    """{index of a compute op: the P2P groups between it and the next compute op}: their receives
+    are posted before that compute op runs, so the transfer overlaps it."""
+    plan, last_compute = {}, None
+    for index, op in enumerate(ops):
+        if isinstance(op, Instruction):
+            last_compute = index
+        elif isinstance(op, P2PGroup) and last_compute is not None:
+            plan.setdefault(last_compute, []).append(op)
+    return plan
+
+
+def _shape_signature(microbatch: dict) -> tuple:
+    """The shapes of a micro-batch's tensors (what the saved activations depend on)."""
+    return tuple(sorted((key, tuple(value.shape)) for key, value in microbatch.items()
+                        if isinstance(value, torch.Tensor)))

@@ -35,18 +35,23 @@ def _is_compute(name: str) -> bool:
     return name[:1] in ("F", "B", "I", "W") and name[1:2].isdigit()
 
 
+# Thread ids of a rank's lanes in the trace: compute ops, and communication (posting groups,
+# waiting for received tensors and, at the end, for the sends), so overlap is visible.
+_LANES = ("compute", "communication")
+
+
 def chrome_trace(records_by_rank: Sequence[dict]) -> dict:
-    """Chrome-trace events: one process per global rank, one thread per pipeline rank."""
+    """Chrome-trace events: one process per global rank, one thread per lane (see _LANES)."""
     events = []
     for entry in records_by_rank:
         events.append({"name": "process_name", "ph": "M", "pid": entry["rank"],
                        "args": {"name": f"rank {entry['rank']} (pipeline rank {entry['pp_rank']})"}})
         for record in entry["records"]:
+            lane = "compute" if _is_compute(record[0]) else "communication"
             events.append({
-                "name": record[0], "ph": "X", "pid": entry["rank"], "tid": entry["pp_rank"],
+                "name": record[0], "ph": "X", "pid": entry["rank"], "tid": _LANES.index(lane),
                 "ts": record[1] * 1e6, "dur": max(record[2] - record[1], 0.0) * 1e6,
-                "cat": "compute" if _is_compute(record[0]) else "communication",
-                "args": {"pipeline rank": entry["pp_rank"]}})
+                "cat": lane, "args": {"pipeline rank": entry["pp_rank"]}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -70,7 +75,8 @@ def predicted_bubble_ratios(lowered, records_by_rank: Sequence[dict]) -> list[fl
                 durations[name[0]].append(end - start)
     forward = mean(durations["F"]) if durations["F"] else 1.0
     backward = mean(durations["B"]) if durations["B"] else 2.0
-    result = simulate(lowered, forward_cost=forward, backward_cost=backward)
+    result = simulate(lowered, forward_cost=forward, backward_cost=backward,
+                      p2p_semantics="async")
     return [1 - busy / result.makespan if result.makespan > 0 else 0.0
             for busy in result.compute_time]
 

@@ -7,10 +7,18 @@ Semantics (what ``simulate`` assumes about the runtime):
   doubled forward step of forward doubling is two forward instructions, 2F in total. For
   backward halving the instructions are half micro-batches; pass halved costs (see
   :func:`simulate_schedule`, which does it from the layout).
-* Point-to-point, rendezvous: a rank posts all ops of a P2PGroup at once and then waits; a send
-  and its receive complete together at max(post time of sender's group, post time of
-  receiver's group) + ``p2p_cost``; the group completes when all its ops have. A compute op
-  whose input message has not been received is a lowering error.
+* Point-to-point, ``p2p_semantics="async"`` (what the runtime does): a P2PGroup takes no time
+  on the rank. Its sends are posted when the rank reaches the group; its receives are posted
+  earlier, when the rank starts the compute op before the group (prefetch; at time 0 when there is
+  none). A message arrives at max(send post, receive post) + ``p2p_cost``; the compute op that
+  consumes it starts no earlier. Sends complete in the background; the rank's last op (GradSyncWait)
+  waits for all of them. A rank is stuck only while a message it needs has not been sent.
+* Point-to-point, ``p2p_semantics="rendezvous"`` (a blocking exchange per group): a rank posts all
+  ops of a P2PGroup at once and then waits; a send and its receive complete together at
+  max(post time of sender's group, post time of receiver's group) + ``p2p_cost``; the group
+  completes when all its ops have.
+* Either way, a compute op whose input message was never posted for receipt is a lowering
+  error.
 * Gradient sync: GradSyncStart takes no time on the rank; the all-reduce of stage s completes
   ``allreduce_cost`` after the last of the ranks that start a sync of stage s (any pipeline)
   has started it. GradSyncWait waits for all syncs the rank started.
@@ -135,9 +143,16 @@ def _prepare(lowered):
     return prepared
 
 
+P2P_SEMANTICS = ("async", "rendezvous")
+
+
 def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
-             allreduce_cost: float = 0) -> SimulationResult:
+             allreduce_cost: float = 0, p2p_semantics: str = "rendezvous") -> SimulationResult:
     """Run every rank of ``lowered`` together; see the module docstring for the semantics."""
+    if p2p_semantics not in P2P_SEMANTICS:
+        raise ValueError(f"unknown p2p semantics {p2p_semantics!r}; allowed: "
+                         f"{', '.join(P2P_SEMANTICS)}")
+    asynchronous = p2p_semantics == "async"
     num_ranks = len(lowered)
     prepared = _prepare(lowered)
     sync_participants = {}
@@ -154,6 +169,16 @@ def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cos
     clock = [0.0] * num_ranks
     counters = [0] * num_ranks
     busy = [0.0] * num_ranks
+    compute_start = [0.0] * num_ranks  # async: start of the rank's latest compute op
+    sent = [[] for _ in range(num_ranks)]  # async: (own key, partner key) of every send
+    receive_of = [{} for _ in range(num_ranks)]  # async: message -> (own key, partner key)
+
+    def arrival(own, other):
+        """When a posted message arrives (async); None while its partner is not posted."""
+        partner_time = posted.get(other)
+        if partner_time is None:
+            return None
+        return max(posted[own], partner_time) + p2p_cost
 
     def try_step(rank) -> bool:
         entry = prepared[rank][counters[rank]]
@@ -164,8 +189,24 @@ def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cos
                 if message not in received[rank]:
                     raise LoweringError(f"rank {rank} runs {op} without having received "
                                         f"{Message(*message)}")
+            if asynchronous:
+                arrivals = [arrival(*receive_of[rank][message]) for message in entry[2]]
+                if None in arrivals:
+                    return False
+                now = max([now] + arrivals)
+                compute_start[rank] = now
             end = now + _compute_cost(op, forward_cost, backward_cost)
             busy[rank] += end - now
+        elif kind == "group" and asynchronous:
+            for own, other, message in entry[2]:
+                if message is None:
+                    posted.setdefault(own, now)
+                    sent[rank].append((own, other))
+                else:
+                    posted.setdefault(own, compute_start[rank])
+                    receive_of[rank][message] = (own, other)
+                    received[rank].add(message)
+            end = now
         elif kind == "group":
             latest = now
             for own, other, _ in entry[2]:
@@ -188,6 +229,11 @@ def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cos
                 if len(starts) != len(sync_participants[stage]):
                     return False
                 completions.append(max(starts.values()) + allreduce_cost)
+            for own, other in sent[rank] if asynchronous else ():
+                completion = arrival(own, other)
+                if completion is None:
+                    return False
+                completions.append(completion)
             end = max([now] + completions)
         timelines[rank].append(TimelineEntry(op, now, end))
         clock[rank] = end
@@ -218,11 +264,12 @@ def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cos
 
 def simulate_plan(plan, forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
                   allreduce_cost: float = 0) -> SimulationResult:
-    """Simulate a :class:`~.plan.PipelinePlan`; costs per micro-batch of --micro-batch-size
-    (scaled by the layout's micro-batch fraction, half for backward halving)."""
+    """Simulate a :class:`~.plan.PipelinePlan` as the runtime executes it (asynchronous p2p);
+    costs per micro-batch of --micro-batch-size (scaled by the layout's micro-batch fraction,
+    half for backward halving)."""
     fraction = float(plan.layout.microbatch_fraction)
     return simulate(plan.lowered, forward_cost * fraction, backward_cost * fraction, p2p_cost,
-                    allreduce_cost)
+                    allreduce_cost, p2p_semantics="async")
 
 
 def simulate_schedule(name: str, pipeline_size: int, num_microbatches: int,
