@@ -44,6 +44,7 @@ No torch import.
 from __future__ import annotations
 
 import bisect
+from typing import Sequence
 from dataclasses import dataclass
 
 from .dependencies import ACTIVATION, GRADIENT, execute_in_order, op_key, remote_inputs
