@@ -158,14 +158,8 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_factory: Cal
             if isinstance(result, str):
                 _report_bad_line(stats, line_number, result, input_path, strict, log)
                 continue
-            if all(ids.size == 0 for ids in result.values()):
-                stats.empty_documents += 1
-                continue
-            for key, ids in result.items():
-                builders[key].add_document(ids)
-                stats.tokens += int(ids.size)
-            stats.documents += 1
-            if log_interval and stats.documents % log_interval == 0:
+            added = _add_document(stats, builders, result)
+            if added and log_interval and stats.documents % log_interval == 0:
                 stats.seconds = time.perf_counter() - start
                 log(f"processed {stats.documents} documents ({stats.documents_per_second:.0f} "
                     f"docs/s, {stats.megabytes_per_second:.2f} MB/s)")
@@ -178,12 +172,34 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_factory: Cal
             pool.terminate()
             pool.join()
 
+    _finalize_outputs(builders, final_paths)
+    stats.seconds = time.perf_counter() - start
+    _log_summary(stats, dtype, input_path, log)
+    return stats
+
+
+def _add_document(stats: PreprocessStats, builders: dict, result: dict) -> bool:
+    """Append one encoded document (token ids per JSON key); False for an empty one (counted)."""
+    if all(ids.size == 0 for ids in result.values()):
+        stats.empty_documents += 1
+        return False
+    for key, ids in result.items():
+        builders[key].add_document(ids)
+        stats.tokens += int(ids.size)
+    stats.documents += 1
+    return True
+
+
+def _finalize_outputs(builders: dict, final_paths: dict) -> None:
+    """Write the indices and move the finished files into place (never a half-written file)."""
     for key, builder in builders.items():
         bin_path, idx_path = final_paths[key]
         builder.finalize(idx_path + ".partial")
         os.replace(builder.bin_path, bin_path)
         os.replace(idx_path + ".partial", idx_path)
-    stats.seconds = time.perf_counter() - start
+
+
+def _log_summary(stats: PreprocessStats, dtype, input_path: str, log) -> None:
     log(f"done: {stats.documents} documents, {stats.tokens} tokens ({np.dtype(dtype).name}) in "
         f"{stats.seconds:.2f} s ({stats.documents_per_second:.0f} docs/s, "
         f"{stats.megabytes_per_second:.2f} MB/s)")
@@ -194,7 +210,6 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_factory: Cal
             f"{stats.bad_lines[0][0]}: {stats.bad_lines[0][1]})")
     for prefix in stats.output_prefixes.values():
         log(f"wrote {prefix}.bin and {prefix}.idx")
-    return stats
 
 
 def _report_bad_line(stats, line_number, reason, input_path, strict, log) -> None:

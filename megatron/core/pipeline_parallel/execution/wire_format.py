@@ -183,6 +183,14 @@ def _host_bytes(buffer: torch.Tensor, nbytes: int) -> bytes:
 
 def _parse_header_python(buffer: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype, int, int]]:
     """Validated (shape, dtype, offset, nbytes) per tensor; every defect raises ValueError."""
+    header, count = _read_fixed_header(buffer)
+    entries = _read_entries(header, count, buffer.numel())
+    _check_offsets(entries, buffer.numel())
+    return entries
+
+
+def _read_fixed_header(buffer: torch.Tensor) -> tuple[bytearray, int]:
+    """The whole header (checked: magic, version, sizes, checksum) and the tensor count."""
     _check_buffer(buffer)
     buffer_nbytes = buffer.numel()
     if buffer_nbytes < FIXED_HEADER_NBYTES:
@@ -215,7 +223,12 @@ def _parse_header_python(buffer: torch.Tensor) -> list[tuple[tuple[int, ...], to
     header[12:16] = b"\0\0\0\0"
     if zlib.crc32(header) != stored_crc:
         raise ValueError("packed buffer header is corrupted: header checksum mismatch")
+    return header, count
 
+
+def _read_entries(header: bytearray, count: int, buffer_nbytes: int) -> list:
+    """(shape, dtype, offset, nbytes) of each tensor entry of a checked header."""
+    header_nbytes = len(header)
     entries = []
     position = FIXED_HEADER_NBYTES
     for index in range(count):
@@ -245,6 +258,11 @@ def _parse_header_python(buffer: torch.Tensor) -> list[tuple[tuple[int, ...], to
     if position != header_nbytes:
         raise ValueError("packed buffer header is corrupted: entries do not fill the header "
                          "exactly")
+    return entries
+
+
+def _check_offsets(entries: list, buffer_nbytes: int) -> None:
+    """The payload offsets and total size must be exactly what the layout arithmetic gives."""
     _, offsets, expected_total = _layout([len(entry[0]) for entry in entries],
                                          [entry[3] for entry in entries])
     for index, (entry, expected_offset) in enumerate(zip(entries, offsets)):
@@ -254,7 +272,6 @@ def _parse_header_python(buffer: torch.Tensor) -> list[tuple[tuple[int, ...], to
     if expected_total != buffer_nbytes:
         raise ValueError(f"packed buffer header is corrupted: the tensors need {expected_total} "
                          f"bytes but the buffer has {buffer_nbytes}")
-    return entries
 
 
 def unpack_python(buffer: torch.Tensor, device=None) -> list[torch.Tensor]:
