@@ -7,6 +7,9 @@
 
 It supplies the three functions :func:`megatron.training.training.pretrain` needs: the model provider,
 the dataset provider and the forward step (with its loss function), as Megatron's pretrain_gpt.py does.
+
+``pretrain_gpt.py --crossover-config jobs.json`` instead trains several jobs on the same ranks under
+crossover scheduling, each job's flags taken from the file (see :mod:`megatron.training.crossover`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from megatron.core.datasets.mock_dataset import build_mock_datasets
 from megatron.core.models.gpt import GPTModel
 from megatron.training.arguments import parse_args, print_arguments, set_padded_vocab_size
 from megatron.training.checkpointing import Checkpointer
+from megatron.training.crossover import load_crossover_jobs, run_crossover
 from megatron.training.launch_env import read_launch_environment
 from megatron.training.training import pretrain
 
@@ -69,22 +73,57 @@ def build_run_tokenizer(config):
     return tokenizer
 
 
-def main(argv=None) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def _configure(argv):
+    """The validated config and tokenizer of one run; a bad flag exits with status 2."""
     try:
         config = parse_args(argv)
-        tokenizer = build_run_tokenizer(config)
+        return config, build_run_tokenizer(config)
     except (ValueError, FileNotFoundError) as error:
         # A bad flag combination or missing tokenizer file: the message says how to fix it, a
         # traceback would only bury it (argparse's convention: usage error, exit status 2).
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    log = functools.partial(print, flush=True)
+
+
+def train_one_job(argv, log, after_compute=None):
+    """Parse ``argv``, then build, train and evaluate the model as Megatron's pretrain does."""
+    config, tokenizer = _configure(argv)
     if read_launch_environment().rank == 0:
         print_arguments(config)  # as Megatron, once, after the derived sizes are known
-    pretrain(config, model_provider,
-             functools.partial(datasets_provider, tokenizer=tokenizer), forward_step,
-             checkpointing=Checkpointer(config, log=log), log=log)
+    return pretrain(config, model_provider,
+                    functools.partial(datasets_provider, tokenizer=tokenizer), forward_step,
+                    checkpointing=Checkpointer(config, log=log), log=log,
+                    after_compute=after_compute)
+
+
+def crossover_config_path(argv) -> str | None:
+    """The file of ``--crossover-config FILE`` (then the only flag), or None."""
+    if "--crossover-config" not in argv:
+        return None
+    if len(argv) != 2 or argv[0] != "--crossover-config":
+        print("pretrain_gpt.py: error: --crossover-config FILE takes every job's flags from the "
+              "file; give no other flag", file=sys.stderr, flush=True)
+        sys.exit(2)
+    return argv[1]
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log = functools.partial(print, flush=True)
+    path = crossover_config_path(argv)
+    if path is None:
+        train_one_job(argv, log)
+        return
+    try:
+        jobs = load_crossover_jobs(path)
+    except ValueError as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    for job in jobs:
+        _configure(list(job.args))  # every job's flags are checked before any job starts
+    run_crossover(jobs, lambda job, after_compute, job_log: train_one_job(
+        list(job.args), job_log, after_compute), log=log)
 
 
 if __name__ == "__main__":

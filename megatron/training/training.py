@@ -64,6 +64,9 @@ class TrainingComponents:
     optimizer: MegatronOptimizer
     lr_scheduler: OptimizerParamScheduler
     autocast: Callable
+    # Called between the forward/backward passes and the wait for the gradient reductions
+    # (crossover scheduling hands the ranks to another job there).
+    after_compute: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -148,6 +151,7 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
         microbatches=microbatches, scale_loss=optimizer.scale_loss,
         gradient_reducers=components.gradient_reducers, forward_only=False,
         autocast=components.autocast)
+    components.after_compute()
     for reducer in components.gradient_reducers:
         reducer.wait()
     result = optimizer.step()
@@ -316,7 +320,8 @@ def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
 
 def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
              parallel_state=None, runtime_class=None, checkpointing=None,
-             log: Callable = print, tensorboard_writer=None) -> TrainingResult:
+             log: Callable = print, tensorboard_writer=None,
+             after_compute: Optional[Callable[[], None]] = None) -> TrainingResult:
     """Train a model as Megatron-LM's ``pretrain`` does.
 
     Args:
@@ -333,6 +338,8 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
         log: where the last rank's log lines go.
         tensorboard_writer: anything with ``add_scalar(tag, value, step)``; default: a
             ``SummaryWriter`` on the last rank when ``--tensorboard-dir`` is given.
+        after_compute: called in every iteration after the forward/backward passes, before the
+            gradient reductions are waited for (see :mod:`megatron.training.crossover`).
     """
     start_time = time.time()
     if checkpointing is None and (config.checkpoint.save or config.checkpoint.load):
@@ -352,6 +359,8 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
                                                       is_logging_rank(parallel_state))
     runtime = runtime_class(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime, model_provider, device)
+    if after_compute is not None:
+        components.after_compute = after_compute
     if is_logging_rank(parallel_state):
         log(f"> optimizer: {components.optimizer.implementation}; device: {device}; "
             f"backend: {parallel_state.backend}; world size: {parallel_state.world_size} "

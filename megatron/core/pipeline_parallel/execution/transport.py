@@ -121,6 +121,12 @@ class _PeerTransport:
         coords = self.parallel_state.coords
         return self.parallel_state.layout.rank(type(coords)(coords.tp, coords.dp, pipeline_rank))
 
+    def p2p_op(self, operation, tensor: torch.Tensor, pipeline_rank: int) -> dist.P2POp:
+        """A send or receive with pipeline rank ``pipeline_rank`` on this rank's pipeline group
+        (its own communicator: another job's or another group's messages never mix with it)."""
+        return dist.P2POp(operation, tensor, self.global_rank(pipeline_rank),
+                          group=self.parallel_state.pipeline_group)
+
     def _post(self, sends: list, receives: list, finish: Callable[[], list]) -> _Posted:
         """Issue ``sends`` then ``receives`` (``dist.P2POp`` lists) as one batch."""
         started = time.perf_counter()
@@ -151,11 +157,11 @@ class TensorTransport(_PeerTransport):
 
     def start(self, sends: Sequence[OutgoingTensor],
               receives: Sequence[ExpectedTensor]) -> PendingExchange:
-        send_ops = [dist.P2POp(dist.isend, item.tensor.contiguous(), self.global_rank(item.peer))
+        send_ops = [self.p2p_op(dist.isend, item.tensor.contiguous(), item.peer)
                     for item in sends]
         buffers = [torch.empty(item.shape, dtype=item.dtype, device=self.device)
                    for item in receives]
-        receive_ops = [dist.P2POp(dist.irecv, buffer, self.global_rank(item.peer))
+        receive_ops = [self.p2p_op(dist.irecv, buffer, item.peer)
                        for item, buffer in zip(receives, buffers)]
         return self._post(send_ops, receive_ops, lambda: buffers)
 
@@ -171,14 +177,14 @@ class PackedTransport(_PeerTransport):
         send_ops = []
         for peer in dict.fromkeys(item.peer for item in sends):
             tensors = [item.tensor for item in sends if item.peer == peer]
-            send_ops.append(dist.P2POp(dist.isend, self.packer.pack(tensors, device=self.device),
-                                       self.global_rank(peer)))
+            send_ops.append(self.p2p_op(dist.isend, self.packer.pack(tensors, device=self.device),
+                                        peer))
         incoming = {}
         for peer in dict.fromkeys(item.peer for item in receives):
             expected = [item for item in receives if item.peer == peer]
             nbytes = self.packer.packed_nbytes([(item.shape, item.dtype) for item in expected])
             incoming[peer] = (torch.empty(nbytes, dtype=torch.uint8, device=self.device), expected)
-        receive_ops = [dist.P2POp(dist.irecv, buffer, self.global_rank(peer))
+        receive_ops = [self.p2p_op(dist.irecv, buffer, peer)
                        for peer, (buffer, _) in incoming.items()]
         return self._post(send_ops, receive_ops,
                           lambda: self._unpack_all(incoming, receives))
