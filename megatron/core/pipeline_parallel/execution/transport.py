@@ -51,7 +51,8 @@ class ExpectedTensor:
 
 @dataclass
 class TransportStats:
-    """What crossed the wire (for the packing benchmark and the log)."""
+    """What crossed the wire (for the packing benchmark and the log); ``seconds`` is the time the
+    rank spent posting messages and blocked waiting for them (not the time they were in flight)."""
 
     messages: int = 0
     bytes: int = 0
@@ -91,22 +92,24 @@ class _Posted:
     receive_requests: list
     finish: Callable[[], list]
     stats: TransportStats
-    started: float
     outgoing: list  # the sent buffers, alive until the sends complete
 
     def wait_received(self) -> list[torch.Tensor]:
+        started = time.perf_counter()
         for request in self.receive_requests:
             request.wait()
         self.receive_requests = []
         received = self.finish()
-        self.stats.seconds += time.perf_counter() - self.started
+        self.stats.seconds += time.perf_counter() - started
         return received
 
     def wait_sent(self) -> None:
+        started = time.perf_counter()
         for request in self.send_requests:
             request.wait()
         self.send_requests = []
         self.outgoing = []
+        self.stats.seconds += time.perf_counter() - started
 
 
 @dataclass
@@ -129,7 +132,7 @@ class _PeerTransport:
 
     def _post(self, sends: list, receives: list, finish: Callable[[], list]) -> _Posted:
         """Issue ``sends`` then ``receives`` (``dist.P2POp`` lists) as one batch."""
-        started = time.perf_counter()
+        posting = time.perf_counter()
         self.stats.exchanges += 1
         self.stats.messages += len(sends)
         self.stats.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in sends)
@@ -138,7 +141,8 @@ class _PeerTransport:
             send_requests, receive_requests = requests[:len(sends)], requests[len(sends):]
         else:  # a backend that coalesces the batch into fewer requests: wait for all of them
             send_requests, receive_requests = [], list(requests)
-        return _Posted(send_requests, receive_requests, finish, self.stats, started,
+        self.stats.seconds += time.perf_counter() - posting
+        return _Posted(send_requests, receive_requests, finish, self.stats,
                        [op.tensor for op in sends])
 
     def exchange(self, sends: Sequence[OutgoingTensor],
