@@ -173,10 +173,11 @@ class Interpreter:
         self._origin = time.perf_counter()
         prefetch = _prefetch_plan(ops)
         for index, op in enumerate(ops):
-            start = time.perf_counter()
             try:
                 for group in prefetch.get(index, ()):
                     self._post_receives(group, prefetch=True)
+                # A compute op's record starts once its inputs are in (see _take_received).
+                self._op_start = time.perf_counter()
                 self._execute(op)
                 if index == len(ops) - 1:
                     self._complete_sends()
@@ -187,7 +188,7 @@ class Interpreter:
                         [[str(o) for o in rank_ops] for rank_ops in lowered], {(rank, index)},
                         title=f"lowered schedule (rank x step), failing step of rank {rank} "
                               f"marked")) from error
-            self._record(str(op), start, "communication" if isinstance(op, P2PGroup)
+            self._record(str(op), self._op_start, "communication" if isinstance(op, P2PGroup)
                          else "compute")
         leftovers = [key for key in (*self.received, *self.produced, *self.stored)]
         if leftovers:
@@ -334,6 +335,7 @@ class Interpreter:
         start = time.perf_counter()
         tensor = posted.tensor(index)
         self._record(f"wait {key[0][0]}{key[1]}.{key[2]}.{key[3]}", start, "communication")
+        self._op_start = time.perf_counter()
         return tensor
 
     def _complete_sends(self) -> None:
