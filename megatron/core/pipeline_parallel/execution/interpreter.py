@@ -41,6 +41,7 @@ from ..planning.instructions import Instruction, Kind
 from ..planning.lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup
 from ..planning.schedules import ScheduleLayout
 from .model_chunks import ModuleKey
+from .split_backward import backward_input, backward_weight
 from .stage import PipelineStageModule
 from .transport import ExpectedTensor, OutgoingTensor, Transport
 
@@ -155,6 +156,7 @@ class Interpreter:
         self.produced: dict = {}  # (kind, pipeline, stage, microbatch) -> tensor to send
         self.stored: dict = {}  # (pipeline, stage, microbatch) -> (input, output, nbytes)
         self.output_shapes: dict = {}  # (pipeline, stage, microbatch) -> shape of its gradient
+        self.deferred: dict = {}  # (pipeline, stage, microbatch) -> weight work of a split backward
         self.loss_dicts: list = []
         self.timeline: list[TimelineRecord] = []
         self.live_bytes = 0
@@ -190,7 +192,8 @@ class Interpreter:
                               f"marked")) from error
             self._record(str(op), self._op_start, "communication" if isinstance(op, P2PGroup)
                          else "compute")
-        leftovers = [key for key in (*self.received, *self.produced, *self.stored)]
+        leftovers = [key for key in (*self.received, *self.produced, *self.stored,
+                                     *self.deferred)]
         if leftovers:
             raise PipelineExecutionError(f"the schedule left unconsumed tensors {leftovers[:8]}; "
                                          f"the lowered list is inconsistent")
@@ -207,8 +210,10 @@ class Interpreter:
                 self._forward(op)
             elif op.kind is Kind.BACKWARD:
                 self._backward(op)
+            elif op.kind is Kind.BACKWARD_INPUT:
+                self._backward_input(op)
             else:
-                raise NotImplementedError(f"{op.kind.name} (split backward) is not executed yet")
+                self._backward_weight(op)
         elif isinstance(op, P2PGroup):
             self._communicate(op)
         elif isinstance(op, GradSyncStart):
@@ -283,6 +288,30 @@ class Interpreter:
         self.live_bytes -= nbytes
         if not self.context.layout.is_first_stage(op.stage):
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_tensor.grad
+
+    def _output_gradient(self, op: Instruction, output: torch.Tensor) -> Optional[torch.Tensor]:
+        """The gradient arriving for ``output`` (None on a last stage: the output is the loss)."""
+        if self.context.layout.is_last_stage(op.stage):
+            return None
+        grad = self._take_received((GRADIENT, op.pipeline, op.stage + 1, op.microbatch))
+        return grad.to(output.dtype)
+
+    def _backward_input(self, op: Instruction) -> None:
+        """Input half of a split backward: the gradient message now, the weight work kept."""
+        key = (op.pipeline, op.stage, op.microbatch)
+        input_tensor, output, _ = self.stored[key]
+        chunk = self.context.chunks[ModuleKey(op.pipeline, op.stage)]
+        input_grad, self.deferred[key] = backward_input(
+            output, self._output_gradient(op, output), input_tensor, list(chunk.parameters()))
+        if not self.context.layout.is_first_stage(op.stage):
+            self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_grad
+
+    def _backward_weight(self, op: Instruction) -> None:
+        """Weight half of a split backward; the stage's stored activations are released."""
+        key = (op.pipeline, op.stage, op.microbatch)
+        backward_weight(self.deferred.pop(key))
+        _, _, nbytes = self.stored.pop(key)
+        self.live_bytes -= nbytes
 
     def _communicate(self, group: P2PGroup) -> None:
         """Post the group's sends (and its receives, unless prefetched); wait for nothing."""

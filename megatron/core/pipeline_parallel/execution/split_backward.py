@@ -1,0 +1,148 @@
+"""Split backward: the input gradient now, the weight gradients later (zero-bubble pipelines).
+
+A stage's backward computes two things: the gradient of its input (the next message, on the
+pipeline's critical path) and the gradients of its weights (needed only before the optimizer step).
+:func:`backward_input` runs autograd from the stage's output towards its input only, so every
+node computes just the gradients on that path (a linear layer computes ``dX``, not ``dW``); while it
+runs, a pre-hook captures the incoming gradient of every *boundary node*: a node on the input path
+with an edge into a part of the graph that leads only to parameters. :func:`backward_weight` later
+starts autograd from exactly those nodes with the captured gradients, towards the parameters only,
+and adds the results into ``param.grad``. Each gradient is the same operation on the same operands
+as in one full backward, so the numbers equal the full backward's (only the order in which several
+contributions to one parameter are summed may differ: float64 agreement ~1e-16 relative).
+
+The graph is kept (``retain_graph``) between the two halves, so the stage's saved activations stay
+alive until its weight gradients are done: :class:`DeferredWeightGradients` counts them for the
+stored-memory report. A first stage (no input tensor) has nothing to do in the input half; its
+weight half is the whole backward. No project code is involved: this works on any autograd graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+@dataclass
+class DeferredWeightGradients:
+    """What the input half leaves for the weight half of one (stage, micro-batch): per boundary
+    node, where to start (its outputs and their gradients) and the parameters it leads to."""
+
+    parts: list = field(default_factory=list)  # (roots, grads, params) per boundary node
+    full_backward: bool = False  # the input half could not be split; nothing was deferred
+
+
+def _children(node) -> list:
+    return [child for child, _ in node.next_functions if child is not None]
+
+
+def _reaches(root, targets: set) -> dict:
+    """{node: whether it reaches a node of ``targets``} for every node below ``root``."""
+    reaches = {}
+    stack = [(root, False)]
+    while stack:  # iterative post-order: graphs of deep models exceed Python's recursion limit
+        node, children_done = stack.pop()
+        if node in reaches:
+            continue
+        children = _children(node)
+        if children_done:
+            reaches[node] = node in targets or any(reaches[child] for child in children)
+            continue
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if child not in reaches)
+    return reaches
+
+
+def _boundary_nodes(root, input_node, param_nodes: set) -> list:
+    """(node, parameter nodes it alone leads to) for every node on the path to the input with an
+    edge into a part of the graph that leads only to parameters; None when two such parts share a
+    parameter (the weight half could not keep their sums apart)."""
+    to_input = _reaches(root, {input_node})
+    to_params = _reaches(root, param_nodes)
+    boundary, claimed = [], set()
+    for node, on_input_path in to_input.items():
+        if not on_input_path:
+            continue
+        owned = set()
+        for child in _children(node):
+            if to_params.get(child, False) and not to_input.get(child, False):
+                owned |= {n for n, hit in _reaches(child, param_nodes).items()
+                          if hit and n in param_nodes}
+        if owned:
+            if owned & claimed:
+                return None
+            claimed |= owned
+            boundary.append((node, owned))
+    return boundary
+
+
+def _run_backward(output: torch.Tensor, grad: Optional[torch.Tensor], inputs: list, *,
+                  keep_graph: bool, accumulate: bool):
+    """Autograd from ``output`` towards ``inputs``. The engine is called directly because a sent
+    activation's data has been freed and ``torch.autograd.grad`` would compare the gradient's
+    shape with the (now empty) data; the graph keeps the recorded shape (Megatron-LM does the same).
+    """
+    grad = torch.ones_like(output) if grad is None else grad
+    return torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=keep_graph, create_graph=False,
+        inputs=tuple(inputs), allow_unreachable=True, accumulate_grad=accumulate)
+
+
+def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor],
+                   input_tensor: Optional[torch.Tensor],
+                   params: Sequence[torch.nn.Parameter]) -> tuple[Optional[torch.Tensor],
+                                                                  DeferredWeightGradients]:
+    """The input gradient of ``output`` (None for a first stage) and what the weight half needs.
+
+    ``grad`` is the gradient of ``output`` (None when ``output`` is the scalar loss).
+    """
+    params = [p for p in params if p.requires_grad]
+    if output.grad_fn is None:
+        return None, DeferredWeightGradients()
+    if input_tensor is None:  # a first stage: the whole backward is weight work
+        root = GradientEdge(output.grad_fn, output.output_nr)
+        part = ([root], [grad if grad is not None else torch.ones_like(output)], params)
+        return None, DeferredWeightGradients([part])
+    param_of_node = {get_gradient_edge(p).node: p for p in params}
+    boundary = _boundary_nodes(output.grad_fn, get_gradient_edge(input_tensor).node,
+                               set(param_of_node))
+    if boundary is None:  # shared parameters across parts: one full backward now
+        _run_backward(output, grad, [input_tensor] + params, keep_graph=False, accumulate=True)
+        input_grad, input_tensor.grad = input_tensor.grad, None
+        return input_grad, DeferredWeightGradients(full_backward=True)
+    captured: dict = {}
+    handles = [node.register_prehook(
+        lambda grad_outputs, node=node: captured.__setitem__(node, grad_outputs))
+        for node, _ in boundary]
+    try:
+        (input_grad,) = _run_backward(output, grad, [input_tensor], keep_graph=True,
+                                      accumulate=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    deferred = DeferredWeightGradients()
+    for node, owned in boundary:
+        node_grads = [(index, g) for index, g in enumerate(captured.get(node, ()))
+                      if g is not None]
+        if node_grads:
+            deferred.parts.append(([GradientEdge(node, index) for index, _ in node_grads],
+                                   [g for _, g in node_grads],
+                                   [param_of_node[n] for n in owned]))
+    return input_grad, deferred
+
+
+def backward_weight(deferred: DeferredWeightGradients) -> None:
+    """Compute the deferred weight gradients and add them into ``param.grad``; frees the graph."""
+    for roots, grads, params in deferred.parts:
+        for param, param_grad in zip(params, torch.autograd.grad(
+                roots, params, grad_outputs=grads, allow_unused=True)):
+            if param_grad is None:
+                continue
+            if param.grad is None:
+                param.grad = param_grad
+            else:
+                param.grad.add_(param_grad)
+    deferred.parts = []
