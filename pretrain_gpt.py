@@ -114,16 +114,26 @@ def main(argv=None) -> None:
     path = crossover_config_path(argv)
     if path is None:
         train_one_job(argv, log)
-        return
-    try:
-        jobs = load_crossover_jobs(path)
-    except ValueError as error:
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    for job in jobs:
-        _configure(list(job.args))  # every job's flags are checked before any job starts
-    run_crossover(jobs, lambda job, after_compute, job_log: train_one_job(
-        list(job.args), job_log, after_compute), log=log)
+    else:
+        try:
+            jobs = load_crossover_jobs(path)
+        except ValueError as error:
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        for job in jobs:
+            _configure(list(job.args))  # every job's flags are checked before any job starts
+        run_crossover(jobs, lambda job, after_compute, job_log: train_one_job(
+            list(job.args), job_log, after_compute), log=log)
+    shut_down_distributed()
+
+
+def shut_down_distributed() -> None:
+    """After a successful run: wait for every rank, then tear the process groups down, so no
+    communication thread is still alive when the interpreter exits (an abort at exit would turn a
+    finished run into a failed one for torchrun, SLURM and CI)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

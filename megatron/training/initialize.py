@@ -11,6 +11,7 @@ handle. Nothing is stored in module globals.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import random
 from typing import Iterable, Mapping, Optional
@@ -116,7 +117,11 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
     layout = RankLayout.from_world_size(world_size, parallel.tensor_model_parallel_size,
                                         parallel.pipeline_model_parallel_size)
     if world_size > 1:
-        state = create_parallel_state(layout, rank, backend, extra_group_ranks=extra_group_ranks)
+        # Every subgroup gets the run's timeout (torch's default for new_group is 30 minutes), so
+        # a lost rank stops a collective of any group after --distributed-timeout-minutes.
+        timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+        state = create_parallel_state(layout, rank, backend, extra_group_ranks=extra_group_ranks,
+                                      new_group=functools.partial(dist.new_group, timeout=timeout))
     else:
         state = ParallelState(layout=layout, rank=0, backend=backend)
     set_random_seeds(config.training.seed)
