@@ -62,14 +62,14 @@ class VariantResult:
     description: str = ""
 
 
-def _build(rank: int, world_size: int, argv: list, parallel_state):
-    """Config, runtime, model/optimizer and micro-batches of one variant on this rank."""
+def build_variant(world_size: int, argv: list, parallel_state):
+    """Config, runtime, model/optimizer and micro-batches of one configuration (full flags)."""
     import pretrain_gpt
     from megatron.training.arguments import parse_args
     from megatron.training.training import (iteration_microbatches, select_runtime_class,
                                             setup_model_and_optimizer)
 
-    config = parse_args(MODEL_FLAGS + list(argv), world_size=world_size)
+    config = parse_args(list(argv), world_size=world_size)
     device = torch.device("cpu")
     runtime = select_runtime_class(config)(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime,
@@ -80,15 +80,15 @@ def _build(rank: int, world_size: int, argv: list, parallel_state):
     return components, microbatches
 
 
-def _parallel_state(rank: int, world_size: int, variants: list):
-    """One process group for all variants: the union of the groups every variant needs."""
+def parallel_state_for(rank: int, world_size: int, argvs: list):
+    """One process group for several configurations (full flags): the union of their groups."""
     from megatron.core.parallel_state import RankLayout, create_parallel_state
     from megatron.training.arguments import parse_args
     from megatron.training.training import select_runtime_class
 
     extra, layouts = [], set()
-    for argv in variants:
-        config = parse_args(MODEL_FLAGS + list(argv), world_size=world_size)
+    for argv in argvs:
+        config = parse_args(list(argv), world_size=world_size)
         layout = RankLayout.from_world_size(world_size,
                                             config.parallel.tensor_model_parallel_size,
                                             config.parallel.pipeline_model_parallel_size)
@@ -113,8 +113,10 @@ def _side_by_side_rank(rank: int, world_size: int, variants: list, warmup: int,
     # Configuration advice (e.g. forward doubling without recomputation) would repeat once per
     # rank and variant; the benchmark chooses its configurations on purpose.
     logging.getLogger("megatron.training.config_validation").setLevel(logging.ERROR)
-    parallel_state = _parallel_state(rank, world_size, variants)
-    built = [_build(rank, world_size, argv, parallel_state) for argv in variants]
+    parallel_state = parallel_state_for(rank, world_size,
+                                        [MODEL_FLAGS + list(argv) for argv in variants])
+    built = [build_variant(world_size, MODEL_FLAGS + list(argv), parallel_state)
+             for argv in variants]
     results = [VariantResult(description=components.runtime.describe()) for components, _ in built]
     for _ in range(warmup):
         for components, microbatches in built:

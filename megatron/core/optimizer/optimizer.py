@@ -120,9 +120,9 @@ class MegatronOptimizer:
 
     def zero_grad(self) -> None:
         """Zero gradients in place; they may be views of a reducer's contiguous buffer."""
-        for param in self.params:
-            if param.grad is not None:
-                param.grad.zero_()
+        grads = self._grads()
+        if grads:
+            torch._foreach_zero_(grads)  # one call instead of one per parameter
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]

@@ -119,6 +119,7 @@ class RowParallelLinear(torch.nn.Module):
                  init_std: float, params_dtype=torch.float32, device=None):
         super().__init__()
         self.group = tensor_parallel_group(parallel_state)
+        self.tp_size = parallel_state.tp_size
         self.input_size_per_rank = divide(input_size, parallel_state.tp_size,
                                           "input size of a row-parallel linear layer")
         self.weight = set_parameter_attributes(
@@ -131,5 +132,7 @@ class RowParallelLinear(torch.nn.Module):
                 tensor_model_parallel=False, no_weight_decay=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul (one fused op)
+            return F.linear(x, self.weight, self.bias)
         output = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         return output if self.bias is None else output + self.bias
