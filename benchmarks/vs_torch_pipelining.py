@@ -6,8 +6,8 @@
 
 Both sides train the same GPT (our model code: 8 layers, hidden 256, 4 heads, sequence 128,
 vocabulary 1024, untied output layer, no dropout, micro-batch 4, AdamW) on D = 2 gloo ranks, one per
-core. Ours: 1F1B, interleaved 1F1B (2 chunks per rank), and every Chimera variant with every
-gradient-sync policy. PyTorch: Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+core. Ours: 1F1B, interleaved 1F1B (2 chunks per rank), every Chimera variant with every
+gradient-sync policy, and 1F1B / Chimera with split backward (``--split-backward``). PyTorch: Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
 ScheduleZBVZeroBubble and ScheduleDualPipeV over ``PipelineStage``s built from the same model chunks
 (2 stages per rank for the multi-stage schedules, placed in a loop or a V as those schedules expect).
 Every iteration includes the optimizer step. All configurations run in interleaved rounds inside one
@@ -68,6 +68,12 @@ def our_variants(quick: bool) -> list:
             variants.append((f"ours chimera {variant} {policy}",
                              ["--pipeline-schedule", "chimera", "--chimera-variant", variant,
                               "--chimera-grad-sync", policy]))
+    variants += [("ours 1f1b split-backward", ["--pipeline-schedule", "1f1b", "--split-backward"]),
+                 ("ours chimera direct split-backward",
+                  ["--pipeline-schedule", "chimera", "--split-backward"]),
+                 ("ours chimera forward-doubling split-backward",
+                  ["--pipeline-schedule", "chimera", "--chimera-variant", "forward-doubling",
+                   "--split-backward"])]
     return variants
 
 

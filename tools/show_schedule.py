@@ -63,6 +63,11 @@ def parse_args(argv=None, registry=BUILTIN_SCHEDULES) -> argparse.Namespace:
                         help="Time of one stage's gradient all-reduce.")
     parser.add_argument("--grad-sync", choices=GRAD_SYNC_POLICIES, default="eager-opt",
                         help="When Chimera starts a stage's gradient all-reduce.")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="Split each backward into I (input gradient) and W (weight "
+                             "gradient) and move the W ops into idle slots (costs: I = W = B/2).")
+    parser.add_argument("--split-backward-extra-activations", type=int, default=1,
+                        help="With --split-backward: extra stored micro-batches per rank.")
     parser.add_argument("--format", choices=FORMATS, default="text")
     parser.add_argument("--output", default=None,
                         help="Output file (default: standard output; required for png).")
@@ -90,6 +95,8 @@ def describe(args, plan) -> str:
     parts += [f"{name}={value}" for name, value in plan.options.items()]
     if plan.layout.has_stage_replicas:
         parts.append(f"grad-sync={args.grad_sync}")
+    if plan.split_backward is not None:
+        parts.append(f"split-backward(+{plan.split_backward})")
     parts += [f"F={args.forward_cost:g}", f"B={args.backward_cost:g}"]
     return " ".join(parts)
 
@@ -181,6 +188,8 @@ def main(argv=None, registry=BUILTIN_SCHEDULES) -> int:
     plan = make_plan(args.schedule, args.pipeline_model_parallel_size, args.num_microbatches,
                      schedule_options(args, registry), grad_sync_policy=args.grad_sync,
                      forward_cost=args.forward_cost, backward_cost=args.backward_cost,
+                     split_backward=(args.split_backward_extra_activations
+                                     if args.split_backward else None),
                      registry=registry)
     result = simulate_plan(plan, args.forward_cost, args.backward_cost, args.p2p_cost,
                            args.allreduce_cost)

@@ -103,6 +103,13 @@ class ParallelConfig:
     chimera_grad_sync: str = option(
         "eager-opt", "When the all-reduce between the replicas of a Chimera stage starts.",
         choices=GRAD_SYNC_POLICIES)
+    split_backward: bool = option(
+        False, "Split every backward into its input-gradient and weight-gradient halves and move "
+               "the weight halves into the schedule's idle slots (zero-bubble; any schedule: "
+               "Chimera's remaining bubbles, a ZB-H1-style 1F1B).")
+    split_backward_extra_activations: int = option(
+        1, "With --split-backward: micro-batches of activations a rank may keep stored beyond "
+           "the schedule's own peak in order to defer weight-gradient work.")
     p2p_packing: str = option(
         "auto", "Pack all tensors bound for one peer into one message: auto (C++ if it builds, "
                 "else Python), cpp, python or off.", choices=("auto", "cpp", "python", "off"))

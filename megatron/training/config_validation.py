@@ -228,6 +228,12 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
     # The family's own check (planning/schedules) rules on depth, pipelines, variant and N (see
     # _check_schedule_options); here only flags that belong to another family are refused.
     _refuse_other_families_flags(config)
+    if parallel.split_backward and pp < 2:
+        raise ValueError("--split-backward reorders the backward passes of a pipeline schedule; it "
+                         "needs --pipeline-model-parallel-size >= 2 (drop it without a pipeline)")
+    if parallel.split_backward_extra_activations < 0:
+        raise ValueError(f"--split-backward-extra-activations "
+                         f"{parallel.split_backward_extra_activations} must be >= 0")
     if pp > 1 and parallel.overlap_grad_reduce:
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "

@@ -82,6 +82,16 @@ LAYOUTS = [
     ("--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b", 4, BATCH_N4),  # DP 2
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2", 4,
      BATCH_N4),  # DP 2
+    # Split backward (input half now, weight half in idle slots).
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera --split-backward", 2, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --split-backward", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --chimera-variant "
+     "forward-doubling --split-backward", 4, "--micro-batch-size 1 --global-batch-size 8"),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule 1f1b --split-backward", 4, BATCH_N4),
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+     "--split-backward", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera --split-backward", 4,
+     BATCH_N4),  # DP 2
 ]
 
 

@@ -16,6 +16,7 @@ from typing import Mapping, Optional
 from .lowering import GRAD_SYNC_POLICIES, lower_schedule
 from .schedules import BUILTIN_SCHEDULES, ScheduleFamily, ScheduleLayout, ScheduleRegistry
 from .schedules import resolve_schedule, schedule_from_config
+from .schedules.split_backward import split_backward_schedule
 from .validator import validate_schedule
 
 
@@ -32,6 +33,8 @@ class PipelinePlan:
         schedule: per rank, the compute instructions (validated).
         lowered: per rank, compute + p2p groups + gradient-sync ops (what the runtime runs).
         grad_sync_policy: when stage replicas start their gradient all-reduce.
+        split_backward: extra activations allowed for the split backward's deferred weight work,
+            or None when backwards are not split.
     """
 
     family: ScheduleFamily
@@ -42,6 +45,7 @@ class PipelinePlan:
     schedule: tuple
     lowered: tuple
     grad_sync_policy: str
+    split_backward: Optional[int] = None
 
     @property
     def name(self) -> str:
@@ -56,9 +60,12 @@ class PipelinePlan:
     def describe(self) -> str:
         """``chimera (num_pipelines=2, variant=direct), 2 pipeline(s) x 4 stages, grad sync ...``"""
         details = ", ".join(f"{key}={value}" for key, value in self.options.items())
+        split = ("" if self.split_backward is None else
+                 f", split backward (weight work deferred, up to {self.split_backward} extra "
+                 f"stored micro-batches)")
         return (f"{self.name}" + (f" ({details})" if details else "")
                 + f", {self.layout.num_pipelines} pipeline(s) x {self.layout.num_stages} stages, "
-                f"grad sync {self.grad_sync_policy}")
+                f"grad sync {self.grad_sync_policy}{split}")
 
     def op_label(self, op) -> str:
         """Short label of a compute op for grids and pictures: kind, micro-batch, family suffix."""
@@ -68,14 +75,16 @@ class PipelinePlan:
 def make_plan(name: str, pipeline_size: int, num_microbatches: int,
               options: Optional[Mapping] = None, *, grad_sync_policy: str = "eager-opt",
               forward_cost: float = 1, backward_cost: float = 2,
-              doubled_step_messages: bool = False,
+              doubled_step_messages: bool = False, split_backward: Optional[int] = None,
               registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> PipelinePlan:
     """Build, validate and lower one schedule.
 
     ``forward_cost`` / ``backward_cost`` (per micro-batch of --micro-batch-size; scaled by the
     layout's micro-batch fraction) only shape where the lowering groups communication.
     ``doubled_step_messages``: the two inputs of a doubled forward step travel together (worth it
-    with packing; see :func:`~.lowering.lower_schedule`).
+    with packing; see :func:`~.lowering.lower_schedule`). ``split_backward`` (extra stored
+    activations allowed, or None): split every backward and place the weight halves in idle slots
+    (:mod:`.schedules.split_backward`).
     """
     if grad_sync_policy not in GRAD_SYNC_POLICIES:
         raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
@@ -84,13 +93,16 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
                                         dict(options or {}), registry)
     layout = family.layout(pipeline_size, **resolved)
     schedule = family.build(pipeline_size, num_microbatches, **resolved)
+    if split_backward is not None:
+        validate_schedule(schedule, layout, num_microbatches)
+        schedule = split_backward_schedule(schedule, layout.num_stages, split_backward)
     validate_schedule(schedule, layout, num_microbatches)
     fraction = float(layout.microbatch_fraction)
     lowered = lower_schedule(schedule, layout, grad_sync_policy, forward_cost * fraction,
                              backward_cost * fraction, doubled_step_messages=doubled_step_messages)
     return PipelinePlan(family, resolved, pipeline_size, num_microbatches, layout,
                         tuple(tuple(ops) for ops in schedule),
-                        tuple(tuple(ops) for ops in lowered), grad_sync_policy)
+                        tuple(tuple(ops) for ops in lowered), grad_sync_policy, split_backward)
 
 
 def plan_from_config(config, *, doubled_step_messages: bool = False,
@@ -101,7 +113,10 @@ def plan_from_config(config, *, doubled_step_messages: bool = False,
     return make_plan(name, parallel.pipeline_model_parallel_size,
                      config.training.num_microbatches, options,
                      grad_sync_policy=parallel.chimera_grad_sync,
-                     doubled_step_messages=doubled_step_messages, registry=registry)
+                     doubled_step_messages=doubled_step_messages,
+                     split_backward=(parallel.split_backward_extra_activations
+                                     if parallel.split_backward else None),
+                     registry=registry)
 
 
 def layout_from_config(config, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> ScheduleLayout:
