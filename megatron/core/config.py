@@ -120,7 +120,9 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(
         10, "Timeout of collective operations; a lost rank raises instead of hanging.")
     use_distributed_optimizer: bool = option(
-        False, "Shard optimizer state over data-parallel ranks (not supported yet).")
+        False, "Shard the fp32 weights' optimizer step and Adam state over all replicas of each "
+               "stage (data parallel; under Chimera both pipeline directions too): gradients are "
+               "reduce-scattered, each rank steps its shard, parameters are all-gathered.")
     overlap_grad_reduce: bool = option(
         False, "Overlap the data-parallel gradient reduction with the backward pass (without a "
                "pipeline; pipeline schedules place their reductions themselves, see "

@@ -47,8 +47,6 @@ class UnsupportedFeature:
 NOT_SUPPORTED_YET: tuple[UnsupportedFeature, ...] = (
     UnsupportedFeature("parallel", "sequence_parallel", "--sequence-parallel", bool,
                        "remove it (tensor parallelism without sequence parallelism is supported)"),
-    UnsupportedFeature("parallel", "use_distributed_optimizer", "--use-distributed-optimizer", bool,
-                       "remove it (optimizer state is replicated over data-parallel ranks)"),
     UnsupportedFeature("training", "rampup_batch_size", "--rampup-batch-size",
                        lambda value: value is not None,
                        "remove it and train with a fixed --global-batch-size"),

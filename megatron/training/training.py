@@ -102,7 +102,8 @@ def setup_model_and_optimizer(config, parallel_state, runtime, model_provider,
     model_chunks = runtime.build_model_chunks(model_provider)
     reducers = runtime.build_gradient_reducers(model_chunks)
     optimizer = build_optimizer(config, model_parameters(model_chunks), parallel_state,
-                                owns_grad_norm=runtime.owns_grad_norm)
+                                owns_grad_norm=runtime.owns_grad_norm,
+                                gradient_reducers=reducers)
     scheduler = build_lr_scheduler(optimizer.optimizer, config.optimizer, config.training)
     return TrainingComponents(
         config=config, parallel_state=parallel_state, runtime=runtime, device=device,

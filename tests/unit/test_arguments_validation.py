@@ -111,7 +111,6 @@ BAD_COMBINATIONS = [
     (TINY + ["--distributed-timeout-minutes", "0"], 1, ["--distributed-timeout-minutes"]),
     # Features that are flags but not implemented: rejected, never silently ignored.
     (TINY + ["--sequence-parallel"], 1, ["--sequence-parallel is not supported yet"]),
-    (TINY + ["--use-distributed-optimizer"], 1, ["--use-distributed-optimizer is not supported"]),
     (TINY + ["--rampup-batch-size", "4", "4", "100"], 1, ["--rampup-batch-size is not supported"]),
     (TINY + ["--position-embedding-type", "rope"], 1, ["--position-embedding-type rope"]),
     (TINY + ["--swiglu"], 1, ["--swiglu is not supported yet"]),

@@ -14,7 +14,8 @@ stage's replicas (the data-parallel group without a pipeline; every pipeline's c
 times data parallel for Chimera), plus, when the word embedding and a tied output layer live in
 different stages, a :class:`TiedEmbeddingReducer` started after everything else. Alternative
 reducers (a distributed optimizer's reduce-scatter, compressed data-parallel reducers) plug in
-here by implementing :class:`GradientReduction`.
+here by implementing :class:`GradientReduction` (the distributed optimizer's
+:class:`~.sharded_reducer.ShardedGradientReducer` does).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.gradient_reducer import GradientReducer
+from megatron.core.distributed.sharded_reducer import ShardedGradientReducer
 
 
 class GradientReduction(Protocol):
@@ -34,6 +36,8 @@ class GradientReduction(Protocol):
 
     @property
     def started(self) -> bool: ...
+
+    def start_when_ready(self) -> None: ...
 
     def start(self) -> None: ...
 
@@ -65,6 +69,9 @@ class TiedEmbeddingReducer:
     @property
     def started(self) -> bool:
         return self._total is not None
+
+    def start_when_ready(self) -> None:
+        """Started explicitly, after every chunk's reduction."""
 
     def start(self) -> None:
         grads = [p.grad for p in self.copies if p.grad is not None]
@@ -114,7 +121,7 @@ def build_gradient_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence[Ha
                             group_of: Callable[[Hashable], Any], divide_by: float, *,
                             tied_group: Optional[Callable[[], Any]] = None,
                             bucket_size: Optional[int] = None,
-                            overlap: bool = False) -> ModelReducers:
+                            overlap: bool = False, sharded: bool = False) -> ModelReducers:
     """Reductions for a rank's ``chunks`` (see the module docstring).
 
     Args:
@@ -125,14 +132,20 @@ def build_gradient_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence[Ha
             or None when the embedding and the output layer are not split across stages (then
             the shared weight is reduced with its chunk like any other parameter).
         bucket_size, overlap: as for :class:`GradientReducer` (``--overlap-grad-reduce``).
+        sharded: reduce-scatter each chunk's gradients for the distributed optimizer
+            (:class:`~.sharded_reducer.ShardedGradientReducer`) instead of all-reducing them.
     """
     split_tied = tied_group is not None
     reducers = ModelReducers()
     for chunk, key in zip(chunks, keys):
         params = [p for p in chunk.parameters()
                   if p.requires_grad and not (split_tied and is_shared_embedding(p))]
-        reducers.by_module[key] = GradientReducer(params, group_of(key), divide_by=divide_by,
-                                                  bucket_size=bucket_size, overlap=overlap)
+        if sharded:
+            reducers.by_module[key] = ShardedGradientReducer(params, group_of(key),
+                                                             divide_by=divide_by)
+        else:
+            reducers.by_module[key] = GradientReducer(params, group_of(key), divide_by=divide_by,
+                                                      bucket_size=bucket_size, overlap=overlap)
     copies = tied_copies(chunks) if split_tied else []
     if copies:
         reducers.final.append(TiedEmbeddingReducer(copies, tied_group(), divide_by=divide_by))

@@ -38,6 +38,15 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter],
     ``params`` are this rank's parameters; only those for which ``owns_grad_norm`` is true contribute.
     Returns ``nan``/``inf`` when a gradient is not finite.
     """
+    squares = squared_grad_norm(params, owns_grad_norm, parallel_state)
+    all_reduce_over(squares, [parallel_state.tensor_group, parallel_state.pipeline_group])
+    return float(squares.sqrt().item())
+
+
+def squared_grad_norm(params: Iterable[torch.nn.Parameter],
+                      owns_grad_norm: Callable[[torch.nn.Parameter], bool],
+                      parallel_state) -> torch.Tensor:
+    """This rank's sum of squared gradient elements of the parameters it owns (float64, [1])."""
     grads = [param.grad.detach() for param in params
              if param.grad is not None and owns_grad_norm(param)]
     if grads:
@@ -53,9 +62,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter],
         device = torch.device("cuda", torch.cuda.current_device()) \
             if parallel_state.backend == "nccl" else torch.device("cpu")
         squares = torch.zeros(1, dtype=torch.float64, device=device)
-    # gloo and nccl both reduce float64.
-    all_reduce_over(squares, [parallel_state.tensor_group, parallel_state.pipeline_group])
-    return float(squares.sqrt().item())
+    return squares  # gloo and nccl both reduce float64
 
 
 def clip_grads_by_norm(params: Iterable[torch.nn.Parameter], max_norm: float,

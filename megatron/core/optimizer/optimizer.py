@@ -153,13 +153,21 @@ class MegatronOptimizer:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return StepResult(update_successful=False, grad_norm=None, found_inf=True)
-        grad_norm = global_grad_norm(self.params, self.owns_grad_norm, self.parallel_state)
+        grad_norm = self.global_grad_norm()
         if not math.isfinite(grad_norm):
             return StepResult(update_successful=False, grad_norm=grad_norm)
         if self.clip_grad > 0:
             clip_grads_by_norm(self.params, self.clip_grad, grad_norm)
         self.optimizer.step()
+        self.after_update()
         return StepResult(update_successful=True, grad_norm=grad_norm)
+
+    def global_grad_norm(self) -> float:
+        """The norm of the whole model's gradient (see :mod:`~.clip_grads`)."""
+        return global_grad_norm(self.params, self.owns_grad_norm, self.parallel_state)
+
+    def after_update(self) -> None:
+        """Hook after the parameters changed (the distributed optimizer gathers its shards)."""
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
@@ -174,23 +182,34 @@ class MegatronOptimizer:
 
 
 def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state, *,
-                    owns_grad_norm: Optional[Callable[[torch.nn.Parameter], bool]] = None
-                    ) -> MegatronOptimizer:
-    """The run's optimizer from ``config.optimizer`` and ``config.training`` (precision)."""
+                    owns_grad_norm: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                    gradient_reducers: Iterable = ()) -> MegatronOptimizer:
+    """The run's optimizer from ``config.optimizer`` and ``config.training`` (precision).
+
+    With ``--use-distributed-optimizer`` the sharded reducers among ``gradient_reducers`` decide
+    which elements this rank steps (:class:`~.distributed.DistributedOptimizer`).
+    """
     optimizer_config = config.optimizer
     params = list(params)
+    if getattr(config.parallel, "use_distributed_optimizer", False):
+        from megatron.core.optimizer.distributed import build_distributed_optimizer
+        return build_distributed_optimizer(config, params, parallel_state, owns_grad_norm,
+                                           list(gradient_reducers))
     groups = build_param_groups(params, optimizer_config.weight_decay)
-    if not groups:
-        raise ValueError("the model has no trainable parameters")
-    if optimizer_config.optimizer == "adam":
-        optimizer, implementation = _adamw(groups, optimizer_config)
-    elif optimizer_config.optimizer == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=optimizer_config.lr or 0.0,
-                                    momentum=optimizer_config.sgd_momentum)
-        implementation = "torch SGD"
-    else:
-        raise ValueError(f"unknown --optimizer {optimizer_config.optimizer!r}; use adam or sgd")
+    optimizer, implementation = torch_optimizer(groups, optimizer_config)
     return MegatronOptimizer(
         optimizer, params, parallel_state, clip_grad=optimizer_config.clip_grad,
         grad_scaler=build_grad_scaler(optimizer_config, config.training),
         owns_grad_norm=owns_grad_norm, implementation=implementation)
+
+
+def torch_optimizer(groups: list[dict], optimizer_config) -> tuple[torch.optim.Optimizer, str]:
+    """The torch optimizer ``--optimizer`` names, over ``groups``, and a line describing it."""
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    if optimizer_config.optimizer == "adam":
+        return _adamw(groups, optimizer_config)
+    if optimizer_config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=optimizer_config.lr or 0.0,
+                               momentum=optimizer_config.sgd_momentum), "torch SGD"
+    raise ValueError(f"unknown --optimizer {optimizer_config.optimizer!r}; use adam or sgd")

@@ -43,11 +43,13 @@ class NoPipelineRuntime:
         return [model.to(self.device)]
 
     def build_gradient_reducers(self, model_chunks) -> list:
-        overlap = self.config.parallel.overlap_grad_reduce and self.parallel_state.dp_size > 1
+        parallel = self.config.parallel
+        overlap = parallel.overlap_grad_reduce and self.parallel_state.dp_size > 1
         return build_gradient_reducers(
             model_chunks, range(len(model_chunks)), lambda _: self.parallel_state.data_group,
             divide_by=self.parallel_state.dp_size,
-            bucket_size=OVERLAP_BUCKET_SIZE if overlap else None, overlap=overlap).all
+            bucket_size=OVERLAP_BUCKET_SIZE if overlap else None, overlap=overlap,
+            sharded=parallel.use_distributed_optimizer).all
 
     def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
         return self._owns(param)

@@ -93,7 +93,8 @@ class PipelineRuntime:
         return chunks
 
     def build_gradient_reducers(self, model_chunks) -> list:
-        reducers = pipeline_reducers(model_chunks, self.keys, self.parallel_state, self.layout)
+        reducers = pipeline_reducers(model_chunks, self.keys, self.parallel_state, self.layout,
+                                     sharded=self.config.parallel.use_distributed_optimizer)
         self.reducers_by_key = reducers.by_module
         # Reducers no GradSyncStart names (the tied embedding): started at the end of the list.
         self.final_reducers = reducers.final

@@ -72,7 +72,7 @@ def tied_embedding_group(parallel_state, schedule_layout):
 
 
 def pipeline_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence, parallel_state,
-                      schedule_layout) -> ModelReducers:
+                      schedule_layout, sharded: bool = False) -> ModelReducers:
     """This rank's reductions: each hosted module over its stage's replica group, plus the
     tied-embedding reduction when the embedding and the output layer are different stages."""
     tied = None
@@ -80,7 +80,7 @@ def pipeline_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence, paralle
         tied = lambda: tied_embedding_group(parallel_state, schedule_layout)  # noqa: E731
     return build_gradient_reducers(
         chunks, keys, lambda key: stage_group(parallel_state, schedule_layout, key.stage),
-        divide_by=parallel_state.dp_size, tied_group=tied)
+        divide_by=parallel_state.dp_size, tied_group=tied, sharded=sharded)
 
 
 def grad_norm_owners(chunks: Sequence[torch.nn.Module], keys: Sequence,

@@ -1,0 +1,98 @@
+"""``--use-distributed-optimizer``: each rank steps only its shard of every stage it holds.
+
+The gradient reducers (:class:`~megatron.core.distributed.sharded_reducer.ShardedGradientReducer`,
+one per model chunk, over the group of all replicas of the chunk's stage) reduce-scatter the
+gradients, so rank k of a stage's R replicas holds the reduced gradient of 1/R of the stage's
+elements. :class:`DistributedOptimizer` runs Megatron's step on those shards only (fp32 weights =
+the model's own fp32 parameters, as mixed precision here changes only the forward; AdamW state for
+the shard only), then every reducer all-gathers the updated shards into all replicas.
+
+Under Chimera a stage's replicas are both pipeline directions times data parallel (2W ranks), so a
+Chimera rank steps 1/(2W) of each of its two stages: the same optimizer work and state as a 1F1B rank
+at the same W, instead of twice as much. Parameters outside the sharded reducers (the tied word
+embedding's copies, kept identical by their own all-reduce) are stepped whole, as before.
+
+Gradient norm (for clipping and the log): each element of a stage is owned by exactly one replica,
+so the squared norms of the shards are summed over every rank (tensor-parallel-replicated elements
+counted on tensor-parallel rank 0 only); the replicated parameters' part is summed as without the
+distributed optimizer. Loss scaling and overflow skipping act on the shards unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.collectives import all_reduce_over
+from megatron.core.optimizer.clip_grads import default_owns_grad_norm, squared_grad_norm
+from megatron.core.optimizer.grad_scaler import build_grad_scaler
+from megatron.core.optimizer.optimizer import (MegatronOptimizer, build_param_groups,
+                                               torch_optimizer)
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """Megatron's step over this rank's shards (see the module docstring).
+
+    Args:
+        sharded_reducers: the reducers whose shards this rank steps (and gathers afterwards).
+        replicated: parameters stepped whole (the tied embedding copies).
+        model_params: every parameter of this rank's chunks (their gradients are zeroed).
+    """
+
+    def __init__(self, optimizer, sharded_reducers: list, replicated: list, model_params: list,
+                 parallel_state, **kwargs):
+        shards = [shard for reducer in sharded_reducers for shard in reducer.shards]
+        super().__init__(optimizer, shards + replicated, parallel_state, **kwargs)
+        self.sharded_reducers = sharded_reducers
+        self.shards = shards
+        self.replicated = replicated
+        self.model_params = [p for p in model_params if p.requires_grad]
+        self._owns_element = default_owns_grad_norm(parallel_state)
+
+    def global_grad_norm(self) -> float:
+        state = self.parallel_state
+        shard_squares = squared_grad_norm(self.shards, self._owns_element, state)
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        all_reduce_over(shard_squares, [world])
+        replicated_squares = squared_grad_norm(self.replicated, self.owns_grad_norm, state)
+        all_reduce_over(replicated_squares, [state.tensor_group, state.pipeline_group])
+        return float((shard_squares + replicated_squares.to(shard_squares.device)).sqrt().item())
+
+    def after_update(self) -> None:
+        handles = [handle for reducer in self.sharded_reducers
+                   for handle in reducer.start_parameter_gather()]
+        for handle in handles:
+            handle.wait()
+
+    def zero_grad(self) -> None:
+        grads = [p.grad for p in self.model_params + self.shards if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    def shard_nbytes(self) -> int:
+        """Bytes of weights this rank steps (Adam keeps two more tensors of this size)."""
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+
+def build_distributed_optimizer(config, params: list, parallel_state,
+                                owns_grad_norm: Optional[Callable], reducers: list
+                                ) -> DistributedOptimizer:
+    """The distributed optimizer over ``reducers``' shards and the parameters no shard covers."""
+    sharded = [reducer for reducer in reducers if hasattr(reducer, "shards")]
+    if not sharded:
+        raise ValueError("--use-distributed-optimizer needs the sharded gradient reducers; the "
+                         "runtime built none (it must pass use_distributed_optimizer to "
+                         "build_gradient_reducers)")
+    covered = {id(p) for reducer in sharded for p in reducer.params}
+    replicated = [p for p in params if p.requires_grad and id(p) not in covered]
+    shards = [shard for reducer in sharded for shard in reducer.shards]
+    groups = build_param_groups(shards + replicated, config.optimizer.weight_decay)
+    optimizer, implementation = torch_optimizer(groups, config.optimizer)
+    return DistributedOptimizer(
+        optimizer, sharded, replicated, params, parallel_state,
+        clip_grad=config.optimizer.clip_grad,
+        grad_scaler=build_grad_scaler(config.optimizer, config.training),
+        owns_grad_norm=owns_grad_norm,
+        implementation=f"{implementation}, distributed (sharded over each stage's replicas)")
