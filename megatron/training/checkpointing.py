@@ -287,6 +287,61 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
         group.update(settings)
 
 
+# Sharded optimizer state (--use-distributed-optimizer): the rank file records only this marker;
+# every rank's shard of the optimizer state is in its own file next to it.
+_SHARDED_MARKER = {"sharded": True}
+
+
+def _is_sharded(optimizer) -> bool:
+    return hasattr(optimizer, "shards")
+
+
+def optimizer_shard_name(dp_rank: int) -> str:
+    """``distrib_optim_dp000.pt``: one data-parallel rank's optimizer shard of a (tp, pp) position."""
+    return f"distrib_optim_dp{dp_rank:03d}.pt"
+
+
+def _write_optimizer_shard(components, state, staging_dir: str) -> tuple[str, dict]:
+    parallel_state = components.parallel_state
+    relative = os.path.join(rank_dir_name(parallel_state.tp_rank, parallel_state.pp_rank,
+                                          parallel_state.pp_size),
+                            optimizer_shard_name(parallel_state.dp_rank))
+    path = os.path.join(staging_dir, relative)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({**_checkpoint_header(components, state),
+               "optimizer": components.optimizer.state_dict()}, path)
+    return relative, {"size": os.path.getsize(path), "crc32": file_crc32(path)}
+
+
+def _optimizer_state_for_this_rank(path: str, saved: dict, components, iteration_dir: str,
+                                   metadata: dict) -> dict:
+    """The optimizer state this rank loads: the rank file's, or its shard file's (checked)."""
+    parallel_state = components.parallel_state
+    saved_sharded = bool(saved.get("sharded"))
+    if saved_sharded != _is_sharded(components.optimizer):
+        was, now = (("with", "without") if saved_sharded else ("without", "with"))
+        raise CheckpointError(
+            f"checkpoint file {path} was saved {was} --use-distributed-optimizer and this run is "
+            f"{now} it; resume with the same setting, or load the weights only with "
+            f"--no-load-optim (the optimizer state starts afresh)")
+    if not saved_sharded:
+        return saved
+    if saved["data_parallel_size"] != parallel_state.dp_size:
+        raise CheckpointError(
+            f"checkpoint file {path} holds optimizer shards of {saved['data_parallel_size']} "
+            f"data-parallel ranks and this run has {parallel_state.dp_size}; resume with the same "
+            f"data-parallel size or pass --no-load-optim")
+    relative = os.path.join(os.path.relpath(os.path.dirname(path), iteration_dir),
+                            optimizer_shard_name(parallel_state.dp_rank))
+    recorded = metadata["files"].get(relative)
+    if recorded is None:
+        raise CheckpointError(f"{os.path.join(iteration_dir, METADATA_FILENAME)} lists no "
+                              f"{relative}; the checkpoint is incomplete")
+    shard_path = os.path.join(iteration_dir, relative)
+    _verify_file(shard_path, recorded)
+    return load_file(shard_path)["optimizer"]
+
+
 # ----------------------------------------------------------------------------------------------
 # The hook
 # ----------------------------------------------------------------------------------------------
@@ -349,7 +404,7 @@ class Checkpointer:
 
         # Every rank takes part in the gather even if capturing failed (no rank left waiting);
         # errors are reported to every rank by the all-gather below.
-        written, error, rng_state = None, None, None
+        written, error, rng_state = [], None, None
         try:
             rng_state = capture_rng_state()
         except Exception as caught:
@@ -359,7 +414,13 @@ class Checkpointer:
             try:
                 if any(entry is None for entry in rng_states):
                     raise RuntimeError("a data-parallel rank could not capture its RNG state")
-                written = self._write_rank_file(components, state, staging_dir, rng_states)
+                written.append(self._write_rank_file(components, state, staging_dir,
+                                                     rng_states))
+            except Exception as caught:
+                error = _describe(caught)
+        if error is None and _is_sharded(components.optimizer):
+            try:  # --use-distributed-optimizer: every rank writes its own optimizer shard
+                written.append(_write_optimizer_shard(components, state, staging_dir))
             except Exception as caught:
                 error = _describe(caught)
         try:
@@ -375,7 +436,7 @@ class Checkpointer:
         error = None
         if is_first:
             try:
-                files = dict(entry for _, entry in gathered if entry is not None)
+                files = dict(entry for _, entries in gathered for entry in entries or ())
                 self._publish(components, state, root, staging_dir, final_dir, files)
             except Exception as caught:
                 error = _describe(caught)
@@ -396,7 +457,9 @@ class Checkpointer:
         payload = {
             **_checkpoint_header(components, state),
             "config": dataclasses.asdict(components.config),
-            "optimizer": components.optimizer.state_dict(),
+            "optimizer": (_SHARDED_MARKER | {"data_parallel_size": parallel_state.dp_size}
+                          if _is_sharded(components.optimizer)
+                          else components.optimizer.state_dict()),
             "opt_param_scheduler": components.lr_scheduler.state_dict(),
             "rng_state": rng_states,
         }
@@ -549,6 +612,8 @@ class Checkpointer:
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             _check_model_state(path, key, payload[key], chunk)
         if not (self.config.checkpoint.finetune or self.config.checkpoint.no_load_optim):
+            payload["optimizer"] = _optimizer_state_for_this_rank(
+                path, payload["optimizer"], components, iteration_dir, metadata)
             _check_optimizer_groups(path, payload["optimizer"], components.optimizer)
         return payload
 

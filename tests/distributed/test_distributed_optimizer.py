@@ -72,3 +72,53 @@ def test_distributed_optimizer_matches_the_replicated_one(layout, world_size):
         sharded_numel, whole_numel = stepped
         expected = (ref_stepped[1] - whole_numel) / replicas
         assert expected <= sharded_numel <= expected + 8 * replicas, (stepped, ref_stepped)
+
+
+RESUME = TINY.replace("--train-iters 3", "--train-iters 4")
+
+
+def _run_with_checkpoints(rank, world_size, argv, save_dir):
+    from megatron.training.checkpointing import Checkpointer
+
+    def run(flags):
+        config = parse_args(flags.split(), world_size=world_size)
+        result = pretrain(config, float64_model, pretrain_gpt.datasets_provider,
+                          pretrain_gpt.forward_step, checkpointing=Checkpointer(
+                              config, log=lambda _: None), log=lambda _: None)
+        params = {name: value.numpy().copy() for chunk in result.components.model_chunks
+                  for name, value in chunk.state_dict().items()}
+        return [(r.losses["lm loss"], r.grad_norm) for r in result.history], params
+
+    straight = run(argv)
+    first, _ = run(f"{argv} --save {save_dir} --exit-interval 2")
+    second, params = run(f"{argv} --load {save_dir} --save {save_dir}")
+    return straight, first + second, params
+
+
+@pytest.mark.parametrize("layout", ["", "--pipeline-model-parallel-size 2 --pipeline-schedule "
+                                        "chimera"], ids=["dp2", "chimera-pp2"])
+def test_resume_with_sharded_optimizer_state_is_bitwise(layout, tmp_path):
+    argv = f"{RESUME} {layout} --use-distributed-optimizer"
+    results = run_distributed(_run_with_checkpoints, 2, argv, str(tmp_path / "ckpt"),
+                              timeout=240)
+    for (straight_records, straight_params), resumed_records, resumed_params in results:
+        assert resumed_records == straight_records
+        for name, value in straight_params.items():
+            assert (resumed_params[name] == value).all(), name
+    shards = sorted(path.name for path in (tmp_path / "ckpt").rglob("distrib_optim_dp*.pt"))
+    assert shards  # every rank wrote its own optimizer shard
+
+
+def _load(rank, world_size, argv, save_dir):
+    from megatron.training.checkpointing import Checkpointer
+    config = parse_args(f"{argv} --load {save_dir}".split(), world_size=world_size)
+    pretrain(config, float64_model, pretrain_gpt.datasets_provider, pretrain_gpt.forward_step,
+             checkpointing=Checkpointer(config, log=lambda _: None), log=lambda _: None)
+
+
+def test_sharded_checkpoint_refuses_a_replicated_optimizer_with_the_fix(tmp_path):
+    argv = f"{RESUME} --use-distributed-optimizer"
+    run_distributed(_run_with_checkpoints, 2, argv, str(tmp_path / "ckpt"), timeout=240)
+    with pytest.raises(AssertionError, match="--no-load-optim"):
+        run_distributed(_load, 2, RESUME, str(tmp_path / "ckpt"), timeout=240)
+    run_distributed(_load, 2, RESUME + " --no-load-optim", str(tmp_path / "ckpt"), timeout=240)
