@@ -66,8 +66,9 @@ def parse_args(argv=None, registry=BUILTIN_SCHEDULES) -> argparse.Namespace:
     parser.add_argument("--split-backward", action="store_true",
                         help="Split each backward into I (input gradient) and W (weight "
                              "gradient) and move the W ops into idle slots (costs: I = W = B/2).")
-    parser.add_argument("--split-backward-extra-activations", type=int, default=1,
-                        help="With --split-backward: extra stored micro-batches per rank.")
+    parser.add_argument("--split-backward-extra-activations", type=int, default=0,
+                        help="With --split-backward: extra stored micro-batches allowed above "
+                             "the busiest rank's peak (0: peak memory unchanged).")
     parser.add_argument("--format", choices=FORMATS, default="text")
     parser.add_argument("--output", default=None,
                         help="Output file (default: standard output; required for png).")

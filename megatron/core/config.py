@@ -108,8 +108,9 @@ class ParallelConfig:
                "the weight halves into the schedule's idle slots (zero-bubble; any schedule: "
                "Chimera's remaining bubbles, a ZB-H1-style 1F1B).")
     split_backward_extra_activations: int = option(
-        1, "With --split-backward: micro-batches of activations a rank may keep stored beyond "
-           "the schedule's own peak in order to defer weight-gradient work.")
+        0, "With --split-backward: micro-batches of activations a rank may keep stored beyond "
+           "the schedule's busiest rank's peak in order to defer weight-gradient work (0: the "
+           "schedule's peak activation memory is unchanged).")
     p2p_packing: str = option(
         "auto", "Pack all tensors bound for one peer into one message: auto (C++ if it builds, "
                 "else Python), cpp, python or off.", choices=("auto", "cpp", "python", "off"))

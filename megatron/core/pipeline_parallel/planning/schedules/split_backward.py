@@ -7,11 +7,13 @@ backwards, keeps every rank's order of F and B (each B becomes an I) and places 
 list-scheduling simulation with unit costs (F = I = W, i.e. B = 2F split evenly): a rank runs its
 next F or I as soon as its inputs have arrived; while it waits for one, it runs the oldest pending W;
 the W ops left at the end form the tail. Deferring a W keeps that micro-batch's activations stored,
-so a rank runs pending W ops first whenever a forward would take its stored activations above
-``extra_activations`` over the base schedule's peak on that rank.
+so a rank runs pending W ops first whenever a forward would take its stored activations above the
+base schedule's largest per-rank peak plus ``extra_activations``: with 0, the peak memory of the
+busiest rank is unchanged and less busy ranks use their headroom.
 
-Applied to 1F1B this gives a ZB-H1-style schedule (family ``zb-h1``); applied to Chimera (option
-``split_backward`` of the chimera family, any variant) it fills Chimera's remaining bubbles.
+Applied to 1F1B this gives ZB-H1 (Qi et al.: makespan 3N + D - 1 with F = I = W, at 1F1B's peak
+memory); applied to Chimera (any variant) it fills Chimera's remaining bubbles: 3N + D/2 - 1 for
+direct concatenation at N >= D, at Chimera's peak memory.
 The result is an ordinary schedule of F, I and W instructions: the validator, lowering, simulator and
 runtime handle it like any other. No torch import.
 """
@@ -75,17 +77,19 @@ def _next_action(rank: _Rank, needs: dict, finish: dict):
     return None
 
 
-def split_backward_schedule(schedule, num_stages: int, extra_activations: int = 1,
+def split_backward_schedule(schedule, num_stages: int, extra_activations: int = 0,
                             costs=(1.0, 1.0, 1.0)) -> list[list[Instruction]]:
     """Per rank, ``schedule`` with each B split into I and W and the W ops placed in idle slots.
 
     ``extra_activations``: how many micro-batches' activations a rank may keep stored beyond the
-    base schedule's peak on that rank in order to defer weight work. ``costs``: (F, I, W) used to
+    base schedule's largest per-rank peak in order to defer weight work (0: the schedule's peak
+    memory is unchanged). ``costs``: (F, I, W) used to
     place the W ops.
     """
     if extra_activations < 0:
         raise ValueError(f"extra stored activations must be >= 0, got {extra_activations}")
-    ranks = [_Rank(ops, _peak_stored(ops) + extra_activations) for ops in schedule]
+    limit = max(_peak_stored(ops) for ops in schedule) + extra_activations
+    ranks = [_Rank(ops, limit) for ops in schedule]
     split_keys = {op_key(op) for rank in ranks for op in rank.main}
     needs = {op_key(op): [key for _, key in remote_inputs(op, num_stages, split_keys)]
              for rank in ranks for op in rank.main}
