@@ -178,8 +178,9 @@ def shared_link_finish_times(jobs) -> list:
         shortest = min(remaining[i] for i in active)
         until_next = starts[position][0] - now if position < len(starts) else math.inf
         step = min(shortest * len(active), until_next)
+        share = step / len(active)
         for i in list(active):
-            remaining[i] -= step / len(active)
+            remaining[i] -= share
             if remaining[i] <= 1e-15:
                 active.discard(i)
                 finish[i] = now + step
