@@ -98,7 +98,8 @@ def compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: int,
                   micro_batch_size: int, recompute, stage_balance: str = "balanced"):
     """(F, Bk) of a stage on one micro-batch, at the rate the micro-batch size reaches.
 
-    Bk = 2·F (backward: two matrix multiplies per forward one) + the recomputed forward FLOPs.
+    Bk = 2·F (backward: two matrix multiplies per forward one) + the recomputed forward FLOPs;
+    each also pays ``hardware.op_overhead_seconds`` (a fixed cost per op).
     ``stage_balance``: ``balanced`` (the paper: whole-model FLOPs / D) or ``slowest`` (the
     last stage of an even layer split, which also runs the output layer).
     """
@@ -113,7 +114,8 @@ def compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: int,
         raise ValueError(f"unknown stage balance {stage_balance!r}; use 'balanced' or 'slowest'")
     rate = hardware.sustained_rate(micro_batch_size * model.seq_length)
     extra = recompute_flops(model, num_stages, micro_batch_size, recompute)
-    return stage_flops / rate, (2 * stage_flops + extra) / rate
+    overhead = hardware.op_overhead_seconds
+    return stage_flops / rate + overhead, (2 * stage_flops + extra) / rate + overhead
 
 
 def activation_bytes_per_layer(model: ModelSpec, micro_batch_size: int, recompute) -> float:

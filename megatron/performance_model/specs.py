@@ -50,7 +50,9 @@ class HardwareSpec:
     communication buffers). ``state_bytes_per_parameter``: weights + gradients + optimizer
     state (16 = fp32 weight, fp32 gradient, two fp32 Adam moments); of these
     ``optimizer_bytes_per_parameter`` are optimizer state, sharded over the data-parallel
-    replicas by the distributed optimizer.
+    replicas by the distributed optimizer. ``op_overhead_seconds``: fixed time per forward or
+    backward op of a stage (framework dispatch, launches, the host side of the p2p calls); it
+    does not shrink with the stage, so it penalises deep pipelines of thin stages.
     """
 
     flops_per_second: float
@@ -61,6 +63,7 @@ class HardwareSpec:
     half_efficiency_tokens: float = 0.0
     framework_overhead_bytes: float = 0.0
     optimizer_bytes_per_parameter: int = 8
+    op_overhead_seconds: float = 0.0
 
     def sustained_rate(self, tokens: float) -> float:
         """FLOP/s on a micro-batch of ``tokens`` tokens (B·s)."""

@@ -130,3 +130,11 @@ def test_best_configurations_launch_flags_parse():
     assert config.training.global_batch_size == 32
     assert "modelled only" in launch_flags(
         evaluate(TINY, FLAT, "pipedream", 2, 4, 1, 4, False))
+
+
+def test_op_overhead_is_paid_once_per_forward_and_backward():
+    slow = HardwareSpec(1e12, 5e-6, 1e-10, 16e9, op_overhead_seconds=0.01)
+    base = evaluate(TINY, FLAT, "1f1b", 1, 4, 1, 4, "full").costs
+    more = evaluate(TINY, slow, "1f1b", 1, 4, 1, 4, "full").costs
+    assert more.forward - base.forward == pytest.approx(0.01)
+    assert more.backward - base.backward == pytest.approx(0.01)
