@@ -132,7 +132,8 @@ def search_configurations(model: ModelSpec, hardware: HardwareSpec, world_size: 
                           micro_batch_size: int | None = None, recompute=None,
                           grad_sync_policy: str = "eager-opt", stage_balance: str = "balanced",
                           micro_batch_policy: str = "fastest", shapes=None,
-                          recompute_modes=("none", "full")) -> list[Estimate]:
+                          recompute_modes=("none", "full"),
+                          distributed_optimizer: bool = False) -> list[Estimate]:
     """Rank configurations by predicted throughput (sequences/s, highest first).
 
     For each scheme and valid (W, D) (or the given ``shapes``): N·B = mini-batch / W, B a divisor
@@ -147,7 +148,8 @@ def search_configurations(model: ModelSpec, hardware: HardwareSpec, world_size: 
         raise ValueError(f"unknown micro-batch policy {micro_batch_policy!r}; "
                          "use 'largest' or 'fastest'")
     modes = [recompute_mode(recompute)] if recompute is not None else list(recompute_modes)
-    options = {"grad_sync_policy": grad_sync_policy, "stage_balance": stage_balance}
+    options = {"grad_sync_policy": grad_sync_policy, "stage_balance": stage_balance,
+               "distributed_optimizer": distributed_optimizer}
     estimates = []
     for scheme in schemes:
         for width, depth in shapes or valid_shapes(scheme, world_size, model.num_layers,
