@@ -54,7 +54,7 @@ fi
 ARGS=(
     "${SCHEDULE[@]}"
     --num-layers 64 --hidden-size 1280 --num-attention-heads 20 --ffn-hidden-size 5120
-    --seq-length 632 --max-position-embeddings 632 --untie-embeddings-and-output-weights
+    --seq-length 632 --max-position-embeddings 1024 --untie-embeddings-and-output-weights
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
     --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-fraction .01
     --weight-decay 1e-2 --clip-grad 1.0 --train-iters "$TRAIN_ITERS"

@@ -97,4 +97,4 @@ P100_ARIES = HardwareSpec(flops_per_second=9.3e12 * 0.40, alpha=20e-6, beta=1 / 
                           framework_overhead_bytes=5.5e9, op_overhead_seconds=0.010)
 
 GPT2_PAPER = ModelSpec(num_layers=64, hidden_size=1280, num_attention_heads=20, seq_length=632,
-                       vocab_size=50257, ffn_hidden_size=5120, max_position_embeddings=632)
+                       vocab_size=50257, ffn_hidden_size=5120, max_position_embeddings=1024)
