@@ -4,7 +4,7 @@
 Enumerates (W, D) with W·D = --world-size, a micro-batch size and recomputation per shape, and
 prints the configurations ranked by predicted sequences/s. With --pipeline-model-parallel-size
 (and --micro-batch-size) it evaluates that one shape only, e.g. to compare schemes at the same
-(W, D, B). No torch needed. Model: megatron/performance_model.py;
+(W, D, B). No torch needed. Model: the megatron/performance_model/ package;
 documentation: docs/performance_model.md.
 
 Example (the paper's GPT-2 on 512 P100 nodes):

@@ -138,3 +138,20 @@ def test_op_overhead_is_paid_once_per_forward_and_backward():
     more = evaluate(TINY, slow, "1f1b", 1, 4, 1, 4, "full").costs
     assert more.forward - base.forward == pytest.approx(0.01)
     assert more.backward - base.backward == pytest.approx(0.01)
+
+
+def test_cli_prints_the_best_runnable_configurations_flags():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "performance_model.py"
+    output = subprocess.run(
+        [sys.executable, str(tool), "--num-layers", "8", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "512",
+         "--world-size", "8", "--global-batch-size", "32", "--schemes", "all",
+         "--recompute", "selective", "--top", "3"],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    flags = output.splitlines()[-1]
+    assert flags.startswith("pretrain_gpt.py flags of the best fitting runnable configuration")
+    assert "--pipeline-model-parallel-size" in flags and "--recompute-granularity selective" in flags
