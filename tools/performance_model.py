@@ -4,7 +4,7 @@
 Enumerates (W, D) with W·D = --world-size, a micro-batch size and recomputation per shape, and
 prints the configurations ranked by predicted sequences/s. With --pipeline-model-parallel-size
 (and --micro-batch-size) it evaluates that one shape only, e.g. to compare schemes at the same
-(W, D, B). No torch needed. Model: megatron/performance_model.py;
+(W, D, B). No torch needed. Model: the megatron/performance_model/ package;
 documentation: docs/performance_model.md.
 
 Example (the paper's GPT-2 on 512 P100 nodes):
@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from megatron.performance_model import (  # noqa: E402
-    SCHEMES, HardwareSpec, ModelSpec, search_configurations)
+    ANALYTIC_SCHEMES, P100_ARIES, SCHEMES, HardwareSpec, ModelSpec, launch_flags, search_configurations)
 
 GRAD_SYNC_POLICIES = ("eager-opt", "eager", "end")
 
@@ -49,8 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="evaluate only this D (W = world size / D)")
     run.add_argument("--micro-batch-size", type=int, default=None,
                      help="fix B; default: search the divisors of mini-batch / W")
-    run.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
-                     help="full activation recomputation; auto tries both")
+    run.add_argument("--recompute", choices=("auto", "none", "selective", "full", "on", "off"),
+                     default="auto", help="recomputation granularity; auto tries none, "
+                     "selective and full (on = full, off = none)")
+    run.add_argument("--distributed-optimizer", action="store_true",
+                     help="shard optimizer state over the stage's replicas (memory only)")
     run.add_argument("--micro-batch-policy", choices=("fastest", "largest"), default="fastest",
                      help="per shape keep the fastest fitting B, or the largest (paper's rule)")
     run.add_argument("--schemes", default="chimera-direct",
@@ -58,15 +61,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--grad-sync", choices=GRAD_SYNC_POLICIES, default="eager-opt")
     run.add_argument("--stage-balance", choices=("balanced", "slowest"), default="balanced",
                      help="F = model FLOPs / D (paper) or the slowest stage of an even split")
-    hardware = parser.add_argument_group("hardware (defaults: P100 + Cray Aries, fp32)")
+    hardware = parser.add_argument_group(
+        "hardware (defaults: the P100 + Cray Aries profile, fp32; fitted constants, see docs)")
     hardware.add_argument("--flops-per-second", type=float, default=9.3e12,
                           help="peak FLOP/s of one worker (P100 fp32: 9.3e12)")
-    hardware.add_argument("--flops-efficiency", type=float, default=0.3,
-                          help="sustained fraction of the peak")
-    hardware.add_argument("--alpha", type=float, default=5e-6, help="message latency, seconds")
-    hardware.add_argument("--beta", type=float, default=1e-10,
-                          help="seconds per byte (1e-10 = 10 GB/s)")
+    hardware.add_argument("--flops-efficiency", type=float,
+                          default=P100_ARIES.flops_per_second / 9.3e12,
+                          help="sustained fraction of the peak on large micro-batches")
+    hardware.add_argument("--half-efficiency-tokens", type=float,
+                          default=P100_ARIES.half_efficiency_tokens,
+                          help="micro-batch tokens (B x s) at which half that rate is reached")
+    hardware.add_argument("--op-overhead", type=float, default=P100_ARIES.op_overhead_seconds,
+                          help="fixed seconds per forward or backward op of a stage")
+    hardware.add_argument("--alpha", type=float, default=P100_ARIES.alpha,
+                          help="message latency, seconds")
+    hardware.add_argument("--beta", type=float, default=P100_ARIES.beta,
+                          help="seconds per byte of a worker's link (2e-10 = 5 GB/s)")
     hardware.add_argument("--device-memory-gb", type=float, default=16.0)
+    hardware.add_argument("--framework-overhead-gb", type=float,
+                          default=P100_ARIES.framework_overhead_bytes / 1e9,
+                          help="memory besides model state and activations")
     hardware.add_argument("--state-bytes-per-parameter", type=int, default=16,
                           help="weights + gradients + optimizer state (fp32 Adam: 16)")
     parser.add_argument("--top", type=int, default=20, help="rows to print")
@@ -87,7 +101,10 @@ def run(args) -> list:
                       args.seq_length, args.vocab_size, args.ffn_hidden_size,
                       args.max_position_embeddings, args.bytes_per_value)
     hardware = HardwareSpec(args.flops_per_second * args.flops_efficiency, args.alpha, args.beta,
-                            args.device_memory_gb * 1e9, args.state_bytes_per_parameter)
+                            args.device_memory_gb * 1e9, args.state_bytes_per_parameter,
+                            half_efficiency_tokens=args.half_efficiency_tokens,
+                            framework_overhead_bytes=args.framework_overhead_gb * 1e9,
+                            op_overhead_seconds=args.op_overhead)
     shapes = None
     if args.pipeline_model_parallel_size:
         depth = args.pipeline_model_parallel_size
@@ -95,11 +112,12 @@ def run(args) -> list:
             raise ValueError(f"--pipeline-model-parallel-size {depth} must divide --world-size "
                              f"{args.world_size}")
         shapes = [(args.world_size // depth, depth)]
-    recompute = {"auto": None, "on": True, "off": False}[args.recompute]
+    recompute = {"auto": None, "on": "full", "off": "none"}.get(args.recompute, args.recompute)
     return search_configurations(model, hardware, args.world_size, args.global_batch_size,
                                  _schemes(args.schemes), args.micro_batch_size, recompute,
                                  args.grad_sync, args.stage_balance, args.micro_batch_policy,
-                                 shapes)
+                                 shapes, recompute_modes=("none", "selective", "full"),
+                                 distributed_optimizer=args.distributed_optimizer)
 
 
 def format_table(estimates, top: int) -> str:
@@ -112,7 +130,7 @@ def format_table(estimates, top: int) -> str:
         lines.append(
             f"{estimate.scheme:<25}{estimate.data_parallel:>5}{estimate.pipeline:>4}"
             f"{estimate.micro_batch_size:>4}{estimate.num_microbatches:>5} "
-            f"{'yes' if estimate.recompute else 'no':<7}{closed:>11}"
+            f"{estimate.recompute:<7}{closed:>11}"
             f"{estimate.simulated_time:>10.4f}{estimate.throughput:>9.1f}"
             f"{estimate.max_memory / 1e9:>8.2f} {'yes' if estimate.fits else 'NO'}")
     return "\n".join(lines)
@@ -131,7 +149,12 @@ def main(argv=None) -> int:
         return 1
     print(format_table(estimates, args.top))
     print("T_model: closed form of paper §3.4 ('-' where no closed form); T_sim: lowered "
-          "schedule simulated (ranking); mem: the largest worker")
+          "schedule simulated, or the analytic baseline (ranking); mem: the largest worker")
+    runnable = (e for e in estimates if e.fits and e.scheme not in ANALYTIC_SCHEMES)
+    best = next(runnable, None)
+    if best is not None:
+        print(f"pretrain_gpt.py flags of the best fitting runnable configuration: "
+              f"{launch_flags(best, args.grad_sync)}")
     return 0
 
 

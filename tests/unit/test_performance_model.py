@@ -83,11 +83,18 @@ def test_closed_form_p2p_is_an_upper_bound_by_a_few_messages(scheme, depth, unit
 
 @pytest.mark.parametrize("policy", ["eager-opt", "eager", "end"])
 @pytest.mark.parametrize("scheme", ["chimera-direct", "1f1b"])
-def test_uniform_allreduce_is_exact(policy, scheme):
+def test_uniform_allreduce_closed_form_bounds_the_simulator(policy, scheme):
+    """Exact where every worker syncs at its end (1F1B, Chimera end sync); otherwise the closed
+    form adds the worst worker's exposed sync to the critical path: an upper bound by less
+    than one stage's all-reduce."""
     depth, num_microbatches = 8, 16
     costs = uniform(1, 2, 0, 3.0, depth)
-    assert closed_form_iteration_time(scheme, depth, num_microbatches, costs, policy) == \
-        pytest.approx(simulated_iteration_time(scheme, depth, num_microbatches, costs, policy))
+    closed = closed_form_iteration_time(scheme, depth, num_microbatches, costs, policy)
+    simulated = simulated_iteration_time(scheme, depth, num_microbatches, costs, policy)
+    if scheme == "1f1b" or policy == "end":
+        assert closed == pytest.approx(simulated)
+    else:
+        assert simulated - 1e-9 <= closed <= simulated + 3.0
 
 
 def test_eager_sync_hides_late_stage_allreduce_and_closed_form_is_conservative():
@@ -99,7 +106,7 @@ def test_eager_sync_hides_late_stage_allreduce_and_closed_form_is_conservative()
                                          uniform(1, 2, 0, 0, depth))
     end = simulated_iteration_time("chimera-direct", depth, num_microbatches, costs, "end")
     eager = simulated_iteration_time("chimera-direct", depth, num_microbatches, costs, "eager")
-    assert end == pytest.approx(compute + 6.0)
+    assert end == pytest.approx(compute + 6.1)  # both syncs share the link
     assert eager < end - 1.0
     assert closed_form_iteration_time("chimera-direct", depth, num_microbatches, costs,
                                       "eager") >= eager - 1e-9
@@ -139,12 +146,19 @@ def test_more_bandwidth_or_flops_is_never_slower(scheme):
     assert fast.simulated_time < slow.simulated_time
 
 
-def test_recompute_costs_backward_three_forwards():
+def test_recompute_adds_the_recomputed_forward_to_the_backward():
     plain = evaluate(TINY, P100, "chimera-direct", 2, 4, 2, 4, False)
-    recomputed = evaluate(TINY, P100, "chimera-direct", 2, 4, 2, 4, True)
+    full = evaluate(TINY, P100, "chimera-direct", 2, 4, 2, 4, True)
+    selective = evaluate(TINY, P100, "chimera-direct", 2, 4, 2, 4, "selective")
     assert plain.costs.backward == pytest.approx(2 * plain.costs.forward)
-    assert recomputed.costs.backward == pytest.approx(3 * plain.costs.forward)
-    assert recomputed.max_memory < plain.max_memory
+    # Full: the stage's two layers re-run forward (the output layer is not recomputed).
+    layers = TINY.num_layers // 4
+    assert full.costs.backward - plain.costs.backward == pytest.approx(
+        layers * layer_forward_flops(TINY, 2) / P100.flops_per_second)
+    # Selective: only the attention core, 4·B·s²·h per layer.
+    assert selective.costs.backward - plain.costs.backward == pytest.approx(
+        layers * 4 * 2 * 32 ** 2 * 64 / P100.flops_per_second)
+    assert full.max_memory < selective.max_memory < plain.max_memory
 
 
 # ----------------------------------------------------------------------------- memory
@@ -169,8 +183,8 @@ def test_search_picks_recompute_when_memory_is_tight():
                                        micro_batch_size=1)[0]
     best_tight = search_configurations(GPT2, tight, 64, 64, shapes=[(8, 8)],
                                        micro_batch_size=1)
-    assert not best_roomy.recompute and best_roomy.fits
-    assert [e.recompute for e in best_tight] == [True] and best_tight[0].fits
+    assert best_roomy.recompute == "none" and best_roomy.fits
+    assert [e.recompute for e in best_tight] == ["full"] and best_tight[0].fits
     hopeless = search_configurations(GPT2, HardwareSpec(1e12, 5e-6, 1e-10, 2e9), 64, 64,
                                      shapes=[(8, 8)])
     assert len(hopeless) == 1 and not hopeless[0].fits
@@ -214,8 +228,11 @@ def test_search_enumerates_only_valid_configurations():
 
 def test_compare_schemes_at_one_shape():
     free_network = HardwareSpec(1e9, alpha=0.0, beta=0.0, device_memory_bytes=16e9)
-    estimates = compare_schemes(TINY, free_network, 2, 4, 1, 8, False)
+    estimates = compare_schemes(TINY, free_network, 2, 4, 1, 8, False,
+                                schemes=("chimera-direct", "chimera-forward-doubling",
+                                         "chimera-backward-halving", "1f1b", "gpipe"))
     by_scheme = {e.scheme: e for e in estimates}
+    # Backward halving needs an even B: left out at B = 1.
     assert set(by_scheme) == {"chimera-direct", "chimera-forward-doubling", "1f1b", "gpipe"}
     # Fewer bubbles: with free communication Chimera beats 1F1B by the makespan ratio of
     # chimera.md §4: (N + D - 1)(F + Bk) / (K·D(F + Bk) + (D - 2)Bk + (K - 1)(D - 2)(Bk - F)).
@@ -245,6 +262,6 @@ def test_cli_rejects_unknown_scheme():
     completed = subprocess.run(
         [sys.executable, TOOL, "--num-layers", "8", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "512",
-         "--world-size", "8", "--global-batch-size", "32", "--schemes", "pipedream"],
+         "--world-size", "8", "--global-batch-size", "32", "--schemes", "pipedrem"],
         capture_output=True, text=True, timeout=60)
-    assert completed.returncode == 2 and "pipedream" in completed.stderr
+    assert completed.returncode == 2 and "pipedrem" in completed.stderr

@@ -1,0 +1,190 @@
+"""Terms of the model: parameters, FLOPs, compute time, activations, p2p and all-reduce times.
+
+Each function is one term; docs/performance_model.md justifies each and
+tests/unit/test_performance_model.py checks each against a hand-computed case or the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron.performance_model.specs import HardwareSpec, ModelSpec, recompute_mode
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-micro-batch times (s) and sizes (bytes) the schedule models need."""
+
+    forward: float  # F of one stage
+    backward: float  # Bk of one stage (includes any recomputation)
+    p2p: float  # Cp2p
+    allreduce: tuple  # all-reduce time of each stage
+    gradient_bytes: tuple  # gradient bytes of each stage
+
+
+def check_split(model: ModelSpec, num_stages: int) -> None:
+    if num_stages < 1 or model.num_layers % num_stages:
+        raise ValueError(f"--num-layers {model.num_layers} cannot be split evenly over "
+                         f"{num_stages} pipeline stages; choose a pipeline size that divides it")
+
+
+def layer_parameters(model: ModelSpec) -> int:
+    """Parameters of one transformer layer: QKV, projection, two FFN matrices (with biases),
+    two layer norms."""
+    h, ffn = model.hidden_size, model.ffn
+    return 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
+
+
+def stage_parameters(model: ModelSpec, num_stages: int, stage: int) -> int:
+    """Parameters of one pipeline stage (even layer split; embedding + positions on stage 0,
+    final norm + untied output layer on the last stage)."""
+    check_split(model, num_stages)
+    params = model.num_layers // num_stages * layer_parameters(model)
+    if stage == 0:
+        params += (model.vocab_size + model.positions) * model.hidden_size
+    if stage == num_stages - 1:
+        params += 2 * model.hidden_size + model.vocab_size * model.hidden_size
+    return params
+
+
+def total_parameters(model: ModelSpec) -> int:
+    """Parameters of the whole model (sum over the stages of a one-stage pipeline)."""
+    return stage_parameters(model, 1, 0)
+
+
+def layer_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
+    """Forward FLOPs of one layer on one micro-batch (Megatron's count of matrix multiplies:
+    8·B·s·h² + 4·B·s²·h + 4·B·s·h·ffn; with ffn = 4h this is 24·B·s·h²·(1 + s/(6h)))."""
+    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
+    return 8 * b * s * h * h + 4 * b * s * s * h + 4 * b * s * h * model.ffn
+
+
+def attention_core_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
+    """Forward FLOPs of one layer's attention core (scores Q·Kᵀ and context A·V): 4·B·s²·h,
+    the part selective recomputation re-runs."""
+    return 4 * micro_batch_size * model.seq_length ** 2 * model.hidden_size
+
+
+def output_layer_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
+    """Forward FLOPs of the logits matrix multiply: 2·B·s·h·V."""
+    return 2 * micro_batch_size * model.seq_length * model.hidden_size * model.vocab_size
+
+
+def stage_forward_flops(model: ModelSpec, num_stages: int, stage: int,
+                        micro_batch_size: int) -> float:
+    """Forward FLOPs of a stage on one micro-batch (embedding lookups are free)."""
+    check_split(model, num_stages)
+    flops = model.num_layers // num_stages * layer_forward_flops(model, micro_batch_size)
+    if stage == num_stages - 1:
+        flops += output_layer_forward_flops(model, micro_batch_size)
+    return flops
+
+
+def recompute_flops(model: ModelSpec, num_stages: int, micro_batch_size: int,
+                    recompute) -> float:
+    """Extra forward FLOPs one stage's backward re-runs: the stage's layers (full; the output
+    layer is not recomputed), their attention cores (selective), nothing (none)."""
+    mode = recompute_mode(recompute)
+    layers = model.num_layers // num_stages
+    if mode == "full":
+        return layers * layer_forward_flops(model, micro_batch_size)
+    if mode == "selective":
+        return layers * attention_core_forward_flops(model, micro_batch_size)
+    return 0.0
+
+
+def compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: int,
+                  micro_batch_size: int, recompute, stage_balance: str = "balanced"):
+    """(F, Bk) of a stage on one micro-batch, at the rate the micro-batch size reaches.
+
+    Bk = 2·F (backward: two matrix multiplies per forward one) + the recomputed forward FLOPs;
+    each also pays ``hardware.op_overhead_seconds`` (a fixed cost per op).
+    ``stage_balance``: ``balanced`` (the paper: whole-model FLOPs / D) or ``slowest`` (the
+    last stage of an even layer split, which also runs the output layer).
+    """
+    check_split(model, num_stages)
+    flops = [stage_forward_flops(model, num_stages, s, micro_batch_size)
+             for s in range(num_stages)]
+    if stage_balance == "balanced":
+        stage_flops = sum(flops) / num_stages
+    elif stage_balance == "slowest":
+        stage_flops = max(flops)
+    else:
+        raise ValueError(f"unknown stage balance {stage_balance!r}; use 'balanced' or 'slowest'")
+    rate = hardware.sustained_rate(micro_batch_size * model.seq_length)
+    extra = recompute_flops(model, num_stages, micro_batch_size, recompute)
+    overhead = hardware.op_overhead_seconds
+    return stage_flops / rate + overhead, (2 * stage_flops + extra) / rate + overhead
+
+
+def activation_bytes_per_layer(model: ModelSpec, micro_batch_size: int, recompute) -> float:
+    """Activations one layer keeps for its backward, per micro-batch.
+
+    None: Korthikanti et al.'s s·B·h·(34 + 5·a·s/h) bytes for 16-bit values, scaled to
+    ``bytes_per_value`` (dropout masks counted as values: a slight over-estimate for fp32).
+    Selective: the 5·a·s/h attention-core term is recomputed, 34·s·B·h remain. Full: only the
+    layer input, s·B·h values.
+    """
+    mode = recompute_mode(recompute)
+    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
+    if mode == "full":
+        return s * b * h * model.bytes_per_value
+    per_layer = 34.0 if mode == "selective" else 34 + 5 * model.num_attention_heads * s / h
+    return s * b * h * per_layer * model.bytes_per_value / 2
+
+
+def activation_bytes(model: ModelSpec, micro_batch_size: int, num_stages: int,
+                     recompute) -> float:
+    """Activations one stored micro-batch of one stage occupies (its layers)."""
+    return model.num_layers // num_stages * activation_bytes_per_layer(
+        model, micro_batch_size, recompute)
+
+
+def p2p_time(hardware: HardwareSpec, message_bytes: float) -> float:
+    """Cp2p = α + β·L for one message of L bytes."""
+    return hardware.alpha + hardware.beta * message_bytes
+
+
+def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: float) -> float:
+    """Rabenseifner all-reduce of L bytes over r ranks: 2·log2(r)·α + 2(r−1)/r·β·L; 0 for r = 1.
+
+    (log2 of a non-power of two is used as is: the formula is the model, not an algorithm.)
+    This is the time alone on the link; :func:`shared_link_finish_times` shares the link.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"an all-reduce needs at least one rank (got {num_replicas})")
+    if num_replicas == 1:
+        return 0.0
+    r = num_replicas
+    return 2 * math.log2(r) * hardware.alpha + 2 * (r - 1) / r * hardware.beta * message_bytes
+
+
+def shared_link_finish_times(jobs) -> list:
+    """Finish times of collectives sharing one rank's link fairly (processor sharing).
+
+    ``jobs``: (start, time alone on the link) pairs. While k collectives are in flight each
+    progresses at 1/k of its solo rate, so two syncs started together both end after the sum
+    of their times (end sync), and one started early runs alone until the other starts (eager).
+    """
+    remaining = {i: float(work) for i, (_, work) in enumerate(jobs) if work > 0}
+    finish = [float(start) for start, _ in jobs]
+    starts = sorted((float(start), i) for i, (start, _) in enumerate(jobs) if i in remaining)
+    active, now, position = set(), 0.0, 0
+    while position < len(starts) or active:
+        if not active:
+            now = max(now, starts[position][0])
+        while position < len(starts) and starts[position][0] <= now:
+            active.add(starts[position][1])
+            position += 1
+        shortest = min(remaining[i] for i in active)
+        until_next = starts[position][0] - now if position < len(starts) else math.inf
+        step = min(shortest * len(active), until_next)
+        share = step / len(active)
+        for i in list(active):
+            remaining[i] -= share
+            if remaining[i] <= 1e-15:
+                active.discard(i)
+                finish[i] = now + step
+        now += step
+    return finish

@@ -1,0 +1,123 @@
+"""Iteration time of schedule-backed schemes: the paper's closed form and the simulated
+lowered schedule, both with all-reduces that share each rank's link."""
+
+from __future__ import annotations
+
+from megatron.core.pipeline_parallel.planning.lowering import GradSyncStart, GradSyncWait
+from megatron.core.pipeline_parallel.planning.simulator import simulate
+from megatron.performance_model.costs import (
+    StageCosts, allreduce_time, compute_times, p2p_time, shared_link_finish_times,
+    stage_parameters)
+from megatron.performance_model.schemes import (
+    is_chimera, lowered_schedule, num_pipelines, num_replicas, schedule_of)
+from megatron.performance_model.specs import HardwareSpec, ModelSpec
+
+
+def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_parallel: int,
+                num_stages: int, micro_batch_size: int, recompute,
+                stage_balance: str = "balanced") -> StageCosts:
+    """F, Bk (:func:`compute_times`), Cp2p of one activation message and each stage's
+    all-reduce time over the scheme's replicas."""
+    forward, backward = compute_times(model, hardware, num_stages, micro_batch_size, recompute,
+                                      stage_balance)
+    message = micro_batch_size * model.seq_length * model.hidden_size * model.bytes_per_value
+    replicas = num_replicas(scheme, data_parallel)
+    gradient_bytes = tuple(stage_parameters(model, num_stages, stage) * model.bytes_per_value
+                           for stage in range(num_stages))
+    allreduce = tuple(allreduce_time(hardware, replicas, size) for size in gradient_bytes)
+    return StageCosts(forward, backward, p2p_time(hardware, message) if num_stages > 1 else 0.0,
+                      allreduce, gradient_bytes)
+
+
+def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int):
+    """(Cf, Cb): forwards and backwards on the critical path, or None where no closed form is
+    known here.
+
+    Chimera direct (2 pipelines), N = K·D: Cf = 2K + D − 2, Cb = K(2D − 2), the exact
+    zero-communication makespan for Bk >= F (chimera.md §4); forward doubling with N = D is
+    the same basic unit. 2f pipelines, N = D: Cf = D, Cb = D + D/f − 2. 1F1B and GPipe:
+    Cf = Cb = N + D − 1. Otherwise None (use the simulator).
+    """
+    name, options = schedule_of(scheme)
+    d, n = num_stages, num_microbatches
+    if name != "chimera":
+        return n + d - 1, n + d - 1
+    pipelines = options.get("num_pipelines", 2)
+    if pipelines > 2:
+        f = pipelines // 2
+        return (d, d + d // f - 2) if n == d else None
+    basic = options["variant"] == "direct" or n == d
+    if not basic or n % d:
+        return None
+    k = n // d
+    return 2 * k + d - 2, k * (2 * d - 2)
+
+
+def exposed_allreduce(scheme: str, num_stages: int, costs: StageCosts,
+                      grad_sync_policy: str = "eager-opt") -> list:
+    """Closed-form all-reduce time each worker cannot hide (list over pipeline ranks).
+
+    2-pipeline Chimera: worker r hosts its early stage e = min(r, D−1−r) and its late stage
+    D−1−e. The early stage's sync starts after the last backward. With eager sync the late
+    stage's starts a = D/2 − e backwards earlier and runs alone for a·Bk (idle gaps ignored:
+    conservative); what is left of it then shares the link with the early stage's sync, so the
+    two finish after their sum (:func:`shared_link_finish_times`). eager-opt does not start it
+    early on the two middle workers (a = 1), ``end`` on none. Other schemes and 2f > 2
+    pipelines: every stage a worker hosts syncs at the end, sharing the link.
+    """
+    d = num_stages
+    if not (is_chimera(scheme) and num_pipelines(scheme) == 2):
+        if not is_chimera(scheme):
+            return list(costs.allreduce)
+        return [max(costs.allreduce) * num_pipelines(scheme)] * d
+    exposed = []
+    for rank in range(d):
+        early = min(rank, d - 1 - rank)
+        remaining = d // 2 - early
+        eager = grad_sync_policy == "eager" or (grad_sync_policy == "eager-opt" and remaining > 1)
+        hidden = remaining * costs.backward if eager else 0.0
+        exposed.append(costs.allreduce[early] + max(0.0, costs.allreduce[d - 1 - early] - hidden))
+    return exposed
+
+
+def closed_form_iteration_time(scheme: str, num_stages: int, num_microbatches: int,
+                               costs: StageCosts, grad_sync_policy: str = "eager-opt"):
+    """T = (F + Cp2p)·Cf + (Bk + Cp2p)·Cb + max_r exposed all-reduce, or None (no counts)."""
+    counts = critical_path_counts(scheme, num_stages, num_microbatches)
+    if counts is None:
+        return None
+    forward_count, backward_count = counts
+    return ((costs.forward + costs.p2p) * forward_count
+            + (costs.backward + costs.p2p) * backward_count
+            + max(exposed_allreduce(scheme, num_stages, costs, grad_sync_policy)))
+
+
+def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int,
+                             costs: StageCosts, grad_sync_policy: str = "eager-opt") -> float:
+    """Makespan of the lowered schedule with F, Bk, Cp2p and the stages' all-reduces.
+
+    The simulator runs with all-reduce cost 0. A stage's sync can progress once its last
+    replica has started it; on each rank the syncs of the stages it hosts share the link
+    (:func:`shared_link_finish_times`); a stage's sync ends when it has on all its ranks, and a
+    worker ends when its compute and its syncs have.
+    """
+    _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy)
+    result = simulate([list(ops) for ops in lowered], costs.forward, costs.backward, costs.p2p, 0)
+    ready, compute_end, hosted = {}, [], []
+    for timeline in result.timelines:
+        stages, end = [], 0.0
+        for entry in timeline:
+            if isinstance(entry.op, GradSyncStart):
+                ready[entry.op.stage] = max(ready.get(entry.op.stage, 0.0), entry.start)
+                stages.append(entry.op.stage)
+            elif not isinstance(entry.op, GradSyncWait):
+                end = max(end, entry.end)
+        compute_end.append(end)
+        hosted.append(stages)
+    stage_end = {}
+    for stages in hosted:
+        finishes = shared_link_finish_times([(ready[s], costs.allreduce[s]) for s in stages])
+        for stage, finish in zip(stages, finishes):
+            stage_end[stage] = max(stage_end.get(stage, 0.0), finish)
+    return max(max([end] + [stage_end[s] for s in stages])
+               for end, stages in zip(compute_end, hosted))
