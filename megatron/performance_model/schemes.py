@@ -86,20 +86,15 @@ def schedule_allows(scheme: str, num_stages: int, num_microbatches: int) -> bool
 
 def lowered_schedule(scheme: str, num_stages: int, num_microbatches: int,
                      grad_sync_policy: str = "eager-opt"):
-    """Build, validate and lower a scheme once: the single build -> validate -> lower
-    composition of the model (to become the planning package's frozen plan). Cached."""
+    """(layout, lowered op lists) of a scheme, from the planning package's frozen plan. Cached."""
     return _lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy)
 
 
 @lru_cache(maxsize=256)
 def _lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy):
-    from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
-    from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
-    from megatron.core.pipeline_parallel.planning.validator import validate_schedule
+    from megatron.core.pipeline_parallel.planning.plan import make_plan
 
     name, options = schedule_of(scheme)
-    schedule = build_schedule(name, num_stages, num_microbatches, **options)
-    layout = schedule_layout(name, num_stages, **options)
-    validate_schedule(schedule, layout, num_microbatches)
-    lowered = lower_schedule(schedule, layout, grad_sync_policy)
-    return layout, tuple(tuple(ops) for ops in lowered)
+    plan = make_plan(name, num_stages, num_microbatches, options,
+                     grad_sync_policy=grad_sync_policy)
+    return plan.layout, plan.lowered
