@@ -41,6 +41,20 @@ def vocabulary_size(config) -> int:
     return model.vocab_size or model.padded_vocab_size
 
 
+def layout_flags(target: TargetLayout) -> list[str]:
+    """The parallel-layout flags of ``target``."""
+    flags = ["--tensor-model-parallel-size", str(target.tensor_model_parallel_size),
+             "--pipeline-model-parallel-size", str(target.pipeline_model_parallel_size)]
+    if target.pipeline_schedule is not None:
+        flags += ["--pipeline-schedule", target.pipeline_schedule]
+        if target.pipeline_schedule == "chimera":
+            flags += ["--chimera-pipelines", str(target.chimera_pipelines)]
+    if target.num_layers_per_virtual_pipeline_stage is not None:
+        flags += ["--num-layers-per-virtual-pipeline-stage",
+                  str(target.num_layers_per_virtual_pipeline_stage)]
+    return flags
+
+
 def _tokenizer_files(config) -> list[tuple[str, str]]:
     data = config.data
     if data.tokenizer_type != "GPT2BPETokenizer":
@@ -73,7 +87,6 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
                    seq_length: Optional[int], divisible_by: int):
     """Our validated config for the imported model in ``target``'s layout."""
     from megatron.training.arguments import parse_args
-    from megatron.training.checkpoint_conversion import target_config
     from megatron.training.config_validation import set_padded_vocab_size
     from megatron.training.tokenizer import build_tokenizer
 
@@ -93,7 +106,9 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
     else:
         flags += ["--mock-data", "--vocab-size", str(hf_config["vocab_size"])]
     try:
-        config = parse_args(flags, world_size=1)
+        config = parse_args(flags + layout_flags(target),
+                            world_size=target.tensor_model_parallel_size
+                            * target.pipeline_model_parallel_size)
     except (ValueError, SystemExit) as error:
         raise ConversionError(f"the Hugging Face config gives invalid flags {flags}: {error}"
                               ) from None
@@ -104,7 +119,7 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
                                   f"tokens but config.json says vocab_size "
                                   f"{hf_config['vocab_size']}; the directory is inconsistent")
         set_padded_vocab_size(config, tokenizer.vocab_size)
-    return target_config(config, target)
+    return config
 
 
 def import_from_hf(hf_dir: str, save: str, target: TargetLayout, *,
