@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if state.rank == 0:
-        print(" | ".join(f"{key} {value:.6g}" if isinstance(value, float) else f"{key} {value}"
+        print(" | ".join(f"{key} {value:.10g}" if isinstance(value, float) else f"{key} {value}"
                          for key, value in result.items()), flush=True)
     return 0
 
