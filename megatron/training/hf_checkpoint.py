@@ -23,6 +23,10 @@ from megatron.training.hf_conversion import (
     read_hf_directory, write_hf_directory)
 
 HF_TOKENIZER_FILES = ("vocab.json", "merges.txt")
+# validation needs a batch size, an iteration count and a learning rate; the written checkpoint is
+# weights only, so these do not matter
+PLACEHOLDER_TRAINING_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1",
+                              "--train-iters", "1", "--lr", "1e-4"]
 
 
 def vocabulary_size(config) -> int:
@@ -85,16 +89,14 @@ def export_to_hf(load: str, save: str, iteration: Optional[int] = None, log=prin
 
 def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout,
                    seq_length: Optional[int], divisible_by: int):
-    """Our validated config for the imported model in ``target``'s layout."""
+    """(our validated config in ``target``'s layout, the model / data flags to train it with)."""
     from megatron.training.arguments import parse_args
     from megatron.training.config_validation import set_padded_vocab_size
     from megatron.training.tokenizer import build_tokenizer
 
     flags = model_flags_from_hf(hf_config) + [
         "--seq-length", str(seq_length or hf_config["n_positions"]),
-        "--make-vocab-size-divisible-by", str(divisible_by),
-        "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
-        "--lr", "1e-4"]
+        "--make-vocab-size-divisible-by", str(divisible_by)]
     if all(os.path.isfile(os.path.join(hf_dir, name)) for name in HF_TOKENIZER_FILES):
         tokenizer_dir = os.path.join(save, "tokenizer")
         os.makedirs(tokenizer_dir, exist_ok=True)
@@ -106,7 +108,7 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
     else:
         flags += ["--mock-data", "--vocab-size", str(hf_config["vocab_size"])]
     try:
-        config = parse_args(flags + layout_flags(target),
+        config = parse_args(flags + PLACEHOLDER_TRAINING_FLAGS + layout_flags(target),
                             world_size=target.tensor_model_parallel_size
                             * target.pipeline_model_parallel_size)
     except (ValueError, SystemExit) as error:
@@ -119,7 +121,7 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
                                   f"tokens but config.json says vocab_size "
                                   f"{hf_config['vocab_size']}; the directory is inconsistent")
         set_padded_vocab_size(config, tokenizer.vocab_size)
-    return config
+    return config, flags
 
 
 def import_from_hf(hf_dir: str, save: str, target: TargetLayout, *,
@@ -129,13 +131,13 @@ def import_from_hf(hf_dir: str, save: str, target: TargetLayout, *,
     ``target``'s layout into ``save``. Returns the iteration directory."""
     try:
         hf_config, hf_state = read_hf_directory(hf_dir)
-        config = _import_config(hf_config, hf_dir, save, target, seq_length,
+        config, train_flags = _import_config(hf_config, hf_dir, save, target, seq_length,
                                 make_vocab_size_divisible_by)
         full = hf_to_ours_state(hf_state, config.model)
     except HFConversionError as error:
         raise ConversionError(str(error)) from None
     chunks = split_for_layout(full, config)
     written = write_weights_checkpoint(save, 0, config, chunks, {}, note=f"hf:{hf_dir}")
-    log(f"imported {hf_dir} into {written}; train on with --load {save} --finetune and these "
-        f"model flags: {' '.join(model_flags_from_hf(hf_config))}")
+    log(f"imported {hf_dir} into {written}; train on with --load {save} --finetune "
+        f"{' '.join(train_flags)}")
     return written

@@ -4,6 +4,7 @@ logits; export after import gives back the same tensors exactly."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -109,3 +110,26 @@ def test_cli_exports_and_imports(tmp_path):
             assert torch.equal(merged[name], value), name
     assert main(["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "hf"),
                  "--target-format", "hf"]) == 1  # not empty
+
+
+def test_imported_gpt2_fine_tunes_with_the_printed_flags(tmp_path):
+    import pretrain_gpt
+    from megatron.core.parallel_state import ParallelState
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import Checkpointer
+    from megatron.training.training import pretrain
+    _random_gpt2(tmp_path)
+    lines = []
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), TargetLayout(),
+                   make_vocab_size_divisible_by=8, log=lines.append)
+    flags = lines[-1].split("--finetune ", 1)[1].split()
+    assert "--openai-gelu" in flags
+    config = parse_args(flags + f"--micro-batch-size 1 --global-batch-size 2 --lr 1e-3 "
+                                f"--train-iters 1 --eval-iters 0 --load {tmp_path / 'ckpt'} "
+                                f"--finetune".split())
+    log = []
+    result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                      pretrain_gpt.forward_step, parallel_state=ParallelState.single_process(),
+                      checkpointing=Checkpointer(config, log=log.append), log=log.append)
+    assert any("successfully loaded" in line for line in log)
+    assert math.isfinite(result.history[-1].losses["lm loss"])
