@@ -77,7 +77,7 @@ def run_lambada(args, model, tokenizer, device) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron.inference import setup
+    from megatron.inference import launch as setup
     from megatron.inference.loading import load_model
     try:
         device = setup.choose_device(args.device)

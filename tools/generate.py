@@ -47,7 +47,7 @@ def sampling_from_args(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron.inference import setup
+    from megatron.inference import launch as setup
     from megatron.inference.generation import generate
     from megatron.inference.loading import load_model
     from megatron.training.checkpoint_conversion import ConversionError
