@@ -77,15 +77,15 @@ def run_lambada(args, model, tokenizer, device) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron.inference import launch as setup
+    from megatron.inference import launch
     from megatron.inference.loading import load_model
     try:
-        device = setup.choose_device(args.device)
-        state = setup.inference_parallel_state(device)
+        device = launch.choose_device(args.device)
+        state = launch.inference_parallel_state(device)
         model, config = load_model(args.load, state, args.iteration, device)
-        setup.override_tokenizer_files(config, args.vocab_file, args.merge_file,
+        launch.override_tokenizer_files(config, args.vocab_file, args.merge_file,
                                        args.tokenizer_model)
-        tokenizer = setup.run_tokenizer(config)
+        tokenizer = launch.run_tokenizer(config)
         result = (run_perplexity(args, model, config, tokenizer, state, device)
                   if args.task == "perplexity" else run_lambada(args, model, tokenizer, device))
     except ValueError as error:  # ConversionError is a ValueError
