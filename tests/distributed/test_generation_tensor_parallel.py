@@ -7,7 +7,7 @@ from dist_harness import run_distributed
 from megatron.core.parallel_state import RankLayout, create_parallel_state
 from megatron.inference.generation import SamplingParams, forward_with_cache, generate, KVCache
 from megatron.inference.loading import load_model
-from tests.inference_helpers import VOCAB, random_full_weights, tiny_config, write_checkpoint
+from inference_helpers import VOCAB, random_full_weights, tiny_config, write_checkpoint
 
 PROMPT = [3, 17, 42, 5, 9]
 SAMPLED = SamplingParams(greedy=False, temperature=1.2, top_k=30, top_p=0.95, seed=11)

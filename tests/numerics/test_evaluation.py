@@ -18,7 +18,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import Checkpointer
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training import pretrain
-from tests.inference_helpers import random_full_weights, write_checkpoint
+from inference_helpers import random_full_weights, write_checkpoint
 
 torch.set_num_threads(1)
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import torch
 from megatron.inference.generation import (
     KVCache, SamplingParams, forward_with_cache, full_logits, generate, next_token)
 from megatron.inference.loading import load_model
-from tests.inference_helpers import VOCAB, random_full_weights, tiny_config, write_checkpoint
+from inference_helpers import VOCAB, random_full_weights, tiny_config, write_checkpoint
 
 torch.set_num_threads(1)
 PROMPT = [3, 17, 42, 5, 9]

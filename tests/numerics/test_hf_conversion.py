@@ -17,7 +17,7 @@ from megatron.training.checkpoint_conversion import (
     ConversionError, TargetLayout, merge_full_state, read_checkpoint)
 from megatron.training.hf_checkpoint import export_to_hf, import_from_hf
 from megatron.training.hf_conversion import HFConversionError, check_exportable
-from tests.inference_helpers import VOCAB, random_full_weights, tiny_config, write_checkpoint
+from inference_helpers import VOCAB, random_full_weights, tiny_config, write_checkpoint
 
 torch.set_num_threads(1)
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))

@@ -13,7 +13,7 @@ import torch
 from megatron.training.checkpoint_conversion import (
     ConversionError, TargetLayout, merge_full_state, read_checkpoint)
 from megatron.training.megatron_lm_import import _partition_dim
-from tests.inference_helpers import random_full_weights, tiny_config
+from inference_helpers import random_full_weights, tiny_config
 
 torch.set_num_threads(1)
 LEGACY = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm",
