@@ -67,7 +67,9 @@ setup(
     package_data={"megatron": ["csrc/*.cpp"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.1", "numpy", "regex", "sentencepiece", "pybind11"],
-    extras_require={"test": ["pytest", "matplotlib"], "tensorboard": ["tensorboard"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest", "matplotlib", "transformers", "safetensors"],
+                    "tensorboard": ["tensorboard"], "plot": ["matplotlib"],
+                    "hf": ["safetensors", "transformers"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

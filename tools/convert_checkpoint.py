@@ -1,13 +1,19 @@
 #!/usr/bin/env python
-"""Convert a Megatron-Chimera checkpoint's weights to another parallel layout (TP, PP, schedule).
+"""Convert a Megatron-Chimera checkpoint's weights to another parallel layout (TP, PP, schedule),
+to a Hugging Face GPT-2, or from a Hugging Face GPT-2 or a Megatron-LM GPT checkpoint.
 
     python tools/convert_checkpoint.py --load ckpt_chimera --save ckpt_single \\
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+    python tools/convert_checkpoint.py --load ckpt --save hf_gpt2 --target-format hf
+    python tools/convert_checkpoint.py --load hf_gpt2 --save ckpt_tp2 --source-format hf \\
+        --tensor-model-parallel-size 2
+    python tools/convert_checkpoint.py --load megatron_lm_ckpt --save ckpt \\
+        --source-format megatron-lm
 
 Reads every rank file of the iteration (the tracker's, or --iteration N) in this one process,
 merges each parameter to its full tensor and writes the target layout's files. The result holds
 weights only: load it with --finetune (start at iteration 0) or --no-load-optim (keep the
-iteration and consumed samples). See docs/checkpointing.md.
+iteration and consumed samples). See docs/checkpointing.md and docs/inference.md.
 """
 
 import argparse
@@ -35,6 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=BUILTIN_SCHEDULES.names)
     parser.add_argument("--chimera-pipelines", type=int, default=2)
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    parser.add_argument("--source-format", choices=("native", "hf", "megatron-lm"),
+                        default="native", help="--load holds: this project's checkpoint "
+                        "(native), a Hugging Face GPT-2 directory (hf), or a Megatron-LM GPT "
+                        "checkpoint, legacy or mcore layout, torch format (megatron-lm)")
+    parser.add_argument("--target-format", choices=("native", "hf"), default="native",
+                        help="write this project's checkpoint in the target layout (native) or "
+                        "a Hugging Face GPT2LMHeadModel directory (hf; layout flags ignored)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="imports: training sequence length (default: the position table)")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="hf imports: vocabulary padding multiple (x TP size)")
     return parser
 
 
@@ -48,7 +65,22 @@ def main(argv=None) -> int:
         chimera_pipelines=args.chimera_pipelines,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
     try:
-        convert_checkpoint(args.load, args.save, target, iteration=args.iteration)
+        if args.source_format != "native" and args.target_format != "native":
+            raise ConversionError("convert to or from this project's format: --source-format "
+                                  "and --target-format cannot both be foreign")
+        if args.target_format == "hf":
+            from megatron.training.hf_checkpoint import export_to_hf
+            export_to_hf(args.load, args.save, iteration=args.iteration)
+        elif args.source_format == "hf":
+            from megatron.training.hf_checkpoint import import_from_hf
+            import_from_hf(args.load, args.save, target, seq_length=args.seq_length,
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        elif args.source_format == "megatron-lm":
+            from megatron.training.megatron_lm_import import import_megatron_lm
+            import_megatron_lm(args.load, args.save, target, iteration=args.iteration,
+                               seq_length=args.seq_length)
+        else:
+            convert_checkpoint(args.load, args.save, target, iteration=args.iteration)
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -57,6 +57,8 @@ class ModelConfig:
     position_embedding_type: str = option(
         "learned_absolute", "Position embedding.", choices=("learned_absolute", "rope"))
     swiglu: bool = option(False, "Use a SwiGLU MLP instead of GeLU.")
+    openai_gelu: bool = option(
+        False, "GeLU with the tanh approximation (GPT-2's and Hugging Face's gelu_new).")
     disable_bias_linear: bool = option(False, "Linear layers without bias.")
     vocab_size: Optional[int] = option(
         None, "Vocabulary size for the NullTokenizer and --mock-data (before padding).")

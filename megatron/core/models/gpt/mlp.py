@@ -1,4 +1,4 @@
-"""The GPT-2 MLP: column-parallel h -> ffn, GeLU, row-parallel ffn -> h."""
+"""The GPT-2 MLP: column-parallel h -> ffn, GeLU (exact, or tanh with --openai-gelu), row-parallel ffn -> h."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ class MLP(torch.nn.Module):
                  params_dtype, device=None):
         super().__init__()
         bias = not config.disable_bias_linear
+        self.gelu_approximation = "tanh" if getattr(config, "openai_gelu", False) else "none"
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size, parallel_state, bias=bias,
             init_std=init_std, params_dtype=params_dtype, device=device)
@@ -24,4 +25,4 @@ class MLP(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # [s, b, h] -> [s, b, ffn/tp] -> [s, b, h]
-        return self.linear_fc2(F.gelu(self.linear_fc1(hidden)))
+        return self.linear_fc2(F.gelu(self.linear_fc1(hidden), approximate=self.gelu_approximation))

@@ -1,0 +1,143 @@
+"""Checkpoint-level Hugging Face export and import (``tools/convert_checkpoint.py --target-format
+hf`` / ``--source-format hf``).
+
+Export merges our checkpoint in any layout (TP, PP, interleaved, Chimera) to full weights with
+:func:`~megatron.training.checkpoint_conversion.merge_full_state` and writes a ``GPT2LMHeadModel``
+directory (``config.json``, ``model.safetensors``, and ``vocab.json`` / ``merges.txt`` when the run
+used the GPT-2 BPE tokenizer). Import reads such a directory, builds our config from its
+``config.json`` and writes a weights-only checkpoint of the chosen layout, loadable with
+``--finetune``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+from megatron.training.checkpoint_conversion import (
+    ConversionError, TargetLayout, merge_full_state, read_checkpoint, split_for_layout,
+    write_weights_checkpoint)
+from megatron.training.hf_conversion import (
+    HFConversionError, hf_config_dict, hf_to_ours_state, model_flags_from_hf, ours_to_hf_state,
+    read_hf_directory, write_hf_directory)
+
+HF_TOKENIZER_FILES = ("vocab.json", "merges.txt")
+# validation needs a batch size, an iteration count and a learning rate; the written checkpoint is
+# weights only, so these do not matter
+PLACEHOLDER_TRAINING_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1",
+                              "--train-iters", "1", "--lr", "1e-4"]
+
+
+def vocabulary_size(config) -> int:
+    """The unpadded vocabulary of a run: the tokenizer's, ``--vocab-size`` (+1 for the
+    NullTokenizer's end-of-document id), or the padded size when the tokenizer files are gone."""
+    from megatron.training.tokenizer import build_tokenizer
+
+    data, model = config.data, config.model
+    if data.tokenizer_type in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
+        try:
+            return build_tokenizer(data, model).vocab_size
+        except (OSError, ValueError):
+            return model.padded_vocab_size
+    if data.tokenizer_type == "NullTokenizer":
+        return model.vocab_size + 1
+    return model.vocab_size or model.padded_vocab_size
+
+
+def layout_flags(target: TargetLayout) -> list[str]:
+    """The parallel-layout flags of ``target``."""
+    flags = ["--tensor-model-parallel-size", str(target.tensor_model_parallel_size),
+             "--pipeline-model-parallel-size", str(target.pipeline_model_parallel_size)]
+    if target.pipeline_schedule is not None:
+        flags += ["--pipeline-schedule", target.pipeline_schedule]
+        if target.pipeline_schedule == "chimera":
+            flags += ["--chimera-pipelines", str(target.chimera_pipelines)]
+    if target.num_layers_per_virtual_pipeline_stage is not None:
+        flags += ["--num-layers-per-virtual-pipeline-stage",
+                  str(target.num_layers_per_virtual_pipeline_stage)]
+    return flags
+
+
+def _tokenizer_files(config) -> list[tuple[str, str]]:
+    data = config.data
+    if data.tokenizer_type != "GPT2BPETokenizer":
+        return []
+    sources = (data.vocab_file, data.merge_file)
+    if not all(path and os.path.isfile(path) for path in sources):
+        return []
+    return list(zip(sources, HF_TOKENIZER_FILES))
+
+
+def export_to_hf(load: str, save: str, iteration: Optional[int] = None, log=print) -> str:
+    """Write ``load``'s iteration (default: the tracker's) as a Hugging Face GPT-2 into ``save``."""
+    source = read_checkpoint(load, iteration)
+    full = merge_full_state(source)
+    vocab = vocabulary_size(source.config)
+    try:
+        hf_state = ours_to_hf_state(full, source.config.model, vocab)
+        tokenizer_files = _tokenizer_files(source.config)
+        write_hf_directory(save, hf_state, hf_config_dict(source.config.model, vocab),
+                           tokenizer_files)
+    except HFConversionError as error:
+        raise ConversionError(str(error)) from None
+    log(f"exported {load} iteration {source.iteration} to {save}: GPT2LMHeadModel, vocabulary "
+        f"{vocab}, {len(hf_state)} tensors"
+        + (", tokenizer files" if tokenizer_files else ", no tokenizer files"))
+    return save
+
+
+def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout,
+                   seq_length: Optional[int], divisible_by: int):
+    """(our validated config in ``target``'s layout, the model / data flags to train it with)."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.config_validation import set_padded_vocab_size
+    from megatron.training.tokenizer import build_tokenizer
+
+    flags = model_flags_from_hf(hf_config) + [
+        "--seq-length", str(seq_length or hf_config["n_positions"]),
+        "--make-vocab-size-divisible-by", str(divisible_by)]
+    if all(os.path.isfile(os.path.join(hf_dir, name)) for name in HF_TOKENIZER_FILES):
+        tokenizer_dir = os.path.join(save, "tokenizer")
+        os.makedirs(tokenizer_dir, exist_ok=True)
+        for name in HF_TOKENIZER_FILES:
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tokenizer_dir, name))
+        flags += ["--tokenizer-type", "GPT2BPETokenizer",
+                  "--vocab-file", os.path.join(tokenizer_dir, "vocab.json"),
+                  "--merge-file", os.path.join(tokenizer_dir, "merges.txt")]
+    else:
+        flags += ["--mock-data", "--vocab-size", str(hf_config["vocab_size"])]
+    try:
+        config = parse_args(flags + PLACEHOLDER_TRAINING_FLAGS + layout_flags(target),
+                            world_size=target.tensor_model_parallel_size
+                            * target.pipeline_model_parallel_size)
+    except (ValueError, SystemExit) as error:
+        raise ConversionError(f"the Hugging Face config gives invalid flags {flags}: {error}"
+                              ) from None
+    if config.model.padded_vocab_size is None:
+        tokenizer = build_tokenizer(config.data, config.model)
+        if tokenizer.vocab_size != hf_config["vocab_size"]:
+            raise ConversionError(f"the tokenizer files in {hf_dir} hold {tokenizer.vocab_size} "
+                                  f"tokens but config.json says vocab_size "
+                                  f"{hf_config['vocab_size']}; the directory is inconsistent")
+        set_padded_vocab_size(config, tokenizer.vocab_size)
+    return config, flags
+
+
+def import_from_hf(hf_dir: str, save: str, target: TargetLayout, *,
+                   seq_length: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
+                   log=print) -> str:
+    """Write the Hugging Face GPT-2 in ``hf_dir`` as a weights-only checkpoint (iteration 0) of
+    ``target``'s layout into ``save``. Returns the iteration directory."""
+    try:
+        hf_config, hf_state = read_hf_directory(hf_dir)
+        config, train_flags = _import_config(hf_config, hf_dir, save, target, seq_length,
+                                make_vocab_size_divisible_by)
+        full = hf_to_ours_state(hf_state, config.model)
+    except HFConversionError as error:
+        raise ConversionError(str(error)) from None
+    chunks = split_for_layout(full, config)
+    written = write_weights_checkpoint(save, 0, config, chunks, {}, note=f"hf:{hf_dir}")
+    log(f"imported {hf_dir} into {written}; train on with --load {save} --finetune "
+        f"{' '.join(train_flags)}")
+    return written

@@ -1,0 +1,193 @@
+"""Import a Megatron-LM GPT checkpoint (torch format, legacy or mcore layout) as our checkpoint.
+
+Megatron-LM writes ``ROOT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` (or ``release/``),
+each holding ``args`` (its argparse namespace) and ``model``: in the legacy layout a nested
+``language_model`` dict (``embedding``, ``encoder`` or ``transformer`` with ``layers.i.…``,
+``output_layer``) and ``word_embeddings_for_head`` on the last stage; in the mcore layout flat
+``embedding.…`` / ``decoder.layers.i.…`` / ``output_layer.weight`` names like ours (Transformer
+Engine's fused ``layer_norm_weight`` names are accepted, ``_extra_state`` entries are dropped).
+Layer numbers are local to each pipeline stage. Tensor-parallel shards are merged with Megatron's
+partitioning (the same as ours: the QKV rows are ``[heads, 3, head_dim]``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import torch
+
+from megatron.training.checkpoint_conversion import (
+    ConversionError, TargetLayout, split_for_layout, write_weights_checkpoint)
+
+LEGACY_LAYER_NAMES = {
+    "input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
+    "self_attention.query_key_value": "self_attention.linear_qkv",
+    "self_attention.dense": "self_attention.linear_proj",
+    "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
+TE_FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+                  "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+# partition dim of our parameters split over TP (None: replicated)
+COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
+                   "word_embeddings.weight", "output_layer.weight")
+ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def _partition_dim(name: str) -> Optional[int]:
+    if name.endswith(COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    return None
+
+
+def _iteration_dir(root: str, iteration: Optional[int]) -> str:
+    if iteration is None:
+        tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+        if not os.path.isfile(tracker):
+            raise ConversionError(f"{root} has no latest_checkpointed_iteration.txt; pass "
+                                  f"--iteration N or point --load at a Megatron-LM checkpoint")
+        text = open(tracker).read().strip()
+        return os.path.join(root, "release" if text == "release" else f"iter_{int(text):07d}")
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rank_files(iteration_dir: str) -> dict:
+    """``{(tp_rank, pp_rank): path}`` of the ``mp_rank_TT[_PPP]`` directories."""
+    if not os.path.isdir(iteration_dir):
+        raise ConversionError(f"{iteration_dir} does not exist; pass an existing --iteration")
+    files = {}
+    for name in os.listdir(iteration_dir):
+        match = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", name)
+        if match:
+            key = (int(match.group(1)), int(match.group(2) or 0))
+            files[key] = os.path.join(iteration_dir, name, "model_optim_rng.pt")
+    if not files:
+        raise ConversionError(f"{iteration_dir} has no mp_rank_* directories; is it a "
+                              f"Megatron-LM checkpoint in torch format (not torch_dist)?")
+    return files
+
+
+def _flatten(prefix: str, tree: dict, out: dict) -> None:
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _flatten(f"{name}.", value, out)
+        elif isinstance(value, torch.Tensor):
+            out[name] = value
+
+
+def _our_name(name: str, layer_offset: int) -> Optional[str]:
+    """Our full-model name of a Megatron-LM (legacy or mcore) state-dict name; None to drop."""
+    if name.endswith("_extra_state") or ".inv_freq" in name:
+        return None
+    name = re.sub(r"^language_model\.(encoder|transformer)\.", "decoder.", name)
+    name = name.replace("language_model.embedding.", "embedding.")
+    name = name.replace("language_model.output_layer.", "output_layer.")
+    name = name.replace("word_embeddings_for_head.", "output_layer.")
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    if match is None:
+        return name
+    index, rest = int(match.group(1)) + layer_offset, match.group(2)
+    for fused, plain in TE_FUSED_NORMS.items():
+        rest = rest.replace(fused, plain)
+    for legacy, ours in LEGACY_LAYER_NAMES.items():
+        if rest.startswith(legacy + "."):
+            rest = ours + rest[len(legacy):]
+    return f"decoder.layers.{index}.{rest}"
+
+
+def _check_args(args) -> None:
+    def get(name, default=None):
+        return getattr(args, name, default)
+    problems = []
+    if get("virtual_pipeline_model_parallel_size"):
+        problems.append("a virtual (interleaved) pipeline checkpoint: convert it to "
+                        "--virtual-pipeline-model-parallel-size 1 with Megatron-LM first")
+    if get("group_query_attention") or (get("num_query_groups") and
+                                        get("num_query_groups") != args.num_attention_heads):
+        problems.append("grouped-query attention")
+    if get("swiglu") or get("position_embedding_type", "learned_absolute") != "learned_absolute":
+        problems.append("SwiGLU or rotary positions (GPT-2 has neither)")
+    if get("normalization", "LayerNorm") != "LayerNorm" or get("add_bias_linear", True) is False:
+        problems.append("RMSNorm or linear layers without bias")
+    if problems:
+        raise ConversionError(f"this Megatron-LM checkpoint cannot be imported: "
+                              f"{'; '.join(problems)}")
+
+
+def read_megatron_lm(root: str, iteration: Optional[int] = None) -> tuple:
+    """(Megatron-LM ``args``, ``{our name: full tensor}``) of a Megatron-LM GPT checkpoint."""
+    files = _rank_files(_iteration_dir(root, iteration))
+    payloads = {key: torch.load(path, map_location="cpu", weights_only=False)
+                for key, path in sorted(files.items())}
+    args = payloads[(0, 0)].get("args")
+    if args is None:
+        raise ConversionError(f"{files[(0, 0)]} has no 'args'; it is not a Megatron-LM checkpoint")
+    _check_args(args)
+    tp_size = max(tp for tp, _ in files) + 1
+    pp_size = max(pp for _, pp in files) + 1
+    per_stage = args.num_layers // pp_size
+    shards: dict = {}
+    for (tp_rank, pp_rank), payload in payloads.items():
+        flat: dict = {}
+        _flatten("", payload["model"], flat)
+        for name, value in flat.items():
+            ours = _our_name(name, pp_rank * per_stage)
+            if ours is not None:
+                shards.setdefault(ours, {})[tp_rank] = value
+    full = {}
+    for name, by_rank in shards.items():
+        if len(by_rank) != tp_size:
+            raise ConversionError(f"{name} is held by TP ranks {sorted(by_rank)} of {tp_size}; "
+                                  f"the checkpoint is incomplete")
+        ordered = [by_rank[rank] for rank in range(tp_size)]
+        dim = _partition_dim(name)
+        full[name] = ordered[0] if dim is None else torch.cat(ordered, dim=dim)
+    return args, full
+
+
+def _config_flags(args, seq_length: Optional[int]) -> list[str]:
+    flags = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads", str(args.num_attention_heads),
+             "--ffn-hidden-size", str(getattr(args, "ffn_hidden_size", None)
+                                      or 4 * args.hidden_size),
+             "--max-position-embeddings", str(args.max_position_embeddings),
+             "--seq-length", str(seq_length or args.seq_length),
+             "--layernorm-epsilon", repr(getattr(args, "layernorm_epsilon", 1e-5)),
+             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+             "--lr", "1e-4", "--mock-data", "--vocab-size", str(args.padded_vocab_size),
+             "--make-vocab-size-divisible-by", "1"]
+    if getattr(args, "openai_gelu", False):
+        flags.append("--openai-gelu")
+    if getattr(args, "untie_embeddings_and_output_weights", False):
+        flags.append("--untie-embeddings-and-output-weights")
+    return flags
+
+
+def import_megatron_lm(load: str, save: str, target: TargetLayout, *,
+                       iteration: Optional[int] = None, seq_length: Optional[int] = None,
+                       log=print) -> str:
+    """Write a Megatron-LM GPT checkpoint as our weights-only checkpoint (iteration 0) of
+    ``target``'s layout. The vocabulary keeps Megatron-LM's padded size (``--vocab-size`` of the
+    written config); a tokenizer is not carried over: pass the run's tokenizer flags when training."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.hf_checkpoint import layout_flags
+
+    args, full = read_megatron_lm(load, iteration)
+    if "output_layer.weight" in full and not getattr(args, "untie_embeddings_and_output_weights",
+                                                      False):
+        del full["output_layer.weight"]  # the last stage's copy of the tied embedding
+    flags = _config_flags(args, seq_length) + layout_flags(target)
+    try:
+        config = parse_args(flags, world_size=target.tensor_model_parallel_size
+                            * target.pipeline_model_parallel_size)
+    except (ValueError, SystemExit) as error:
+        raise ConversionError(f"the Megatron-LM model does not fit the target layout: {error}"
+                              ) from None
+    written = write_weights_checkpoint(save, 0, config, split_for_layout(full, config), {},
+                                       note=f"megatron-lm:{load}")
+    log(f"imported Megatron-LM checkpoint {load} into {written}; model flags: "
+        f"{' '.join(flags[:14])}")
+    return written
