@@ -152,114 +152,140 @@ def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cos
     if p2p_semantics not in P2P_SEMANTICS:
         raise ValueError(f"unknown p2p semantics {p2p_semantics!r}; allowed: "
                          f"{', '.join(P2P_SEMANTICS)}")
-    asynchronous = p2p_semantics == "async"
-    num_ranks = len(lowered)
-    prepared = _prepare(lowered)
-    sync_participants = {}
-    for rank, ops in enumerate(lowered):
-        for op in ops:
-            if isinstance(op, GradSyncStart):
-                sync_participants.setdefault(op.stage, set()).add(rank)
+    loop = _EventLoop(lowered, (forward_cost, backward_cost, p2p_cost, allreduce_cost),
+                      asynchronous=p2p_semantics == "async")
+    loop.run()
+    makespan = max(loop.clock, default=0.0)
+    total = len(lowered) * makespan
+    bubble = (1 - sum(loop.busy) / total) if total > 0 else 0.0
+    return SimulationResult(loop.timelines, makespan, bubble,
+                            [peak_activations(ops) for ops in lowered], loop.busy)
 
-    posted = {}  # (sender, receiver, message key, direction) -> post time
-    received = [set() for _ in range(num_ranks)]  # message keys received per rank
-    sync_starts = {}  # stage -> {rank: start time}
-    started_syncs = [[] for _ in range(num_ranks)]
-    timelines = [[] for _ in range(num_ranks)]
-    clock = [0.0] * num_ranks
-    counters = [0] * num_ranks
-    busy = [0.0] * num_ranks
-    compute_start = [0.0] * num_ranks  # async: start of the rank's latest compute op
-    sent = [[] for _ in range(num_ranks)]  # async: (own key, partner key) of every send
-    receive_of = [{} for _ in range(num_ranks)]  # async: message -> (own key, partner key)
 
-    def arrival(own, other):
-        """When a posted message arrives (async); None while its partner is not posted."""
-        partner_time = posted.get(other)
-        if partner_time is None:
-            return None
-        return max(posted[own], partner_time) + p2p_cost
+class _EventLoop:
+    """State of one simulation: every rank advances through its ops while it can (one method per
+    op kind; each returns the op's end time, or None when the rank must wait)."""
 
-    def try_step(rank) -> bool:
-        entry = prepared[rank][counters[rank]]
-        kind, op = entry[0], entry[1]
-        now = clock[rank]
-        if kind == "compute":
-            for message in entry[2]:
-                if message not in received[rank]:
-                    raise LoweringError(f"rank {rank} runs {op} without having received "
-                                        f"{Message(*message)}")
-            if asynchronous:
-                arrivals = [arrival(*receive_of[rank][message]) for message in entry[2]]
-                if None in arrivals:
-                    return False
-                now = max([now] + arrivals)
-                compute_start[rank] = now
-            end = now + _compute_cost(op, forward_cost, backward_cost)
-            busy[rank] += end - now
-        elif kind == "group" and asynchronous:
-            for own, other, message in entry[2]:
-                if message is None:
-                    posted.setdefault(own, now)
-                    sent[rank].append((own, other))
-                else:
-                    posted.setdefault(own, compute_start[rank])
-                    receive_of[rank][message] = (own, other)
-                    received[rank].add(message)
-            end = now
-        elif kind == "group":
-            latest = now
-            for own, other, _ in entry[2]:
-                posted.setdefault(own, now)
-            for _, other, _ in entry[2]:
-                partner_time = posted.get(other)
-                if partner_time is None:
-                    return False
-                latest = max(latest, partner_time)
-            end = latest + p2p_cost
-            received[rank].update(message for _, _, message in entry[2] if message is not None)
-        elif kind == "sync":
-            sync_starts.setdefault(op.stage, {})[rank] = now
-            started_syncs[rank].append(op.stage)
-            end = now
-        else:
-            completions = []
-            for stage in started_syncs[rank]:
-                starts = sync_starts.get(stage, {})
-                if len(starts) != len(sync_participants[stage]):
-                    return False
-                completions.append(max(starts.values()) + allreduce_cost)
-            for own, other in sent[rank] if asynchronous else ():
-                completion = arrival(own, other)
-                if completion is None:
-                    return False
-                completions.append(completion)
-            end = max([now] + completions)
-        timelines[rank].append(TimelineEntry(op, now, end))
-        clock[rank] = end
-        counters[rank] += 1
+    def __init__(self, lowered, costs: tuple, asynchronous: bool):
+        self.lowered = lowered
+        self.forward_cost, self.backward_cost, self.p2p_cost, self.allreduce_cost = costs
+        self.asynchronous = asynchronous
+        num_ranks = len(lowered)
+        self.prepared = _prepare(lowered)
+        self.sync_participants: dict = {}
+        for rank, ops in enumerate(lowered):
+            for op in ops:
+                if isinstance(op, GradSyncStart):
+                    self.sync_participants.setdefault(op.stage, set()).add(rank)
+        self.posted: dict = {}  # (sender, receiver, message key, direction) -> post time
+        self.received = [set() for _ in range(num_ranks)]  # message keys received per rank
+        self.sync_starts: dict = {}  # stage -> {rank: start time}
+        self.started_syncs = [[] for _ in range(num_ranks)]
+        self.timelines = [[] for _ in range(num_ranks)]
+        self.clock = [0.0] * num_ranks
+        self.counters = [0] * num_ranks
+        self.busy = [0.0] * num_ranks
+        self.compute_start = [0.0] * num_ranks  # async: start of the rank's latest compute op
+        self.sent = [[] for _ in range(num_ranks)]  # async: (own key, partner key) per send
+        self.receive_of = [{} for _ in range(num_ranks)]  # async: message -> (own, partner)
+
+    def run(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for rank in range(len(self.lowered)):
+                while self.counters[rank] < len(self.prepared[rank]) and self._step(rank):
+                    progress = True
+        self._raise_if_stuck()
+
+    def _step(self, rank: int) -> bool:
+        entry = self.prepared[rank][self.counters[rank]]
+        kind, op, now = entry[0], entry[1], self.clock[rank]
+        handler = {"compute": self._compute, "group": self._group, "sync": self._sync_start,
+                   "wait": self._sync_wait}[kind]
+        timing = handler(rank, entry, now)
+        if timing is None:
+            return False
+        start, end = timing
+        self.timelines[rank].append(TimelineEntry(op, start, end))
+        self.clock[rank] = end
+        self.counters[rank] += 1
         return True
 
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(num_ranks):
-            while counters[rank] < len(prepared[rank]) and try_step(rank):
-                progress = True
-    stuck = [(rank, counters[rank]) for rank in range(num_ranks)
-             if counters[rank] < len(lowered[rank])]
-    if stuck:
-        rows = [[str(op) for op in ops] for ops in lowered]
-        raise DeadlockError(
-            "deadlock: ranks " + ", ".join(str(rank) for rank, _ in stuck)
-            + " wait forever at the marked ops\n"
-            + format_op_grid(rows, stuck, max_columns=24, title="rank x step grid:"))
+    def _arrival(self, own, other):
+        """When a posted message arrives (async); None while its partner is not posted."""
+        partner_time = self.posted.get(other)
+        if partner_time is None:
+            return None
+        return max(self.posted[own], partner_time) + self.p2p_cost
 
-    makespan = max(clock, default=0.0)
-    total = num_ranks * makespan
-    bubble = (1 - sum(busy) / total) if total > 0 else 0.0
-    return SimulationResult(timelines, makespan, bubble,
-                            [peak_activations(ops) for ops in lowered], busy)
+    def _compute(self, rank: int, entry, now: float):
+        op, needed = entry[1], entry[2]
+        for message in needed:
+            if message not in self.received[rank]:
+                raise LoweringError(f"rank {rank} runs {op} without having received "
+                                    f"{Message(*message)}")
+        if self.asynchronous:
+            arrivals = [self._arrival(*self.receive_of[rank][message]) for message in needed]
+            if None in arrivals:
+                return None
+            now = max([now] + arrivals)
+            self.compute_start[rank] = now
+        end = now + _compute_cost(op, self.forward_cost, self.backward_cost)
+        self.busy[rank] += end - now
+        return now, end
+
+    def _group(self, rank: int, entry, now: float):
+        if self.asynchronous:  # sends posted now, receives when the previous compute started
+            for own, other, message in entry[2]:
+                if message is None:
+                    self.posted.setdefault(own, now)
+                    self.sent[rank].append((own, other))
+                else:
+                    self.posted.setdefault(own, self.compute_start[rank])
+                    self.receive_of[rank][message] = (own, other)
+                    self.received[rank].add(message)
+            return now, now
+        latest = now  # rendezvous: the group completes once every partner has posted
+        for own, _, _ in entry[2]:
+            self.posted.setdefault(own, now)
+        for _, other, _ in entry[2]:
+            partner_time = self.posted.get(other)
+            if partner_time is None:
+                return None
+            latest = max(latest, partner_time)
+        self.received[rank].update(message for _, _, message in entry[2] if message is not None)
+        return now, latest + self.p2p_cost
+
+    def _sync_start(self, rank: int, entry, now: float):
+        stage = entry[1].stage
+        self.sync_starts.setdefault(stage, {})[rank] = now
+        self.started_syncs[rank].append(stage)
+        return now, now
+
+    def _sync_wait(self, rank: int, entry, now: float):
+        completions = []
+        for stage in self.started_syncs[rank]:
+            starts = self.sync_starts.get(stage, {})
+            if len(starts) != len(self.sync_participants[stage]):
+                return None
+            completions.append(max(starts.values()) + self.allreduce_cost)
+        for own, other in self.sent[rank] if self.asynchronous else ():
+            completion = self._arrival(own, other)
+            if completion is None:
+                return None
+            completions.append(completion)
+        return now, max([now] + completions)
+
+    def _raise_if_stuck(self) -> None:
+        stuck = [(rank, self.counters[rank]) for rank in range(len(self.lowered))
+                 if self.counters[rank] < len(self.lowered[rank])]
+        if stuck:
+            rows = [[str(op) for op in ops] for ops in self.lowered]
+            raise DeadlockError(
+                "deadlock: ranks " + ", ".join(str(rank) for rank, _ in stuck)
+                + " wait forever at the marked ops\n"
+                + format_op_grid(rows, stuck, max_columns=24, title="rank x step grid:"))
 
 
 def simulate_plan(plan, forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
