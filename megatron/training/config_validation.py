@@ -228,6 +228,8 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
     # The family's own check (planning/schedules) rules on depth, pipelines, variant and N (see
     # _check_schedule_options); here only flags that belong to another family are refused.
     _refuse_other_families_flags(config)
+    if parallel.dp_gradient_reducer == "a2sgd" and parallel.a2sgd_sync_interval < 1:
+        raise ValueError(f"--a2sgd-sync-interval must be >= 1 (got {parallel.a2sgd_sync_interval})")
     if pp > 1 and parallel.overlap_grad_reduce:
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "
