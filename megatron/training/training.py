@@ -207,7 +207,7 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
                     result: TrainingResult, log: Callable, advance: bool,
                     tensorboard_writer=None) -> None:
     eval_iters = components.config.training.eval_iters
-    a2sgd.average_replicas(components.gradient_reducers)  # A2SGD: evaluate identical replicas
+    a2sgd.synchronize_replicas(components)  # A2SGD: evaluate identical replicas
     first = state.consumed_valid_samples if advance else 0
     losses = evaluate(components, forward_step_func, dataset, first, eval_iters)
     if advance:
@@ -238,7 +238,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
     def save():
         nonlocal last_saved
         if checkpointing is not None and config.checkpoint.save is not None:
-            a2sgd.average_replicas(components.gradient_reducers)  # A2SGD: save identical replicas
+            a2sgd.synchronize_replicas(components)  # A2SGD: save identical replicas
             checkpointing.save(components, state)
             last_saved = state.iteration
 
@@ -250,7 +250,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         record.iteration = state.iteration
         result.history.append(record)
         if a2sgd.sync_due(state.iteration, config.parallel.a2sgd_sync_interval):
-            a2sgd.average_replicas(components.gradient_reducers)
+            a2sgd.synchronize_replicas(components)
         interval.add(record.losses, record.skipped, record.got_nan)
 
         if state.iteration % logging_config.log_interval == 0:

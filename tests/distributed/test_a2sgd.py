@@ -6,11 +6,13 @@ tensor-parallel-replicated parameters. Right after the exact average the replica
 """
 
 import pytest
+import torch
 
 import pretrain_gpt
 from dist_harness import run_distributed
 from megatron.core.distributed import a2sgd
 from megatron.training.arguments import parse_args
+from megatron.training.checkpointing import Checkpointer, checkpoint_file, load_file
 from megatron.core.parallel_state import RankLayout, create_parallel_state
 from megatron.core.runtimes import select_runtime_class
 from megatron.training.training import pretrain
@@ -38,7 +40,7 @@ def _snapshot(components):
     return params, shared, replicated
 
 
-def _rank_run(rank, world_size, argv):
+def _pretrain(rank, world_size, argv):
     config = parse_args(argv.split(), world_size=world_size)
     runtime_class = select_runtime_class(config)
     layout = RankLayout.from_world_size(world_size, config.parallel.tensor_model_parallel_size,
@@ -46,10 +48,16 @@ def _rank_run(rank, world_size, argv):
     state = create_parallel_state(layout, rank, "gloo",
                                   extra_group_ranks=runtime_class.required_group_ranks(config, layout))
     result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
-                      pretrain_gpt.forward_step, parallel_state=state, log=lambda _: None)
+                      pretrain_gpt.forward_step, parallel_state=state, log=lambda _: None,
+                      checkpointing=Checkpointer(config, log=lambda _: None))
+    return result, state
+
+
+def _rank_run(rank, world_size, argv):
+    result, state = _pretrain(rank, world_size, argv)
     components = result.components
     before = _snapshot(components)
-    a2sgd.average_replicas(components.gradient_reducers)
+    a2sgd.synchronize_replicas(components)
     after, _, _ = _snapshot(components)
     coords = state.coords
     return {"coords": (coords.tp, coords.dp, coords.pp), "before": before, "after": after,
@@ -121,3 +129,30 @@ def test_the_training_loop_syncs_at_the_interval():
     results = run_distributed(_rank_run, 2, argv, timeout=120)
     for key, entries in _copies(results, "before").items():
         assert _all_equal(entries), f"{key} differs right after the loop's sync"
+
+
+def _rank_resume(rank, world_size, argv, save_dir):
+    """A straight run, and the same run saved at iteration 3 and resumed in new groups."""
+    straight, _ = _pretrain(rank, world_size, argv)
+    _pretrain(rank, world_size, f"{argv} --save {save_dir} --exit-interval 3")
+    resumed, _ = _pretrain(rank, world_size, f"{argv} --load {save_dir}")
+
+    def summary(result):
+        params = _snapshot(result.components)[0]
+        return [r.losses["lm loss"] for r in result.history], params
+    return summary(straight), summary(resumed)
+
+
+def test_checkpoint_holds_every_replicas_error_and_resume_is_exact(tmp_path):
+    # Saves and syncs coincide (interval 3, save at 3), so the straight run is the reference.
+    argv = f"{TINY} --train-iters 5 --a2sgd-sync-interval 3"
+    save_dir = str(tmp_path / "ckpt")
+    results = run_distributed(_rank_resume, 2, argv, save_dir, timeout=180)
+    payload = load_file(checkpoint_file(save_dir, 3, 0, 0, 1))
+    errors = [state[0]["errors"]["torch.float32"] for state in payload["gradient_reducer_state"]]
+    assert len(errors) == 2 and errors[0].abs().sum() > 0
+    assert not torch.equal(errors[0], errors[1])  # each data-parallel rank's own error
+    for (straight_losses, straight_params), (resumed_losses, resumed_params) in results:
+        assert resumed_losses == straight_losses[3:]
+        for key, value in straight_params.items():
+            assert (resumed_params[key] == value).all(), key

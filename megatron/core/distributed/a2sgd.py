@@ -172,15 +172,21 @@ class A2SGDReducer:
                                  f"parallel layout, or without the optimizer state")
             error.copy_(saved)
 
-    def average_parameters(self) -> None:
-        """Make the replicas' parameters identical: their exact mean over the data-parallel group."""
+    def average_parameters(self, optimizer_state: Optional[dict] = None) -> None:
+        """Make the replicas identical: the exact mean over the data-parallel group of every
+        parameter and (given the torch optimizer's ``state``) of its optimizer state tensors."""
         size = group_size(self.data_group)
         if size == 1:
             return
         with torch.no_grad():
             for param in self.params:
-                dist.all_reduce(param.data, group=self.data_group)
-                param.data.div_(size)
+                tensors = [param.data]
+                if optimizer_state is not None:
+                    tensors += [value for value in optimizer_state.get(param, {}).values()
+                                if torch.is_tensor(value) and value.is_floating_point()]
+                for tensor in tensors:
+                    dist.all_reduce(tensor, group=self.data_group)
+                    tensor.div_(size)
 
 
 @dataclass(frozen=True)
@@ -225,10 +231,16 @@ def finish_a2sgd_step(reducers: Iterable, update_successful: bool) -> None:
         reducer.finish_step(update_successful)
 
 
-def average_replicas(reducers: Iterable) -> None:
-    """The exact parameter average of every A2SGD reducer (collective; same order on each rank)."""
+def average_replicas(reducers: Iterable, optimizer_state: Optional[dict] = None) -> None:
+    """The exact parameter (and optimizer-state) average of every A2SGD reducer (collective; the
+    same order on every rank)."""
     for reducer in a2sgd_reducers(reducers):
-        reducer.average_parameters()
+        reducer.average_parameters(optimizer_state)
+
+
+def synchronize_replicas(components) -> None:
+    """The training loop's hook: average a run's A2SGD replicas (no-op with all-reduce)."""
+    average_replicas(components.gradient_reducers, components.optimizer.optimizer.state)
 
 
 def sync_due(iteration: int, interval: int) -> bool:
