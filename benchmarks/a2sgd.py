@@ -2,14 +2,14 @@
 """A2SGD vs exact all-reduce: bytes per step, time per step and loss on the demo corpus (gloo, CPU).
 
     python tools/build_demo_corpus.py          # once: data/demo/
-    python benchmarks/a2sgd.py [--iters 40] [--dp 2 4] [--out runs/a2sgd]
+    python benchmarks/a2sgd.py [--iters 50] [--dp 2 4] [--out runs/a2sgd]
 
 For each data-parallel size (no pipeline) it forks that many gloo ranks and trains the same tiny GPT
 from the same seed on the same global batches with: exact all-reduce, and A2SGD at each averaging
 granularity (whole model portion = the paper's, per bucket of 4096 elements, per tensor). Per
 variant it reports the bytes each worker hands to data-parallel collectives per step (all-reduce:
-the whole gradient; A2SGD: 4 float64 per segment, plus the exact parameter average amortised over
-``--a2sgd-sync-interval``), the mean wall time per step, and the lm loss after the last step
+the whole gradient; A2SGD: 4 float64 per segment, plus the exact average of parameters and optimizer
+state amortised over ``--a2sgd-sync-interval``), the mean wall time per step, and the lm loss after the last step
 (mean of the last 5 iterations, to damp batch noise). Writes ``results.json`` and a loss plot
 ``loss.png`` to ``--out``.
 """
@@ -78,7 +78,12 @@ def _train_variant(rank, world_size, argv, granularity):
     found = a2sgd_reducers(components.gradient_reducers)
     if found:
         stats_bytes = sum(r.bytes_last_step for r in found)
-        sync_bytes = grad_bytes / config.parallel.a2sgd_sync_interval
+        state_bytes = sum(value.numel() * value.element_size()
+                          for per_param in components.optimizer.optimizer.state.values()
+                          for value in per_param.values()
+                          if torch.is_tensor(value) and value.is_floating_point())
+        # the sync averages parameters and optimizer state (scalar 'step' entries included)
+        sync_bytes = (grad_bytes + state_bytes) / config.parallel.a2sgd_sync_interval
         step_bytes = stats_bytes + sync_bytes
     else:
         stats_bytes, step_bytes = 0, grad_bytes
@@ -100,7 +105,7 @@ def _rank_all_variants(rank, world_size, base_argv, variants):
 
 def parse_arguments(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sync-interval", type=int, default=10)
     parser.add_argument("--out", default="runs/a2sgd")
