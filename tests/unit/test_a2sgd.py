@@ -115,3 +115,15 @@ def test_error_buffers_round_trip_through_checkpoint_state():
     _, wrong = _reducer_with_grad([0.0] * 3)
     with pytest.raises(ValueError, match="does not fit"):
         load_reducer_state([wrong], states, dp_rank=0)
+
+
+def test_flags_parse_and_a_bad_sync_interval_is_refused():
+    from megatron.training.arguments import parse_args
+    tiny = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 5 "
+            "--mock-data").split()
+    config = parse_args(tiny + ["--dp-gradient-reducer", "a2sgd"], world_size=1)
+    assert (config.parallel.dp_gradient_reducer, config.parallel.a2sgd_sync_interval) == ("a2sgd", 10)
+    with pytest.raises(ValueError, match="--a2sgd-sync-interval must be >= 1"):
+        parse_args(tiny + ["--dp-gradient-reducer", "a2sgd", "--a2sgd-sync-interval", "0"],
+                   world_size=1)
