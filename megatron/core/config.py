@@ -130,6 +130,12 @@ class ParallelConfig:
         False, "Overlap the data-parallel gradient reduction with the backward pass (without a "
                "pipeline; pipeline schedules place their reductions themselves, see "
                "--chimera-grad-sync).")
+    dp_gradient_reducer: str = option(
+        "allreduce", "Data-parallel gradient reduction: exact all-reduce, or A2SGD (two means per "
+                     "worker, error feedback; see docs/a2sgd.md).", choices=("allreduce", "a2sgd"))
+    a2sgd_sync_interval: int = option(
+        10, "With --dp-gradient-reducer a2sgd: average the parameters exactly over data-parallel "
+            "replicas every this many iterations (also before every checkpoint and evaluation).")
     local_rank: Optional[int] = option(
         None, "Local rank passed by torch.distributed.launch.", aliases=("--local_rank",))
     world_size: Optional[int] = option(None, "Number of processes (derived).", derived=True)

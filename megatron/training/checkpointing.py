@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed import a2sgd
 from megatron.core.parallel_state import RankCoords
 
 logger = logging.getLogger(__name__)
@@ -410,12 +411,14 @@ class Checkpointer:
         except Exception as caught:
             error = _describe(caught)
         rng_states = _gather_rng_states_over_data_parallel(parallel_state, rng_state)
+        reducer_states = _gather_rng_states_over_data_parallel(  # A2SGD error buffers, if any
+            parallel_state, a2sgd.reducer_state(components.gradient_reducers))
         if error is None and parallel_state.dp_rank == 0:
             try:
                 if any(entry is None for entry in rng_states):
                     raise RuntimeError("a data-parallel rank could not capture its RNG state")
                 written.append(self._write_rank_file(components, state, staging_dir,
-                                                     rng_states))
+                                                     rng_states, reducer_states))
             except Exception as caught:
                 error = _describe(caught)
         if error is None and _is_sharded(components.optimizer):
@@ -448,8 +451,8 @@ class Checkpointer:
                      f"({time.perf_counter() - started:.2f} s)")
         return final_dir
 
-    def _write_rank_file(self, components, state, staging_dir: str, rng_states: list
-                         ) -> tuple[str, dict]:
+    def _write_rank_file(self, components, state, staging_dir: str, rng_states: list,
+                         reducer_states: Optional[list] = None) -> tuple[str, dict]:
         """Write this (tp, pp) position's file; return (relative path, {size, crc32})."""
         parallel_state = components.parallel_state
         relative = os.path.join(rank_dir_name(parallel_state.tp_rank, parallel_state.pp_rank,
@@ -463,6 +466,8 @@ class Checkpointer:
             "opt_param_scheduler": components.lr_scheduler.state_dict(),
             "rng_state": rng_states,
         }
+        if reducer_states and reducer_states[0] is not None:
+            payload["gradient_reducer_state"] = reducer_states
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             payload[key] = chunk.state_dict()
         path = os.path.join(staging_dir, relative)
@@ -628,6 +633,8 @@ class Checkpointer:
         if not checkpoint_config.no_load_optim:
             _load_optimizer_state(components.optimizer, payload["optimizer"])
             components.lr_scheduler.load_state_dict(payload["opt_param_scheduler"])
+            a2sgd.load_reducer_state(components.gradient_reducers,
+                                     payload.get("gradient_reducer_state"), parallel_state.dp_rank)
         if payload.get("weights_only"):
             if parallel_state.rank == 0:
                 self.log("  the checkpoint holds weights only (converted from "

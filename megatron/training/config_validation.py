@@ -232,6 +232,11 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
     if parallel.split_backward_extra_activations < 0:
         raise ValueError(f"--split-backward-extra-activations "
                          f"{parallel.split_backward_extra_activations} must be >= 0")
+    if parallel.dp_gradient_reducer == "a2sgd" and parallel.a2sgd_sync_interval < 1:
+        raise ValueError(f"--a2sgd-sync-interval must be >= 1 (got {parallel.a2sgd_sync_interval})")
+    if parallel.dp_gradient_reducer == "a2sgd" and parallel.use_distributed_optimizer:
+        raise ValueError("--dp-gradient-reducer a2sgd and --use-distributed-optimizer both replace "
+                         "the data-parallel gradient all-reduce; choose one")
     if pp > 1 and parallel.overlap_grad_reduce:
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import GradientReducer, all_reduce_over, all_reduce_world
+from megatron.core.distributed import a2sgd
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
 from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_per_gpu
@@ -105,6 +106,7 @@ def setup_model_and_optimizer(config, parallel_state, runtime, model_provider,
                                 owns_grad_norm=runtime.owns_grad_norm,
                                 gradient_reducers=reducers)
     scheduler = build_lr_scheduler(optimizer.optimizer, config.optimizer, config.training)
+    a2sgd.attach_loss_scale(reducers, lambda: optimizer.loss_scale)
     return TrainingComponents(
         config=config, parallel_state=parallel_state, runtime=runtime, device=device,
         model_chunks=model_chunks, gradient_reducers=reducers, optimizer=optimizer,
@@ -156,6 +158,7 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
     for reducer in components.gradient_reducers:
         reducer.wait()
     result = optimizer.step()
+    a2sgd.finish_a2sgd_step(components.gradient_reducers, result.update_successful)
     if result.update_successful:
         components.lr_scheduler.step(components.config.training.global_batch_size)
     losses = reduce_losses(loss_dicts, components.parallel_state, components.device)
@@ -209,6 +212,7 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
                     result: TrainingResult, log: Callable, advance: bool,
                     tensorboard_writer=None) -> None:
     eval_iters = components.config.training.eval_iters
+    a2sgd.synchronize_replicas(components)  # A2SGD: evaluate identical replicas
     first = state.consumed_valid_samples if advance else 0
     losses = evaluate(components, forward_step_func, dataset, first, eval_iters)
     if advance:
@@ -239,6 +243,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
     def save():
         nonlocal last_saved
         if checkpointing is not None and config.checkpoint.save is not None:
+            a2sgd.synchronize_replicas(components)  # A2SGD: save identical replicas
             checkpointing.save(components, state)
             last_saved = state.iteration
 
@@ -249,6 +254,8 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         state.consumed_train_samples += training.global_batch_size
         record.iteration = state.iteration
         result.history.append(record)
+        if a2sgd.sync_due(state.iteration, config.parallel.a2sgd_sync_interval):
+            a2sgd.synchronize_replicas(components)
         interval.add(record.losses, record.skipped, record.got_nan)
 
         if state.iteration % logging_config.log_interval == 0:

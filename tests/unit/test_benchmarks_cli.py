@@ -16,6 +16,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pat
                           "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
+import a2sgd as a2sgd_benchmark  # noqa: E402
 import chimera_vs_1f1b  # noqa: E402
 import p2p_packing  # noqa: E402
 
@@ -96,3 +97,9 @@ def test_tiny_schedule_comparison_reports_speedups_and_peaks():
     assert by_schedule["1f1b"]["peaks"] == [2, 1]  # D - r micro-batches on rank r
     assert by_schedule["chimera direct"]["predicted_bk2"] > 1.0
     assert len(by_schedule["chimera direct"]["peaks"]) == 2
+
+
+def test_a2sgd_benchmark_arguments_and_variants():
+    args = a2sgd_benchmark.parse_arguments([])
+    assert (args.iters, args.dp, args.sync_interval) == (50, [2, 4], 10)
+    assert [g for _, g in a2sgd_benchmark.VARIANTS] == [None, "model", "bucket", "tensor"]

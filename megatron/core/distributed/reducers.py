@@ -26,6 +26,7 @@ from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.a2sgd import A2SGDSetup
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.gradient_reducer import GradientReducer
 from megatron.core.distributed.sharded_reducer import ShardedGradientReducer
@@ -121,7 +122,8 @@ def build_gradient_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence[Ha
                             group_of: Callable[[Hashable], Any], divide_by: float, *,
                             tied_group: Optional[Callable[[], Any]] = None,
                             bucket_size: Optional[int] = None,
-                            overlap: bool = False, sharded: bool = False) -> ModelReducers:
+                            overlap: bool = False, sharded: bool = False,
+                            a2sgd: Optional[A2SGDSetup] = None) -> ModelReducers:
     """Reductions for a rank's ``chunks`` (see the module docstring).
 
     Args:
@@ -134,13 +136,17 @@ def build_gradient_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence[Ha
         bucket_size, overlap: as for :class:`GradientReducer` (``--overlap-grad-reduce``).
         sharded: reduce-scatter each chunk's gradients for the distributed optimizer
             (:class:`~.sharded_reducer.ShardedGradientReducer`) instead of all-reducing them.
+        a2sgd: when given (``--dp-gradient-reducer a2sgd``), each chunk's data-parallel reduction
+            is an :class:`~.a2sgd.A2SGDReducer` (see :mod:`megatron.core.distributed.a2sgd`).
     """
     split_tied = tied_group is not None
     reducers = ModelReducers()
     for chunk, key in zip(chunks, keys):
         params = [p for p in chunk.parameters()
                   if p.requires_grad and not (split_tied and is_shared_embedding(p))]
-        if sharded:
+        if a2sgd is not None:
+            reducers.by_module[key] = a2sgd.build(params, key, group_of(key), int(divide_by))
+        elif sharded:
             reducers.by_module[key] = ShardedGradientReducer(params, group_of(key),
                                                              divide_by=divide_by)
         else:

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from megatron.core.distributed.a2sgd import A2SGDSetup
 from megatron.core.distributed.reducers import build_gradient_reducers
 from megatron.core.optimizer import default_owns_grad_norm
 
@@ -43,13 +44,17 @@ class NoPipelineRuntime:
         return [model.to(self.device)]
 
     def build_gradient_reducers(self, model_chunks) -> list:
+        state = self.parallel_state
         parallel = self.config.parallel
-        overlap = parallel.overlap_grad_reduce and self.parallel_state.dp_size > 1
+        a2sgd = None
+        if parallel.dp_gradient_reducer == "a2sgd":
+            a2sgd = A2SGDSetup(data_group=state.data_group,
+                               split_tensor_replicated=state.tp_size > 1)
+        overlap = parallel.overlap_grad_reduce and state.dp_size > 1 and a2sgd is None
         return build_gradient_reducers(
-            model_chunks, range(len(model_chunks)), lambda _: self.parallel_state.data_group,
-            divide_by=self.parallel_state.dp_size,
-            bucket_size=OVERLAP_BUCKET_SIZE if overlap else None, overlap=overlap,
-            sharded=parallel.use_distributed_optimizer).all
+            model_chunks, range(len(model_chunks)), lambda _: state.data_group,
+            divide_by=state.dp_size, bucket_size=OVERLAP_BUCKET_SIZE if overlap else None,
+            overlap=overlap, sharded=parallel.use_distributed_optimizer, a2sgd=a2sgd).all
 
     def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
         return self._owns(param)

@@ -56,7 +56,8 @@ class PipelineRuntime:
     @classmethod
     def required_group_ranks(cls, config, layout: RankLayout) -> list:
         return required_group_specs(layout_from_config(config, cls.registry), layout,
-                                    _is_tied(config))
+                                    _is_tied(config),
+                                    split_directions=config.parallel.dp_gradient_reducer == "a2sgd")
 
     def __init__(self, config, parallel_state, device: torch.device):
         self.config = config
@@ -94,7 +95,8 @@ class PipelineRuntime:
 
     def build_gradient_reducers(self, model_chunks) -> list:
         reducers = pipeline_reducers(model_chunks, self.keys, self.parallel_state, self.layout,
-                                     sharded=self.config.parallel.use_distributed_optimizer)
+                                     sharded=self.config.parallel.use_distributed_optimizer,
+                                     dp_gradient_reducer=self.config.parallel.dp_gradient_reducer)
         self.reducers_by_key = reducers.by_module
         # Reducers no GradSyncStart names (the tied embedding): started at the end of the list.
         self.final_reducers = reducers.final

@@ -23,9 +23,10 @@ from typing import Sequence
 
 import torch
 
+from megatron.core.distributed.a2sgd import A2SGDSetup
 from megatron.core.distributed.reducers import (ModelReducers, build_gradient_reducers,
                                                 is_shared_embedding)
-from megatron.core.parallel_state import GroupSpec
+from megatron.core.parallel_state import GroupSpec, RankCoords
 
 TIED_EMBEDDING_LABEL = "tied-embedding"
 
@@ -46,12 +47,31 @@ def tied_embedding_holders(schedule_layout) -> list[int]:
                   | set(stage_holders(schedule_layout, schedule_layout.num_stages - 1)))
 
 
-def required_group_specs(schedule_layout, rank_layout, tied: bool) -> list[GroupSpec]:
-    """Every process group the pipeline runtime needs, in the same order on every rank."""
+def direction_label(stage: int) -> str:
+    return f"stage-{stage}-directions"
+
+
+def direction_ranks(rank_layout, holders, tp: int, dp: int) -> tuple[int, ...]:
+    """The ranks of one data-parallel replica holding a stage (A2SGD's exact part for Chimera)."""
+    return tuple(sorted(rank_layout.rank(RankCoords(tp, dp, pp)) for pp in holders))
+
+
+def required_group_specs(schedule_layout, rank_layout, tied: bool,
+                         split_directions: bool = False) -> list[GroupSpec]:
+    """Every process group the pipeline runtime needs, in the same order on every rank.
+
+    ``split_directions`` (A2SGD) adds, per stage held by several pipeline ranks, one group per
+    data-parallel replica over its copies of the stage."""
     specs = []
     for stage in range(schedule_layout.num_stages):
-        for ranks in rank_layout.all_pipeline_ranks_groups(stage_holders(schedule_layout, stage)):
+        holders = stage_holders(schedule_layout, stage)
+        for ranks in rank_layout.all_pipeline_ranks_groups(holders):
             specs.append(GroupSpec(stage_label(stage), tuple(ranks)))
+        if split_directions and len(holders) > 1:
+            for tp in range(rank_layout.tensor_parallel_size):
+                for dp in range(rank_layout.data_parallel_size):
+                    specs.append(GroupSpec(direction_label(stage),
+                                           direction_ranks(rank_layout, holders, tp, dp)))
     if tied and schedule_layout.num_stages > 1:
         for ranks in rank_layout.all_pipeline_ranks_groups(tied_embedding_holders(schedule_layout)):
             specs.append(GroupSpec(TIED_EMBEDDING_LABEL, tuple(ranks)))
@@ -65,6 +85,14 @@ def stage_group(parallel_state, schedule_layout, stage: int):
     return parallel_state.group_for(ranks, label=stage_label(stage))
 
 
+def direction_group(parallel_state, schedule_layout, stage: int):
+    """This replica's group over its copies of ``stage`` (None for one-directional schedules)."""
+    coords = parallel_state.coords
+    ranks = direction_ranks(parallel_state.layout, stage_holders(schedule_layout, stage),
+                            coords.tp, coords.dp)
+    return parallel_state.group_for(ranks, label=direction_label(stage))
+
+
 def tied_embedding_group(parallel_state, schedule_layout):
     ranks = parallel_state.layout.pipeline_ranks_group(tied_embedding_holders(schedule_layout),
                                                        parallel_state.rank)
@@ -72,15 +100,25 @@ def tied_embedding_group(parallel_state, schedule_layout):
 
 
 def pipeline_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence, parallel_state,
-                      schedule_layout, sharded: bool = False) -> ModelReducers:
+                      schedule_layout, sharded: bool = False,
+                      dp_gradient_reducer: str = "allreduce") -> ModelReducers:
     """This rank's reductions: each hosted module over its stage's replica group, plus the
-    tied-embedding reduction when the embedding and the output layer are different stages."""
+    tied-embedding reduction when the embedding and the output layer are different stages.
+    With ``a2sgd`` each module's reduction is exact over its direction group and A2SGD over the
+    data-parallel group."""
+    a2sgd = None
+    if dp_gradient_reducer == "a2sgd":
+        a2sgd = A2SGDSetup(
+            data_group=parallel_state.data_group,
+            direction_group_of=lambda key: direction_group(parallel_state, schedule_layout,
+                                                           key.stage),
+            split_tensor_replicated=parallel_state.tp_size > 1)
     tied = None
     if schedule_layout.num_stages > 1:
         tied = lambda: tied_embedding_group(parallel_state, schedule_layout)  # noqa: E731
     return build_gradient_reducers(
         chunks, keys, lambda key: stage_group(parallel_state, schedule_layout, key.stage),
-        divide_by=parallel_state.dp_size, tied_group=tied, sharded=sharded)
+        divide_by=parallel_state.dp_size, tied_group=tied, sharded=sharded, a2sgd=a2sgd)
 
 
 def grad_norm_owners(chunks: Sequence[torch.nn.Module], keys: Sequence,

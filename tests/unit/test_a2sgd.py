@@ -1,0 +1,129 @@
+"""A2SGD reducer against hand-computed examples (one process: the data-parallel group has one rank)."""
+
+import pytest
+import torch
+
+from megatron.core.distributed.a2sgd import (A2SGDReducer, finish_a2sgd_step, load_reducer_state,
+                                             local_statistics, reducer_state, segment_bounds,
+                                             two_level_values)
+
+
+def _reducer_with_grad(values, **kwargs):
+    param = torch.nn.Parameter(torch.zeros(len(values)))
+    reducer = A2SGDReducer([param], **kwargs)
+    param.grad.copy_(torch.tensor(values))
+    return param, reducer
+
+
+def test_hand_computed_single_rank_step_and_error_feedback():
+    param, reducer = _reducer_with_grad([3.0, -1.0, 1.0, -3.0])
+    reducer.start()
+    reducer.wait()
+    # non-negative mean (3 + 1) / 2 = 2, negative mean (-1 - 3) / 2 = -2
+    assert param.grad.tolist() == [2.0, -2.0, 2.0, -2.0]
+    reducer.finish_step(True)
+    assert reducer.errors[torch.float32].tolist() == [1.0, 1.0, -1.0, -1.0]
+    # next step with a zero gradient: p = e = [1, 1, -1, -1] is applied exactly, error back to 0
+    reducer.zero_grad()
+    reducer.wait()
+    reducer.finish_step(True)
+    assert param.grad.tolist() == [1.0, 1.0, -1.0, -1.0]
+    assert reducer.errors[torch.float32].tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_two_ranks_hand_computed_from_statistics():
+    """What two data-parallel ranks compute: the summed statistics give the global means."""
+    rank0, rank1 = torch.tensor([3.0, -1.0, 1.0, -3.0]), torch.tensor([1.0, 1.0, -2.0, -4.0])
+    bounds = segment_bounds([4], "model", 0)
+    stats = local_statistics(rank0, bounds) + local_statistics(rank1, bounds)
+    assert stats.tolist() == [[6.0, 4.0, -10.0, 4.0]]
+    assert two_level_values(rank0, stats, bounds).tolist() == [1.5, -2.5, 1.5, -2.5]
+    assert two_level_values(rank1, stats, bounds).tolist() == [1.5, 1.5, -2.5, -2.5]
+
+
+def test_granularities_segment_the_buffer():
+    assert segment_bounds([2, 3], "model", 4) == [(0, 5)]
+    assert segment_bounds([2, 3], "tensor", 4) == [(0, 2), (2, 5)]
+    assert segment_bounds([2, 3], "bucket", 4) == [(0, 4), (4, 5)]
+    with pytest.raises(ValueError, match="granularity"):
+        segment_bounds([2], "layer", 4)
+    values = torch.tensor([4.0, 2.0, -1.0, 1.0, -3.0])
+    stats = local_statistics(values, segment_bounds([2, 3], "tensor", 0))
+    assert two_level_values(values, stats, segment_bounds([2, 3], "tensor", 0)).tolist() == \
+        [3.0, 3.0, -2.0, 1.0, -2.0]
+
+
+def test_overflow_step_keeps_the_old_error_and_loss_scale_is_removed():
+    param, reducer = _reducer_with_grad([3.0, -1.0, 1.0, -3.0])
+    reducer.loss_scale = lambda: 4.0
+    param.grad.mul_(4.0)  # the backward of a scaled loss
+    reducer.wait()
+    assert param.grad.tolist() == [8.0, -8.0, 8.0, -8.0]  # applied, scaled back
+    finish_a2sgd_step([reducer], update_successful=False)
+    assert reducer.errors[torch.float32].tolist() == [0.0] * 4  # overflow: error unchanged
+    reducer.zero_grad()
+    param.grad.copy_(torch.tensor([12.0, -4.0, 4.0, -12.0]))
+    reducer.wait()
+    finish_a2sgd_step([reducer], update_successful=True)
+    assert reducer.errors[torch.float32].tolist() == [1.0, 1.0, -1.0, -1.0]  # unscaled units
+
+
+def test_one_rank_equals_sgd_with_error_feedback():
+    """With one data-parallel rank, training with the reducer is SGD on the error-fed two-mean
+    quantisation of the gradient, computed here by hand."""
+    torch.manual_seed(0)
+    data, target = torch.randn(16, 5), torch.randn(16, 3)
+    model = torch.nn.Linear(5, 3)
+    reference = torch.nn.Linear(5, 3)
+    reference.load_state_dict(model.state_dict())
+    reducer = A2SGDReducer(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(reference.parameters())
+    error = [torch.zeros_like(p) for p in params]
+    for _ in range(5):
+        reducer.zero_grad()
+        torch.nn.functional.mse_loss(model(data), target).backward()
+        reducer.wait()
+        optimizer.step()
+        reducer.finish_step(True)
+
+        grads = torch.autograd.grad(torch.nn.functional.mse_loss(reference(data), target), params)
+        p = torch.cat([(g + e).flatten() for g, e in zip(grads, error)]).double()
+        positive, negative = p[p >= 0].mean(), p[p < 0].mean()
+        applied = torch.where(p >= 0, positive, negative)
+        offset = 0
+        with torch.no_grad():
+            for param, e in zip(params, error):
+                n = param.numel()
+                e.copy_((p[offset:offset + n] - applied[offset:offset + n]).view_as(e))
+                param -= 0.1 * applied[offset:offset + n].view_as(param).float()
+                offset += n
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_error_buffers_round_trip_through_checkpoint_state():
+    param, reducer = _reducer_with_grad([3.0, -1.0, 1.0, -3.0])
+    reducer.wait()
+    reducer.finish_step(True)
+    states = [reducer_state([reducer])]  # one data-parallel rank
+    _, fresh = _reducer_with_grad([0.0] * 4)
+    load_reducer_state([fresh], states, dp_rank=0)
+    assert fresh.errors[torch.float32].tolist() == [1.0, 1.0, -1.0, -1.0]
+    with pytest.raises(ValueError, match="data-parallel rank 1"):
+        load_reducer_state([fresh], states, dp_rank=1)
+    _, wrong = _reducer_with_grad([0.0] * 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        load_reducer_state([wrong], states, dp_rank=0)
+
+
+def test_flags_parse_and_a_bad_sync_interval_is_refused():
+    from megatron.training.arguments import parse_args
+    tiny = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 5 "
+            "--mock-data").split()
+    config = parse_args(tiny + ["--dp-gradient-reducer", "a2sgd"], world_size=1)
+    assert (config.parallel.dp_gradient_reducer, config.parallel.a2sgd_sync_interval) == ("a2sgd", 10)
+    with pytest.raises(ValueError, match="--a2sgd-sync-interval must be >= 1"):
+        parse_args(tiny + ["--dp-gradient-reducer", "a2sgd", "--a2sgd-sync-interval", "0"],
+                   world_size=1)
