@@ -163,6 +163,11 @@ class OptimizerConfig:
     lr_decay_iters: Optional[int] = option(
         None, "Iterations to decay over; default --train-iters.")
     lr_warmup_iters: int = option(0, "Linear warm-up iterations.")
+    lr_decay_samples: Optional[int] = option(
+        None, "Samples to decay over (samples-based training, with --train-samples); default "
+              "--train-samples.")
+    lr_warmup_samples: int = option(
+        0, "Linear warm-up samples (samples-based training, with --train-samples).")
     lr_warmup_fraction: Optional[float] = option(
         None, "Warm-up as a fraction of the decay iterations (overrides --lr-warmup-iters).")
     weight_decay: float = option(0.01, "Weight decay (not applied to biases and norms).")

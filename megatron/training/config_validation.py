@@ -100,11 +100,25 @@ def _require_positive(section, names: tuple[str, ...], allow_none: bool = False)
                              f"set {_flag(name)} to a value >= 1")
 
 
-def _check_not_supported_yet(config: MegatronConfig) -> None:
-    for feature in NOT_SUPPORTED_YET:
-        if feature.is_used(getattr(getattr(config, feature.section), feature.field)):
-            raise ValueError(f"{feature.shown} is not supported yet by Megatron-Chimera; "
-                             f"{feature.instead}. See docs/flags.md for the supported flags.")
+class ConfigurationError(ValueError):
+    """Every problem validation found in one config; ``problems`` holds one message each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        if len(problems) == 1:
+            text = problems[0]
+        else:
+            text = f"{len(problems)} problems in the flags:\n" + "\n".join(
+                f"  - {problem}" for problem in problems)
+        super().__init__(text)
+
+
+def not_supported_problems(config: MegatronConfig) -> list[str]:
+    """One message per unimplemented feature the config asks for (all of them, not the first)."""
+    return [f"{feature.shown} is not supported yet by Megatron-Chimera; {feature.instead}. See "
+            f"docs/flags.md for the supported flags."
+            for feature in NOT_SUPPORTED_YET
+            if feature.is_used(getattr(getattr(config, feature.section), feature.field))]
 
 
 def _translate_legacy_recompute(config: MegatronConfig) -> None:
@@ -284,6 +298,10 @@ def _validate_batch(config: MegatronConfig) -> None:
                              f"{training.train_samples} disagree (that is {iterations} iterations "
                              f"of {training.global_batch_size} samples); give only one")
         training.train_iters = iterations
+
+
+def _validate_precision_and_evaluation(config: MegatronConfig) -> None:
+    training = config.training
     if training.fp16 and training.bf16:
         raise ValueError("--fp16 and --bf16 are mutually exclusive; choose one")
     if training.eval_interval < 1 or training.eval_iters < 0:
@@ -330,25 +348,16 @@ def _validate_recompute(config: MegatronConfig) -> None:
 
 
 def _validate_optimizer(config: MegatronConfig) -> None:
-    optimizer, train_iters = config.optimizer, config.training.train_iters
+    optimizer = config.optimizer
     if optimizer.lr is None:
         raise ValueError("--lr (peak learning rate) is required, e.g. --lr 1.5e-4")
     if optimizer.lr <= 0 or optimizer.min_lr < 0 or optimizer.min_lr > optimizer.lr:
         raise ValueError(f"need 0 <= --min-lr ({optimizer.min_lr}) <= --lr ({optimizer.lr}) and "
                          f"--lr > 0")
-    if optimizer.lr_decay_iters is None:
-        optimizer.lr_decay_iters = train_iters
-    if optimizer.lr_decay_iters < 1:
-        raise ValueError(f"--lr-decay-iters {optimizer.lr_decay_iters} must be >= 1")
-    if optimizer.lr_warmup_fraction is not None:
-        if optimizer.lr_warmup_iters:
-            raise ValueError("give only one of --lr-warmup-fraction and --lr-warmup-iters")
-        if not 0.0 <= optimizer.lr_warmup_fraction <= 1.0:
-            raise ValueError(f"--lr-warmup-fraction {optimizer.lr_warmup_fraction} must lie in "
-                             f"[0, 1]")
-    elif optimizer.lr_warmup_iters < 0 or optimizer.lr_warmup_iters > optimizer.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must lie in [0, "
-                         f"--lr-decay-iters {optimizer.lr_decay_iters}]; shorten the warm-up")
+    if config.training.train_samples is not None:
+        _validate_samples_schedule(config)
+    else:
+        _validate_iterations_schedule(config)
     if optimizer.clip_grad < 0:
         raise ValueError(f"--clip-grad {optimizer.clip_grad} must be >= 0 (0 disables clipping)")
     for name in ("adam_beta1", "adam_beta2"):
@@ -363,6 +372,50 @@ def _validate_optimizer(config: MegatronConfig) -> None:
             optimizer.min_loss_scale > optimizer.initial_loss_scale:
         raise ValueError("need 0 < --min-loss-scale <= --initial-loss-scale")
     _require_positive(optimizer, ("loss_scale_window", "hysteresis"))
+
+
+def _validate_warmup_fraction(optimizer, warmup_flag: str) -> None:
+    if optimizer.lr_warmup_fraction is None:
+        return
+    if getattr(optimizer, warmup_flag.lstrip("-").replace("-", "_")):
+        raise ValueError(f"give only one of --lr-warmup-fraction and {warmup_flag}")
+    if not 0.0 <= optimizer.lr_warmup_fraction <= 1.0:
+        raise ValueError(f"--lr-warmup-fraction {optimizer.lr_warmup_fraction} must lie in [0, 1]")
+
+
+def _validate_iterations_schedule(config: MegatronConfig) -> None:
+    """--train-iters: the schedule is in iterations (--lr-decay-iters, --lr-warmup-iters)."""
+    optimizer = config.optimizer
+    if optimizer.lr_decay_samples is not None or optimizer.lr_warmup_samples:
+        raise ValueError("--lr-decay-samples / --lr-warmup-samples belong to samples-based "
+                         "training; use --train-samples, or --lr-decay-iters / --lr-warmup-iters")
+    if optimizer.lr_decay_iters is None:
+        optimizer.lr_decay_iters = config.training.train_iters
+    if optimizer.lr_decay_iters < 1:
+        raise ValueError(f"--lr-decay-iters {optimizer.lr_decay_iters} must be >= 1")
+    _validate_warmup_fraction(optimizer, "--lr-warmup-iters")
+    if optimizer.lr_warmup_fraction is None and not \
+            0 <= optimizer.lr_warmup_iters <= optimizer.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must lie in [0, "
+                         f"--lr-decay-iters {optimizer.lr_decay_iters}]; shorten the warm-up")
+
+
+def _validate_samples_schedule(config: MegatronConfig) -> None:
+    """--train-samples: the schedule is in samples (Megatron: --lr-decay-samples defaults to
+    --train-samples; the iteration-based schedule flags are refused)."""
+    optimizer = config.optimizer
+    if optimizer.lr_decay_iters is not None or optimizer.lr_warmup_iters:
+        raise ValueError("--lr-decay-iters / --lr-warmup-iters belong to iteration-based training; "
+                         "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
+    if optimizer.lr_decay_samples is None:
+        optimizer.lr_decay_samples = config.training.train_samples
+    if optimizer.lr_decay_samples < 1:
+        raise ValueError(f"--lr-decay-samples {optimizer.lr_decay_samples} must be >= 1")
+    _validate_warmup_fraction(optimizer, "--lr-warmup-samples")
+    if optimizer.lr_warmup_fraction is None and not \
+            0 <= optimizer.lr_warmup_samples < optimizer.lr_decay_samples:
+        raise ValueError(f"--lr-warmup-samples {optimizer.lr_warmup_samples} must lie in [0, "
+                         f"--lr-decay-samples {optimizer.lr_decay_samples}); shorten the warm-up")
 
 
 def _parse_split(split: str) -> list[float]:
@@ -453,14 +506,36 @@ def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
     processes of the run (``TP x PP x DP``). The input config is not modified.
     """
     config = copy.deepcopy(config)
-    _check_not_supported_yet(config)
-    _translate_legacy_recompute(config)
-    _validate_model(config)
-    _validate_parallel(config, world_size)
-    _validate_batch(config)
-    _check_schedule_options(config)
-    _validate_recompute(config)
-    _validate_optimizer(config)
-    _validate_data(config)
-    _validate_logging_and_checkpoints(config)
+    problems = not_supported_problems(config)
+    failed: set[str] = set()
+    for name, step, needs in _VALIDATION_STEPS:
+        if failed.intersection(needs):
+            failed.add(name)  # its inputs are invalid: its own verdict would mislead
+            continue
+        try:
+            step(config, world_size)
+        except ConfigurationError as error:
+            problems.extend(error.problems)
+            failed.add(name)
+        except ValueError as error:
+            problems.append(str(error))
+            failed.add(name)
+    if problems:
+        raise ConfigurationError(problems)
     return config
+
+
+# (name, step, names of the steps whose derived fields it reads). Independent steps all run, so one
+# run reports every problem; a step whose inputs failed is skipped.
+_VALIDATION_STEPS: tuple = (
+    ("legacy", lambda config, world_size: _translate_legacy_recompute(config), ()),
+    ("model", lambda config, world_size: _validate_model(config), ()),
+    ("parallel", _validate_parallel, ("model",)),
+    ("batch", lambda config, world_size: _validate_batch(config), ("parallel",)),
+    ("precision", lambda config, world_size: _validate_precision_and_evaluation(config), ()),
+    ("schedule", lambda config, world_size: _check_schedule_options(config), ("batch",)),
+    ("recompute", lambda config, world_size: _validate_recompute(config), ("parallel", "legacy")),
+    ("optimizer", lambda config, world_size: _validate_optimizer(config), ("batch",)),
+    ("data", lambda config, world_size: _validate_data(config), ("parallel",)),
+    ("logging", lambda config, world_size: _validate_logging_and_checkpoints(config), ()),
+)
