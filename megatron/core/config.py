@@ -134,7 +134,9 @@ class TrainingConfig:
         None, "Samples per iteration over all data-parallel ranks; default micro-batch-size * "
               "data-parallel size.")
     rampup_batch_size: Optional[list[int]] = option(
-        None, "Batch-size ramp-up (not supported yet).")
+        None, "Batch-size ramp-up START INCREMENT RAMP_SAMPLES: the global batch grows from START "
+              "by INCREMENT in equal steps over the first RAMP_SAMPLES samples (without pipeline "
+              "parallelism).")
     train_iters: Optional[int] = option(None, "Number of training iterations.")
     train_samples: Optional[int] = option(
         None, "Number of training samples (alternative to --train-iters).")

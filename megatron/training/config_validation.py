@@ -48,9 +48,6 @@ NOT_SUPPORTED_YET: tuple[UnsupportedFeature, ...] = (
                        "remove it (tensor parallelism without sequence parallelism is supported)"),
     UnsupportedFeature("parallel", "use_distributed_optimizer", "--use-distributed-optimizer", bool,
                        "remove it (optimizer state is replicated over data-parallel ranks)"),
-    UnsupportedFeature("training", "rampup_batch_size", "--rampup-batch-size",
-                       lambda value: value is not None,
-                       "remove it and train with a fixed --global-batch-size"),
     UnsupportedFeature("model", "position_embedding_type", "--position-embedding-type rope",
                        lambda value: value == "rope",
                        "use --position-embedding-type learned_absolute (the default)"),
@@ -286,18 +283,47 @@ def _validate_batch(config: MegatronConfig) -> None:
             f"{parallel.data_parallel_size} = {per_step}; use a multiple of {per_step}")
     training.num_microbatches = training.global_batch_size // per_step
 
+    _validate_rampup(config, per_step)
     if training.train_iters is None and training.train_samples is None:
         raise ValueError("give the training length: --train-iters N or --train-samples N")
     if training.train_samples is not None:
         if training.train_samples < training.global_batch_size:
             raise ValueError(f"--train-samples {training.train_samples} is smaller than one "
                              f"global batch ({training.global_batch_size}); raise it")
-        iterations = training.train_samples // training.global_batch_size
+        from megatron.training.microbatches import iterations_for_samples
+        iterations = iterations_for_samples(training, training.train_samples)
         if training.train_iters is not None and training.train_iters != iterations:
             raise ValueError(f"--train-iters {training.train_iters} and --train-samples "
                              f"{training.train_samples} disagree (that is {iterations} iterations "
                              f"of {training.global_batch_size} samples); give only one")
         training.train_iters = iterations
+
+
+def _validate_rampup(config: MegatronConfig, per_step: int) -> None:
+    """--rampup-batch-size START INCREMENT RAMP_SAMPLES (Megatron's rules)."""
+    training = config.training
+    if training.rampup_batch_size is None:
+        return
+    if len(training.rampup_batch_size) != 3:
+        raise ValueError("--rampup-batch-size takes three numbers: START INCREMENT RAMP_SAMPLES, "
+                         "e.g. --rampup-batch-size 16 16 5859375")
+    start, increment, ramp_samples = training.rampup_batch_size
+    if start < 1 or increment < 1 or ramp_samples < 0 or start > training.global_batch_size:
+        raise ValueError(f"--rampup-batch-size {start} {increment} {ramp_samples} needs "
+                         f"1 <= START <= --global-batch-size {training.global_batch_size}, "
+                         f"INCREMENT >= 1 and RAMP_SAMPLES >= 0")
+    if (training.global_batch_size - start) % increment:
+        raise ValueError(f"--global-batch-size {training.global_batch_size} minus the ramp-up start "
+                         f"{start} is not a multiple of the increment {increment}; fix "
+                         f"--rampup-batch-size")
+    if start % per_step or increment % per_step:
+        raise ValueError(f"--rampup-batch-size START {start} and INCREMENT {increment} must be "
+                         f"multiples of --micro-batch-size x data-parallel size = {per_step}, so "
+                         f"every batch of the ramp splits into whole micro-batches")
+    if config.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError("--rampup-batch-size is not supported yet with pipeline parallelism "
+                         "(the pipeline schedule is built for one micro-batch count); use "
+                         "--pipeline-model-parallel-size 1 or a fixed --global-batch-size")
 
 
 def _validate_precision_and_evaluation(config: MegatronConfig) -> None:

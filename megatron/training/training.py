@@ -36,7 +36,7 @@ from megatron.training.initialize import (initialize_megatron, local_rank_from_e
 from megatron.training.logging_utils import (IntervalStats, build_tensorboard_writer,
                                              format_iteration_line, format_validation_lines,
                                              write_training_scalars, write_validation_scalars)
-from megatron.training.microbatches import build_microbatches
+from megatron.training.microbatches import build_microbatches, global_batch_size_at
 from megatron.training.runtime import (NoPipelineRuntime, autocast_context, model_parameters)
 
 LOSS_KEYS = ("lm loss",)
@@ -140,17 +140,21 @@ def reduce_losses(loss_dicts: list[dict], parallel_state, device: torch.device,
     return {key: totals[index].item() / count for index, key in enumerate(keys)}
 
 
-def iteration_microbatches(components: TrainingComponents, dataset, first_sample: int
-                           ) -> list[dict]:
-    """This rank's micro-batches of the global batch starting at ``first_sample``."""
+def iteration_microbatches(components: TrainingComponents, dataset, first_sample: int,
+                           global_batch_size: Optional[int] = None) -> list[dict]:
+    """This rank's micro-batches of the global batch starting at ``first_sample`` (of
+    ``global_batch_size`` samples; default ``--global-batch-size``)."""
     training, state = components.config.training, components.parallel_state
+    num_microbatches = training.num_microbatches if global_batch_size is None else \
+        global_batch_size // (training.micro_batch_size * state.dp_size)
     return build_microbatches(dataset, first_sample, training.micro_batch_size, state.dp_size,
-                              state.dp_rank, training.num_microbatches, components.device)
+                              state.dp_rank, num_microbatches, components.device)
 
 
-def train_step(components: TrainingComponents, forward_step_func, microbatches: list[dict]
-               ) -> IterationRecord:
-    """One iteration on already-built micro-batches; returns its record (iteration unset: 0)."""
+def train_step(components: TrainingComponents, forward_step_func, microbatches: list[dict],
+               global_batch_size: Optional[int] = None) -> IterationRecord:
+    """One iteration on already-built micro-batches of ``global_batch_size`` samples (default
+    ``--global-batch-size``); returns its record (iteration unset: 0)."""
     optimizer = components.optimizer
     for chunk in components.model_chunks:
         chunk.train()
@@ -165,7 +169,8 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
         reducer.wait()
     result = optimizer.step()
     if result.update_successful:
-        components.lr_scheduler.step(components.config.training.global_batch_size)
+        components.lr_scheduler.step(global_batch_size or
+                                     components.config.training.global_batch_size)
     losses = reduce_losses(loss_dicts, components.parallel_state, components.device)
     got_nan = any(not math.isfinite(v) for v in losses.values()) or (
         result.grad_norm is not None and not math.isfinite(result.grad_norm))
@@ -237,7 +242,6 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
     training, logging_config = config.training, config.logging
     parallel_state, device = components.parallel_state, components.device
     start_time = time.time() if start_time is None else start_time
-    flops_per_iteration = gpt_flops_per_iteration(config.model, training.global_batch_size)
     result = TrainingResult(state=state, components=components)
     interval = IntervalStats()
     _synchronize(device)
@@ -251,10 +255,12 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
             last_saved = state.iteration
 
     while state.iteration < training.train_iters:
-        microbatches = iteration_microbatches(components, train_dataset, state.consumed_train_samples)
-        record = train_step(components, forward_step_func, microbatches)
+        batch_size = global_batch_size_at(training, state.consumed_train_samples)
+        microbatches = iteration_microbatches(components, train_dataset,
+                                              state.consumed_train_samples, batch_size)
+        record = train_step(components, forward_step_func, microbatches, batch_size)
         state.iteration += 1
-        state.consumed_train_samples += training.global_batch_size
+        state.consumed_train_samples += batch_size
         record.iteration = state.iteration
         result.history.append(record)
         interval.add(record.losses, record.skipped, record.got_nan)
@@ -266,16 +272,17 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
             losses = interval.average_losses()
             write_training_scalars(tensorboard_writer, state.iteration, losses=losses,
                                    learning_rate=learning_rate,
-                                   global_batch_size=training.global_batch_size,
+                                   global_batch_size=batch_size,
                                    loss_scale=record.loss_scale, grad_norm=record.grad_norm)
             if is_logging_rank(parallel_state):
                 log(format_iteration_line(
                     iteration=state.iteration, train_iters=training.train_iters,
                     consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0,
                     throughput_tflops=throughput_tflops_per_gpu(
-                        flops_per_iteration, elapsed, parallel_state.world_size),
+                        gpt_flops_per_iteration(config.model, batch_size), elapsed,
+                        parallel_state.world_size),
                     learning_rate=learning_rate,
-                    global_batch_size=training.global_batch_size,
+                    global_batch_size=batch_size,
                     losses=losses, loss_scale=record.loss_scale,
                     grad_norm=record.grad_norm, skipped_iterations=interval.skipped_iterations,
                     nan_iterations=interval.nan_iterations))
