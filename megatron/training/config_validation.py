@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron.core.config import MegatronConfig, ModelConfig
+from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +48,9 @@ NOT_SUPPORTED_YET: tuple[UnsupportedFeature, ...] = (
                        "remove it (tensor parallelism without sequence parallelism is supported)"),
     UnsupportedFeature("parallel", "use_distributed_optimizer", "--use-distributed-optimizer", bool,
                        "remove it (optimizer state is replicated over data-parallel ranks)"),
-    UnsupportedFeature("model", "position_embedding_type", "--position-embedding-type rope",
-                       lambda value: value == "rope",
-                       "use --position-embedding-type learned_absolute (the default)"),
-    UnsupportedFeature("model", "swiglu", "--swiglu", bool,
-                       "remove it (the MLP is GeLU with --ffn-hidden-size)"),
-    UnsupportedFeature("model", "normalization", "--normalization RMSNorm",
-                       lambda value: value == "RMSNorm", "use --normalization LayerNorm (the default)"),
-    UnsupportedFeature("model", "disable_bias_linear", "--disable-bias-linear", bool,
-                       "remove it (linear layers have biases)"),
+    # The model's gates: one table shared with the model (megatron.core.config).
+    *(UnsupportedFeature("model", gate.field, gate.shown, gate.is_used, gate.instead)
+      for gate in MODEL_FEATURE_GATES),
 )
 
 

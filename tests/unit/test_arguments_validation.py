@@ -284,3 +284,15 @@ def test_overlap_grad_reduce_with_a_pipeline_is_reported_as_ignored(caplog):
         parse_args(argv, world_size=2)
     assert any("--overlap-grad-reduce is ignored with pipeline parallelism" in r.getMessage()
                for r in caplog.records)
+
+
+def test_model_feature_gates_are_one_table_for_validation_and_the_model():
+    """Argument validation and GPTModel refuse exactly the features of MODEL_FEATURE_GATES."""
+    from megatron.core.config import MODEL_FEATURE_GATES, ModelConfig, refused_model_features
+    from megatron.training.config_validation import NOT_SUPPORTED_YET
+    gated = {(gate.field, gate.shown) for gate in MODEL_FEATURE_GATES}
+    refused_by_validation = {(feature.field, feature.shown) for feature in NOT_SUPPORTED_YET
+                             if feature.section == "model"}
+    assert refused_by_validation == gated
+    assert refused_model_features(ModelConfig()) == []
+    assert len(refused_model_features(ModelConfig(swiglu=True, normalization="RMSNorm"))) == 2
