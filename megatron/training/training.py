@@ -233,85 +233,129 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
             log(line)
 
 
+@dataclass
+class _LoopContext:
+    """What the training loop's helpers share: the run's objects and the interval being logged."""
+
+    components: TrainingComponents
+    forward_step_func: Callable
+    state: TrainingState
+    result: TrainingResult
+    log: Callable
+    checkpointing: object
+    start_time: float
+    tensorboard_writer: object
+    interval: IntervalStats = field(default_factory=IntervalStats)
+    interval_start: float = 0.0
+    last_saved: Optional[int] = None
+
+    @property
+    def config(self):
+        return self.components.config
+
+    def restart_interval_clock(self) -> None:
+        _synchronize(self.components.device)
+        self.interval_start = time.perf_counter()
+
+    def save(self) -> None:
+        """Save (when --save is given) unless this iteration is already saved."""
+        if self.last_saved == self.state.iteration:
+            return
+        if self.checkpointing is not None and self.config.checkpoint.save is not None:
+            self.checkpointing.save(self.components, self.state)
+            self.last_saved = self.state.iteration
+
+
+def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord, int]:
+    """One training iteration at the current (possibly ramping) global batch size."""
+    state = loop.state
+    batch_size = global_batch_size_at(loop.config.training, state.consumed_train_samples)
+    microbatches = iteration_microbatches(loop.components, train_dataset,
+                                          state.consumed_train_samples, batch_size)
+    record = train_step(loop.components, loop.forward_step_func, microbatches, batch_size)
+    state.iteration += 1
+    state.consumed_train_samples += batch_size
+    record.iteration = state.iteration
+    loop.result.history.append(record)
+    loop.interval.add(record.losses, record.skipped, record.got_nan)
+    return record, batch_size
+
+
+def _log_interval(loop: _LoopContext, record: IterationRecord, batch_size: int) -> None:
+    """Megatron's iteration line and the TensorBoard scalars for the interval that just ended."""
+    components, state, interval = loop.components, loop.state, loop.interval
+    parallel_state = components.parallel_state
+    _synchronize(components.device)
+    elapsed = (time.perf_counter() - loop.interval_start) / interval.iterations
+    learning_rate = components.optimizer.param_groups[0]["lr"]
+    losses = interval.average_losses()
+    write_training_scalars(loop.tensorboard_writer, state.iteration, losses=losses,
+                           learning_rate=learning_rate, global_batch_size=batch_size,
+                           loss_scale=record.loss_scale, grad_norm=record.grad_norm)
+    if is_logging_rank(parallel_state):
+        loop.log(format_iteration_line(
+            iteration=state.iteration, train_iters=loop.config.training.train_iters,
+            consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0,
+            throughput_tflops=throughput_tflops_per_gpu(
+                gpt_flops_per_iteration(loop.config.model, batch_size), elapsed,
+                parallel_state.world_size),
+            learning_rate=learning_rate, global_batch_size=batch_size, losses=losses,
+            loss_scale=record.loss_scale, grad_norm=record.grad_norm,
+            skipped_iterations=interval.skipped_iterations,
+            nan_iterations=interval.nan_iterations))
+    loop.interval = IntervalStats()
+    loop.interval_start = time.perf_counter()
+
+
+def _evaluate_if_due(loop: _LoopContext, valid_dataset) -> None:
+    training, iteration = loop.config.training, loop.state.iteration
+    if (valid_dataset is not None and training.eval_iters > 0 and training.eval_interval
+            and iteration % training.eval_interval == 0):
+        _run_evaluation(loop.components, loop.forward_step_func, valid_dataset, loop.state,
+                        f"iteration {iteration}", loop.result, loop.log, advance=True,
+                        tensorboard_writer=loop.tensorboard_writer)
+        loop.interval_start = time.perf_counter()  # evaluation time is not training time
+
+
+def _save_and_exit_if_due(loop: _LoopContext) -> bool:
+    """Save every --save-interval; on --exit-interval / --exit-duration-in-mins save and say so.
+    Returns True when the run must stop now."""
+    config, iteration = loop.config, loop.state.iteration
+    save_interval = config.checkpoint.save_interval
+    if save_interval and iteration % save_interval == 0:
+        loop.save()
+    exit_interval = config.training.exit_interval
+    exit_now = bool(exit_interval and iteration % exit_interval == 0)
+    exit_now = _should_exit_for_duration(config, loop.start_time, loop.components.device) or exit_now
+    if exit_now:
+        loop.save()
+        if is_logging_rank(loop.components.parallel_state):
+            loop.log(f"exiting program at iteration {iteration}")
+    return exit_now
+
+
 def train(components: TrainingComponents, forward_step_func, train_dataset, valid_dataset,
           state: TrainingState, *, log: Callable = print, checkpointing=None,
           start_time: Optional[float] = None, tensorboard_writer=None) -> TrainingResult:
     """Iterate from ``state`` to ``--train-iters``, logging, evaluating, saving and exiting as the
     flags say. Returns the final state and per-iteration records."""
-    config = components.config
-    training, logging_config = config.training, config.logging
-    parallel_state, device = components.parallel_state, components.device
-    start_time = time.time() if start_time is None else start_time
-    result = TrainingResult(state=state, components=components)
-    interval = IntervalStats()
-    _synchronize(device)
-    interval_start = time.perf_counter()
-    last_saved = None
-
-    def save():
-        nonlocal last_saved
-        if checkpointing is not None and config.checkpoint.save is not None:
-            checkpointing.save(components, state)
-            last_saved = state.iteration
-
-    while state.iteration < training.train_iters:
-        batch_size = global_batch_size_at(training, state.consumed_train_samples)
-        microbatches = iteration_microbatches(components, train_dataset,
-                                              state.consumed_train_samples, batch_size)
-        record = train_step(components, forward_step_func, microbatches, batch_size)
-        state.iteration += 1
-        state.consumed_train_samples += batch_size
-        record.iteration = state.iteration
-        result.history.append(record)
-        interval.add(record.losses, record.skipped, record.got_nan)
-
-        if state.iteration % logging_config.log_interval == 0:
-            _synchronize(device)
-            elapsed = (time.perf_counter() - interval_start) / interval.iterations
-            learning_rate = components.optimizer.param_groups[0]["lr"]
-            losses = interval.average_losses()
-            write_training_scalars(tensorboard_writer, state.iteration, losses=losses,
-                                   learning_rate=learning_rate,
-                                   global_batch_size=batch_size,
-                                   loss_scale=record.loss_scale, grad_norm=record.grad_norm)
-            if is_logging_rank(parallel_state):
-                log(format_iteration_line(
-                    iteration=state.iteration, train_iters=training.train_iters,
-                    consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0,
-                    throughput_tflops=throughput_tflops_per_gpu(
-                        gpt_flops_per_iteration(config.model, batch_size), elapsed,
-                        parallel_state.world_size),
-                    learning_rate=learning_rate,
-                    global_batch_size=batch_size,
-                    losses=losses, loss_scale=record.loss_scale,
-                    grad_norm=record.grad_norm, skipped_iterations=interval.skipped_iterations,
-                    nan_iterations=interval.nan_iterations))
-            interval = IntervalStats()
-            interval_start = time.perf_counter()
-
-        if (valid_dataset is not None and training.eval_iters > 0 and training.eval_interval
-                and state.iteration % training.eval_interval == 0):
-            _run_evaluation(components, forward_step_func, valid_dataset, state,
-                            f"iteration {state.iteration}", result, log, advance=True,
-                            tensorboard_writer=tensorboard_writer)
-            interval_start = time.perf_counter()  # evaluation time is not training time
-
-        save_interval = config.checkpoint.save_interval
-        if save_interval and state.iteration % save_interval == 0:
-            save()
-        exit_now = bool(training.exit_interval and state.iteration % training.exit_interval == 0)
-        exit_now = _should_exit_for_duration(config, start_time, device) or exit_now
-        if exit_now:
-            if last_saved != state.iteration:
-                save()
-            if is_logging_rank(parallel_state):
-                log(f"exiting program at iteration {state.iteration}")
-            result.exited_early = True
-            return result
-
-    if last_saved != state.iteration and state.iteration > 0:
-        save()
-    return result
+    loop = _LoopContext(
+        components=components, forward_step_func=forward_step_func, state=state,
+        result=TrainingResult(state=state, components=components), log=log,
+        checkpointing=checkpointing, tensorboard_writer=tensorboard_writer,
+        start_time=time.time() if start_time is None else start_time)
+    loop.restart_interval_clock()
+    while state.iteration < components.config.training.train_iters:
+        record, batch_size = _train_iteration(loop, train_dataset)
+        if state.iteration % components.config.logging.log_interval == 0:
+            _log_interval(loop, record, batch_size)
+        _evaluate_if_due(loop, valid_dataset)
+        if _save_and_exit_if_due(loop):
+            loop.result.exited_early = True
+            return loop.result
+    if state.iteration > 0:
+        loop.save()
+    return loop.result
 
 
 def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
