@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
+from megatron.training.batch_validation import (require_positive, validate_batch,
+                                               validate_iterations_schedule,
+                                               validate_precision_and_evaluation,
+                                               validate_samples_schedule)
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +85,6 @@ def set_padded_vocab_size(config: MegatronConfig, vocab_size: int) -> int:
     return padded
 
 
-def _require_positive(section, names: tuple[str, ...], allow_none: bool = False) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value is None and allow_none:
-            continue
-        if value is None or value < 1:
-            raise ValueError(f"{_flag(name)} must be a positive integer, got {value}; "
-                             f"set {_flag(name)} to a value >= 1")
-
-
 class ConfigurationError(ValueError):
     """Every problem validation found in one config; ``problems`` holds one message each."""
 
@@ -143,9 +137,9 @@ def _validate_model(config: MegatronConfig) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(model, name) is None:
             raise ValueError(f"{_flag(name)} is required; add it to the command line")
-    _require_positive(model, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+    require_positive(model, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                               "make_vocab_size_divisible_by"))
-    _require_positive(model, ("ffn_hidden_size", "max_position_embeddings", "vocab_size"),
+    require_positive(model, ("ffn_hidden_size", "max_position_embeddings", "vocab_size"),
                       allow_none=True)
     if model.hidden_size % model.num_attention_heads:
         raise ValueError(f"--hidden-size {model.hidden_size} is not divisible by "
@@ -169,7 +163,7 @@ def _validate_model(config: MegatronConfig) -> None:
 
 def _validate_parallel(config: MegatronConfig, world_size: int) -> None:
     parallel, model = config.parallel, config.model
-    _require_positive(parallel, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    require_positive(parallel, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world_size < 1:
         raise ValueError(f"world size {world_size} must be >= 1")
@@ -262,72 +256,6 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
                        "--chimera-grad-sync)")
 
 
-def _validate_batch(config: MegatronConfig) -> None:
-    training, parallel = config.training, config.parallel
-    _require_positive(training, ("micro_batch_size",))
-    _require_positive(training, ("global_batch_size", "train_iters", "train_samples"),
-                      allow_none=True)
-    per_step = training.micro_batch_size * parallel.data_parallel_size
-    if training.global_batch_size is None:
-        training.global_batch_size = per_step
-    if training.global_batch_size % per_step:
-        raise ValueError(
-            f"--global-batch-size {training.global_batch_size} is not divisible by "
-            f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
-            f"{parallel.data_parallel_size} = {per_step}; use a multiple of {per_step}")
-    training.num_microbatches = training.global_batch_size // per_step
-
-    _validate_rampup(config, per_step)
-    if training.train_iters is None and training.train_samples is None:
-        raise ValueError("give the training length: --train-iters N or --train-samples N")
-    if training.train_samples is not None:
-        if training.train_samples < training.global_batch_size:
-            raise ValueError(f"--train-samples {training.train_samples} is smaller than one "
-                             f"global batch ({training.global_batch_size}); raise it")
-        from megatron.training.microbatches import iterations_for_samples
-        iterations = iterations_for_samples(training, training.train_samples)
-        if training.train_iters is not None and training.train_iters != iterations:
-            raise ValueError(f"--train-iters {training.train_iters} and --train-samples "
-                             f"{training.train_samples} disagree (that is {iterations} iterations "
-                             f"of {training.global_batch_size} samples); give only one")
-        training.train_iters = iterations
-
-
-def _validate_rampup(config: MegatronConfig, per_step: int) -> None:
-    """--rampup-batch-size START INCREMENT RAMP_SAMPLES (Megatron's rules)."""
-    training = config.training
-    if training.rampup_batch_size is None:
-        return
-    if len(training.rampup_batch_size) != 3:
-        raise ValueError("--rampup-batch-size takes three numbers: START INCREMENT RAMP_SAMPLES, "
-                         "e.g. --rampup-batch-size 16 16 5859375")
-    start, increment, ramp_samples = training.rampup_batch_size
-    if start < 1 or increment < 1 or ramp_samples < 0 or start > training.global_batch_size:
-        raise ValueError(f"--rampup-batch-size {start} {increment} {ramp_samples} needs "
-                         f"1 <= START <= --global-batch-size {training.global_batch_size}, "
-                         f"INCREMENT >= 1 and RAMP_SAMPLES >= 0")
-    if (training.global_batch_size - start) % increment:
-        raise ValueError(f"--global-batch-size {training.global_batch_size} minus the ramp-up start "
-                         f"{start} is not a multiple of the increment {increment}; fix "
-                         f"--rampup-batch-size")
-    if start % per_step or increment % per_step:
-        raise ValueError(f"--rampup-batch-size START {start} and INCREMENT {increment} must be "
-                         f"multiples of --micro-batch-size x data-parallel size = {per_step}, so "
-                         f"every batch of the ramp splits into whole micro-batches")
-    if config.parallel.pipeline_model_parallel_size > 1:
-        raise ValueError("--rampup-batch-size is not supported yet with pipeline parallelism "
-                         "(the pipeline schedule is built for one micro-batch count); use "
-                         "--pipeline-model-parallel-size 1 or a fixed --global-batch-size")
-
-
-def _validate_precision_and_evaluation(config: MegatronConfig) -> None:
-    training = config.training
-    if training.fp16 and training.bf16:
-        raise ValueError("--fp16 and --bf16 are mutually exclusive; choose one")
-    if training.eval_interval < 1 or training.eval_iters < 0:
-        raise ValueError("--eval-interval must be >= 1 and --eval-iters >= 0")
-
-
 def _check_schedule_options(config: MegatronConfig) -> None:
     """Ask the schedule builders whether they accept this depth and micro-batch count."""
     # Imported here: the schedules package owns these rules, and validation must not import it at
@@ -356,7 +284,7 @@ def _validate_recompute(config: MegatronConfig) -> None:
                              "block")
         if recompute.recompute_num_layers is None:
             recompute.recompute_num_layers = 1
-        _require_positive(recompute, ("recompute_num_layers",))
+        require_positive(recompute, ("recompute_num_layers",))
         layers_per_stage = config.model.num_layers // config.parallel.pipeline_model_parallel_size
         if recompute.recompute_method == "block" and \
                 recompute.recompute_num_layers > layers_per_stage:
@@ -375,9 +303,9 @@ def _validate_optimizer(config: MegatronConfig) -> None:
         raise ValueError(f"need 0 <= --min-lr ({optimizer.min_lr}) <= --lr ({optimizer.lr}) and "
                          f"--lr > 0")
     if config.training.train_samples is not None:
-        _validate_samples_schedule(config)
+        validate_samples_schedule(config)
     else:
-        _validate_iterations_schedule(config)
+        validate_iterations_schedule(config)
     if optimizer.clip_grad < 0:
         raise ValueError(f"--clip-grad {optimizer.clip_grad} must be >= 0 (0 disables clipping)")
     for name in ("adam_beta1", "adam_beta2"):
@@ -391,51 +319,7 @@ def _validate_optimizer(config: MegatronConfig) -> None:
     if optimizer.initial_loss_scale <= 0 or optimizer.min_loss_scale <= 0 or \
             optimizer.min_loss_scale > optimizer.initial_loss_scale:
         raise ValueError("need 0 < --min-loss-scale <= --initial-loss-scale")
-    _require_positive(optimizer, ("loss_scale_window", "hysteresis"))
-
-
-def _validate_warmup_fraction(optimizer, warmup_flag: str) -> None:
-    if optimizer.lr_warmup_fraction is None:
-        return
-    if getattr(optimizer, warmup_flag.lstrip("-").replace("-", "_")):
-        raise ValueError(f"give only one of --lr-warmup-fraction and {warmup_flag}")
-    if not 0.0 <= optimizer.lr_warmup_fraction <= 1.0:
-        raise ValueError(f"--lr-warmup-fraction {optimizer.lr_warmup_fraction} must lie in [0, 1]")
-
-
-def _validate_iterations_schedule(config: MegatronConfig) -> None:
-    """--train-iters: the schedule is in iterations (--lr-decay-iters, --lr-warmup-iters)."""
-    optimizer = config.optimizer
-    if optimizer.lr_decay_samples is not None or optimizer.lr_warmup_samples:
-        raise ValueError("--lr-decay-samples / --lr-warmup-samples belong to samples-based "
-                         "training; use --train-samples, or --lr-decay-iters / --lr-warmup-iters")
-    if optimizer.lr_decay_iters is None:
-        optimizer.lr_decay_iters = config.training.train_iters
-    if optimizer.lr_decay_iters < 1:
-        raise ValueError(f"--lr-decay-iters {optimizer.lr_decay_iters} must be >= 1")
-    _validate_warmup_fraction(optimizer, "--lr-warmup-iters")
-    if optimizer.lr_warmup_fraction is None and not \
-            0 <= optimizer.lr_warmup_iters <= optimizer.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must lie in [0, "
-                         f"--lr-decay-iters {optimizer.lr_decay_iters}]; shorten the warm-up")
-
-
-def _validate_samples_schedule(config: MegatronConfig) -> None:
-    """--train-samples: the schedule is in samples (Megatron: --lr-decay-samples defaults to
-    --train-samples; the iteration-based schedule flags are refused)."""
-    optimizer = config.optimizer
-    if optimizer.lr_decay_iters is not None or optimizer.lr_warmup_iters:
-        raise ValueError("--lr-decay-iters / --lr-warmup-iters belong to iteration-based training; "
-                         "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
-    if optimizer.lr_decay_samples is None:
-        optimizer.lr_decay_samples = config.training.train_samples
-    if optimizer.lr_decay_samples < 1:
-        raise ValueError(f"--lr-decay-samples {optimizer.lr_decay_samples} must be >= 1")
-    _validate_warmup_fraction(optimizer, "--lr-warmup-samples")
-    if optimizer.lr_warmup_fraction is None and not \
-            0 <= optimizer.lr_warmup_samples < optimizer.lr_decay_samples:
-        raise ValueError(f"--lr-warmup-samples {optimizer.lr_warmup_samples} must lie in [0, "
-                         f"--lr-decay-samples {optimizer.lr_decay_samples}); shorten the warm-up")
+    require_positive(optimizer, ("loss_scale_window", "hysteresis"))
 
 
 def _parse_split(split: str) -> list[float]:
@@ -511,9 +395,9 @@ def _validate_data(config: MegatronConfig) -> None:
 
 
 def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
-    _require_positive(config.logging, ("log_interval",))
-    _require_positive(config.checkpoint, ("save_interval",), allow_none=True)
-    _require_positive(config.training, ("exit_interval",), allow_none=True)
+    require_positive(config.logging, ("log_interval",))
+    require_positive(config.checkpoint, ("save_interval",), allow_none=True)
+    require_positive(config.training, ("exit_interval",), allow_none=True)
     if config.checkpoint.save_interval is not None and config.checkpoint.save is None:
         logger.warning("--save-interval %d is given without --save: no checkpoints will be written",
                        config.checkpoint.save_interval)
@@ -551,8 +435,8 @@ _VALIDATION_STEPS: tuple = (
     ("legacy", lambda config, world_size: _translate_legacy_recompute(config), ()),
     ("model", lambda config, world_size: _validate_model(config), ()),
     ("parallel", _validate_parallel, ("model",)),
-    ("batch", lambda config, world_size: _validate_batch(config), ("parallel",)),
-    ("precision", lambda config, world_size: _validate_precision_and_evaluation(config), ()),
+    ("batch", lambda config, world_size: validate_batch(config), ("parallel",)),
+    ("precision", lambda config, world_size: validate_precision_and_evaluation(config), ()),
     ("schedule", lambda config, world_size: _check_schedule_options(config), ("batch",)),
     ("recompute", lambda config, world_size: _validate_recompute(config), ("parallel", "legacy")),
     ("optimizer", lambda config, world_size: _validate_optimizer(config), ("batch",)),
