@@ -259,6 +259,10 @@ class LoggingConfig:
 
     log_interval: int = option(100, "Print a log line every this many iterations.")
     log_throughput: bool = option(False, "Include TFLOP/s per GPU in the log line.")
+    log_params_norm: bool = option(
+        False, "Include the L2 norm of all parameters in the log line ('params norm').")
+    log_num_zeros_in_grad: bool = option(
+        False, "Include the number of zero gradient elements in the log line ('num zeros').")
     tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars here.")
     wandb_project: Optional[str] = option(None, "Weights & Biases project (not supported yet).")
     pipeline_timeline: Optional[str] = option(

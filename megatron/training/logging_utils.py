@@ -32,7 +32,9 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
                           elapsed_ms: float, throughput_tflops: Optional[float],
                           learning_rate: float, global_batch_size: int, losses: dict,
                           loss_scale: float, grad_norm: Optional[float], skipped_iterations: int,
-                          nan_iterations: int, now: Optional[datetime.datetime] = None) -> str:
+                          nan_iterations: int, now: Optional[datetime.datetime] = None,
+                          num_zeros_in_grad: Optional[float] = None,
+                          params_norm: Optional[float] = None) -> str:
     """One Megatron training log line (``losses`` maps a name such as "lm loss" to its average)."""
     now = now or datetime.datetime.now()
     line = f" [{now.strftime('%Y-%m-%d %H:%M:%S')}]"
@@ -52,6 +54,10 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
     line += " loss scale: {:.1f} |".format(loss_scale)
     if grad_norm is not None:
         line += " grad norm: {:.3f} |".format(grad_norm)
+    if num_zeros_in_grad is not None:
+        line += " num zeros: {:.1f} |".format(num_zeros_in_grad)
+    if params_norm is not None:
+        line += " params norm: {:.3f} |".format(params_norm)
     line += " number of skipped iterations: {:3d} |".format(skipped_iterations)
     line += " number of nan iterations: {:3d} |".format(nan_iterations)
     return line

@@ -117,9 +117,6 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     CompatibilityFlag("--log-world-size-to-tensorboard", _TENSORBOARD_SCALARS),
     CompatibilityFlag("--tensorboard-log-interval", _TENSORBOARD_SCALARS, takes_value=True),
     CompatibilityFlag("--tensorboard-queue-size", _TENSORBOARD_SCALARS, takes_value=True),
-    CompatibilityFlag("--log-params-norm",
-                      "the parameter norm is not reported yet (the gradient norm is)"),
-    CompatibilityFlag("--log-num-zeros-in-grad", "zero gradients are not counted yet"),
     CompatibilityFlag("--log-progress", "no progress.txt is written; see the log lines"),
     CompatibilityFlag("--wandb-exp-name", "Weights & Biases logging is not implemented; use "
                       "--tensorboard-dir or the log lines", takes_value=True),

@@ -37,6 +37,7 @@ from megatron.training.logging_utils import (IntervalStats, build_tensorboard_wr
                                              format_iteration_line, format_validation_lines,
                                              write_training_scalars, write_validation_scalars)
 from megatron.training.microbatches import build_microbatches, global_batch_size_at
+from megatron.training.model_statistics import num_zeros_in_grads, params_norm
 from megatron.training.runtime import (NoPipelineRuntime, autocast_context, model_parameters)
 
 LOSS_KEYS = ("lm loss",)
@@ -289,6 +290,11 @@ def _log_interval(loop: _LoopContext, record: IterationRecord, batch_size: int) 
     elapsed = (time.perf_counter() - loop.interval_start) / interval.iterations
     learning_rate = components.optimizer.param_groups[0]["lr"]
     losses = interval.average_losses()
+    logging_config = loop.config.logging
+    zeros = num_zeros_in_grads(components.optimizer, parallel_state) \
+        if logging_config.log_num_zeros_in_grad else None  # collective: every rank
+    norm = params_norm(components.optimizer, parallel_state) \
+        if logging_config.log_params_norm else None
     write_training_scalars(loop.tensorboard_writer, state.iteration, losses=losses,
                            learning_rate=learning_rate, global_batch_size=batch_size,
                            loss_scale=record.loss_scale, grad_norm=record.grad_norm)
@@ -302,7 +308,8 @@ def _log_interval(loop: _LoopContext, record: IterationRecord, batch_size: int) 
             learning_rate=learning_rate, global_batch_size=batch_size, losses=losses,
             loss_scale=record.loss_scale, grad_norm=record.grad_norm,
             skipped_iterations=interval.skipped_iterations,
-            nan_iterations=interval.nan_iterations))
+            nan_iterations=interval.nan_iterations, num_zeros_in_grad=zeros,
+            params_norm=norm))
     loop.interval = IntervalStats()
     loop.interval_start = time.perf_counter()
 
