@@ -259,6 +259,11 @@ class LoggingConfig:
 
     log_interval: int = option(100, "Print a log line every this many iterations.")
     log_throughput: bool = option(False, "Include TFLOP/s per GPU in the log line.")
+    timing_log_level: int = option(
+        0, "Timers in the block after each log line: 0 forward-backward and optimizer; 1 and 2 "
+           "also batch-generator and all-grads-sync.", choices=(0, 1, 2))
+    timing_log_option: str = option(
+        "minmax", "How the timer block summarises ranks.", choices=("max", "minmax", "all"))
     log_params_norm: bool = option(
         False, "Include the L2 norm of all parameters in the log line ('params norm').")
     log_num_zeros_in_grad: bool = option(

@@ -102,12 +102,6 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     CompatibilityFlag("--manual-gc-interval", "Python's garbage collector runs as usual",
                       takes_value=True),
     CompatibilityFlag("--no-manual-gc-eval", "Python's garbage collector runs as usual"),
-    CompatibilityFlag("--timing-log-option",
-                      "Megatron's per-timer lines are not printed yet; the iteration line reports "
-                      "the elapsed time per iteration", choices=("max", "minmax", "all")),
-    CompatibilityFlag("--timing-log-level",
-                      "Megatron's per-timer lines are not printed yet; the iteration line reports "
-                      "the elapsed time per iteration", choices=("0", "1", "2")),
     CompatibilityFlag("--log-timers-to-tensorboard", _TENSORBOARD_SCALARS),
     CompatibilityFlag("--log-memory-to-tensorboard", _TENSORBOARD_SCALARS),
     CompatibilityFlag("--log-validation-ppl-to-tensorboard", _TENSORBOARD_SCALARS),
@@ -141,7 +135,8 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
                       "no ADLR auto-resume service; use --exit-duration-in-mins with --save"),
     CompatibilityFlag("--adlr-autoresume-interval", "no ADLR auto-resume service",
                       takes_value=True),
-    CompatibilityFlag("--barrier-with-L1-time", "timers are not printed per rank yet"),
+    CompatibilityFlag("--barrier-with-L1-time",
+                      "timers synchronise the device, not the ranks (no barrier needed)"),
 )
 
 # Known Megatron flags whose feature is missing: ignoring them would train something else.

@@ -19,6 +19,7 @@ globals; config, process groups and components are passed explicitly. Checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from megatron.training.logging_utils import (IntervalStats, build_tensorboard_wr
                                              write_training_scalars, write_validation_scalars)
 from megatron.training.microbatches import build_microbatches, global_batch_size_at
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
+from megatron.training.timers import Timers
 from megatron.training.runtime import (NoPipelineRuntime, autocast_context, model_parameters)
 
 LOSS_KEYS = ("lm loss",)
@@ -152,23 +154,32 @@ def iteration_microbatches(components: TrainingComponents, dataset, first_sample
                               state.dp_rank, num_microbatches, components.device)
 
 
+def _timed(timers: Optional[Timers], name: str):
+    return contextlib.nullcontext() if timers is None else timers.time(name)
+
+
 def train_step(components: TrainingComponents, forward_step_func, microbatches: list[dict],
-               global_batch_size: Optional[int] = None) -> IterationRecord:
+               global_batch_size: Optional[int] = None,
+               timers: Optional[Timers] = None) -> IterationRecord:
     """One iteration on already-built micro-batches of ``global_batch_size`` samples (default
-    ``--global-batch-size``); returns its record (iteration unset: 0)."""
+    ``--global-batch-size``); returns its record (iteration unset: 0). ``timers`` (optional)
+    records forward-backward, all-grads-sync and optimizer."""
     optimizer = components.optimizer
     for chunk in components.model_chunks:
         chunk.train()
     optimizer.zero_grad()
     learning_rate = optimizer.param_groups[0]["lr"]
-    loss_dicts = components.runtime.forward_backward(
-        forward_step_func=forward_step_func, model_chunks=components.model_chunks,
-        microbatches=microbatches, scale_loss=optimizer.scale_loss,
-        gradient_reducers=components.gradient_reducers, forward_only=False,
-        autocast=components.autocast)
-    for reducer in components.gradient_reducers:
-        reducer.wait()
-    result = optimizer.step()
+    with _timed(timers, "forward-backward"):
+        loss_dicts = components.runtime.forward_backward(
+            forward_step_func=forward_step_func, model_chunks=components.model_chunks,
+            microbatches=microbatches, scale_loss=optimizer.scale_loss,
+            gradient_reducers=components.gradient_reducers, forward_only=False,
+            autocast=components.autocast)
+    with _timed(timers, "all-grads-sync"):
+        for reducer in components.gradient_reducers:
+            reducer.wait()
+    with _timed(timers, "optimizer"):
+        result = optimizer.step()
     if result.update_successful:
         components.lr_scheduler.step(global_batch_size or
                                      components.config.training.global_batch_size)
@@ -246,6 +257,7 @@ class _LoopContext:
     checkpointing: object
     start_time: float
     tensorboard_writer: object
+    timers: Timers
     interval: IntervalStats = field(default_factory=IntervalStats)
     interval_start: float = 0.0
     last_saved: Optional[int] = None
@@ -271,9 +283,11 @@ def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord
     """One training iteration at the current (possibly ramping) global batch size."""
     state = loop.state
     batch_size = global_batch_size_at(loop.config.training, state.consumed_train_samples)
-    microbatches = iteration_microbatches(loop.components, train_dataset,
-                                          state.consumed_train_samples, batch_size)
-    record = train_step(loop.components, loop.forward_step_func, microbatches, batch_size)
+    with loop.timers.time("batch-generator"):
+        microbatches = iteration_microbatches(loop.components, train_dataset,
+                                              state.consumed_train_samples, batch_size)
+    record = train_step(loop.components, loop.forward_step_func, microbatches, batch_size,
+                        loop.timers)
     state.iteration += 1
     state.consumed_train_samples += batch_size
     record.iteration = state.iteration
@@ -310,6 +324,10 @@ def _log_interval(loop: _LoopContext, record: IterationRecord, batch_size: int) 
             skipped_iterations=interval.skipped_iterations,
             nan_iterations=interval.nan_iterations, num_zeros_in_grad=zeros,
             params_norm=norm))
+    timer_lines = loop.timers.report(interval.iterations, parallel_state.world_size)
+    if is_logging_rank(parallel_state):
+        for line in timer_lines:
+            loop.log(line)
     loop.interval = IntervalStats()
     loop.interval_start = time.perf_counter()
 
@@ -350,7 +368,9 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         components=components, forward_step_func=forward_step_func, state=state,
         result=TrainingResult(state=state, components=components), log=log,
         checkpointing=checkpointing, tensorboard_writer=tensorboard_writer,
-        start_time=time.time() if start_time is None else start_time)
+        start_time=time.time() if start_time is None else start_time,
+        timers=Timers(components.config.logging.timing_log_level,
+                      components.config.logging.timing_log_option, components.device))
     loop.restart_interval_clock()
     while state.iteration < components.config.training.train_iters:
         record, batch_size = _train_iteration(loop, train_dataset)
