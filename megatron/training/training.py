@@ -444,11 +444,7 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
     runtime = runtime_class(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime, model_provider, device)
     if is_logging_rank(parallel_state):
-        log(f"> optimizer: {components.optimizer.implementation}; device: {device}; "
-            f"backend: {parallel_state.backend}; world size: {parallel_state.world_size} "
-            f"(TP {parallel_state.tp_size}, DP {parallel_state.dp_size}, "
-            f"PP {parallel_state.pp_size})")
-        log(runtime.describe())
+        _announce_setup(components, log)
 
     state = TrainingState()
     if checkpointing is not None and config.checkpoint.load:
@@ -459,18 +455,35 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
                    checkpointing=checkpointing, start_time=start_time,
                    tensorboard_writer=tensorboard_writer)
     runtime.report(log if is_logging_rank(parallel_state) else None)  # collective
-    if result.exited_early:
-        if tensorboard_writer is not None and hasattr(tensorboard_writer, "flush"):
-            tensorboard_writer.flush()
-        return result
-    eval_iters = config.training.eval_iters
-    if valid_dataset is not None and eval_iters > 0:
-        _run_evaluation(components, forward_step_func, valid_dataset, state,
-                        f"iteration {state.iteration} on validation set", result, log,
-                        advance=True, tensorboard_writer=tensorboard_writer)
-    if test_dataset is not None and eval_iters > 0:
-        _run_evaluation(components, forward_step_func, test_dataset, state,
-                        f"iteration {state.iteration} on test set", result, log, advance=False)
+    if not result.exited_early:
+        _final_evaluations(components, forward_step_func, valid_dataset, test_dataset, result,
+                           log, tensorboard_writer)
     if tensorboard_writer is not None and hasattr(tensorboard_writer, "flush"):
         tensorboard_writer.flush()
     return result
+
+
+def _announce_setup(components: TrainingComponents, log: Callable) -> None:
+    """The setup lines: optimizer, device, backend, layout and the runtime's description."""
+    parallel_state = components.parallel_state
+    log(f"> optimizer: {components.optimizer.implementation}; device: {components.device}; "
+        f"backend: {parallel_state.backend}; world size: {parallel_state.world_size} "
+        f"(TP {parallel_state.tp_size}, DP {parallel_state.dp_size}, "
+        f"PP {parallel_state.pp_size})")
+    log(components.runtime.describe())
+
+
+def _final_evaluations(components: TrainingComponents, forward_step_func, valid_dataset,
+                       test_dataset, result: TrainingResult, log: Callable,
+                       tensorboard_writer) -> None:
+    """Megatron's evaluation on the validation and the test set after training."""
+    state = result.state
+    if components.config.training.eval_iters <= 0:
+        return
+    if valid_dataset is not None:
+        _run_evaluation(components, forward_step_func, valid_dataset, state,
+                        f"iteration {state.iteration} on validation set", result, log,
+                        advance=True, tensorboard_writer=tensorboard_writer)
+    if test_dataset is not None:
+        _run_evaluation(components, forward_step_func, test_dataset, state,
+                        f"iteration {state.iteration} on test set", result, log, advance=False)
