@@ -178,6 +178,9 @@ class TrainingConfig:
         None, "Save (if --save) and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[float] = option(
         None, "Save (if --save) and exit after this many minutes.")
+    exit_signal_handler: bool = option(
+        False, "On SIGTERM, save (if --save) at the end of the current iteration on every rank "
+               "and exit normally.")
     seed: int = option(1234, "Random seed.")
     fp16: bool = option(False, "Train in float16 with dynamic loss scaling.")
     bf16: bool = option(False, "Train in bfloat16.")

@@ -39,6 +39,7 @@ from megatron.training.logging_utils import (IntervalStats, build_tensorboard_wr
                                              write_training_scalars, write_validation_scalars)
 from megatron.training.microbatches import build_microbatches, global_batch_size_at
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
+from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.timers import Timers
 from megatron.training.runtime import (NoPipelineRuntime, autocast_context, model_parameters)
 
@@ -219,13 +220,16 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _should_exit_for_duration(config, start_time: float, device: torch.device) -> bool:
-    """All ranks agree (MAX over the world) on whether --exit-duration-in-mins has passed."""
+def _should_exit_now(config, start_time: float, device: torch.device,
+                     exit_signal: Optional[ExitSignalHandler]) -> bool:
+    """All ranks agree (MAX over the world, one all-reduce) on whether --exit-duration-in-mins has
+    passed or any rank received the exit signal (--exit-signal-handler)."""
     limit = config.training.exit_duration_in_mins
-    if limit is None:
+    if limit is None and exit_signal is None:
         return False
-    flag = torch.tensor([1.0 if (time.time() - start_time) / 60.0 > limit else 0.0],
-                        device=device)
+    over_time = limit is not None and (time.time() - start_time) / 60.0 > limit
+    signalled = exit_signal is not None and exit_signal.received
+    flag = torch.tensor([1.0 if over_time or signalled else 0.0], device=device)
     all_reduce_world(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
 
@@ -258,6 +262,7 @@ class _LoopContext:
     start_time: float
     tensorboard_writer: object
     timers: Timers
+    exit_signal: Optional[ExitSignalHandler] = None
     interval: IntervalStats = field(default_factory=IntervalStats)
     interval_start: float = 0.0
     last_saved: Optional[int] = None
@@ -351,7 +356,8 @@ def _save_and_exit_if_due(loop: _LoopContext) -> bool:
         loop.save()
     exit_interval = config.training.exit_interval
     exit_now = bool(exit_interval and iteration % exit_interval == 0)
-    exit_now = _should_exit_for_duration(config, loop.start_time, loop.components.device) or exit_now
+    exit_now = _should_exit_now(config, loop.start_time, loop.components.device,
+                                loop.exit_signal) or exit_now
     if exit_now:
         loop.save()
         if is_logging_rank(loop.components.parallel_state):
@@ -371,10 +377,18 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         start_time=time.time() if start_time is None else start_time,
         timers=Timers(components.config.logging.timing_log_level,
                       components.config.logging.timing_log_option, components.device))
+    if components.config.training.exit_signal_handler:
+        with ExitSignalHandler() as loop.exit_signal:
+            return _run_loop(loop, train_dataset, valid_dataset)
+    return _run_loop(loop, train_dataset, valid_dataset)
+
+
+def _run_loop(loop: _LoopContext, train_dataset, valid_dataset) -> TrainingResult:
+    state, config = loop.state, loop.config
     loop.restart_interval_clock()
-    while state.iteration < components.config.training.train_iters:
+    while state.iteration < config.training.train_iters:
         record, batch_size = _train_iteration(loop, train_dataset)
-        if state.iteration % components.config.logging.log_interval == 0:
+        if state.iteration % config.logging.log_interval == 0:
             _log_interval(loop, record, batch_size)
         _evaluate_if_due(loop, valid_dataset)
         if _save_and_exit_if_due(loop):
