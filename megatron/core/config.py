@@ -272,7 +272,12 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = option(
         False, "Include the number of zero gradient elements in the log line ('num zeros').")
     tensorboard_dir: Optional[str] = option(None, "Write TensorBoard scalars here.")
-    wandb_project: Optional[str] = option(None, "Weights & Biases project (not supported yet).")
+    wandb_project: Optional[str] = option(
+        None, "Log the TensorBoard scalars to this Weights & Biases project too (needs the wandb "
+              "package; WANDB_MODE=offline works without network).")
+    wandb_exp_name: Optional[str] = option(None, "Weights & Biases run name.")
+    wandb_save_dir: Optional[str] = option(
+        None, "Directory for Weights & Biases files; default <--save>/wandb, else ./wandb.")
     pipeline_timeline: Optional[str] = option(
         None, "Write a Chrome-trace timeline of one iteration's pipeline instructions here.")
 

@@ -50,8 +50,6 @@ DOCS_HINT = "see docs/flags.md for the supported flags"
 IGNORED_FIELDS: dict[str, str] = {
     "num_workers": "samples are read in the training process from memory-mapped files "
                    "(no data-loader workers)",
-    "wandb_project": "Weights & Biases logging is not implemented; use --tensorboard-dir or the "
-                     "log lines",
 }
 
 

@@ -112,10 +112,6 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     CompatibilityFlag("--tensorboard-log-interval", _TENSORBOARD_SCALARS, takes_value=True),
     CompatibilityFlag("--tensorboard-queue-size", _TENSORBOARD_SCALARS, takes_value=True),
     CompatibilityFlag("--log-progress", "no progress.txt is written; see the log lines"),
-    CompatibilityFlag("--wandb-exp-name", "Weights & Biases logging is not implemented; use "
-                      "--tensorboard-dir or the log lines", takes_value=True),
-    CompatibilityFlag("--wandb-save-dir", "Weights & Biases logging is not implemented; use "
-                      "--tensorboard-dir or the log lines", takes_value=True),
     CompatibilityFlag("--ckpt-format", _CHECKPOINT_FORMAT, choices=("torch", "torch_dist")),
     CompatibilityFlag("--use-dist-ckpt", _CHECKPOINT_FORMAT),
     CompatibilityFlag("--async-save", "checkpoints are saved synchronously (same content)"),

@@ -20,6 +20,7 @@ globals; config, process groups and components are passed explicitly. Checkpoint
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_p
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
                                           training_device)
 from megatron.training.logging_utils import (IntervalStats, build_tensorboard_writer,
+                                             check_logging_packages,
                                              format_iteration_line, format_validation_lines,
                                              write_training_scalars, write_validation_scalars)
 from megatron.training.microbatches import build_microbatches, global_batch_size_at
@@ -444,6 +446,8 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
         raise ValueError("--save/--load need a checkpointing hook, and this entry point has none; "
                          "drop --save/--load or use a pretrain_gpt.py with checkpoint support")
     runtime_class = runtime_class or select_runtime_class(config)
+    if tensorboard_writer is None:
+        check_logging_packages(config.logging)  # before any process group exists
     if parallel_state is None:
         from megatron.core.parallel_state import RankLayout
         world_size = config.parallel.world_size or 1
@@ -453,8 +457,9 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
             config, extra_group_ranks=runtime_class.required_group_ranks(config, layout))
     device = training_device(parallel_state.backend, local_rank_from_environment(config))
     if tensorboard_writer is None:
-        tensorboard_writer = build_tensorboard_writer(config.logging,
-                                                      is_logging_rank(parallel_state))
+        tensorboard_writer = build_tensorboard_writer(
+            config.logging, is_logging_rank(parallel_state), save_dir=config.checkpoint.save,
+            run_config=dataclasses.asdict(config))
     runtime = runtime_class(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime, model_provider, device)
     if is_logging_rank(parallel_state):
