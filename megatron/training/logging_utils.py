@@ -106,6 +106,24 @@ class IntervalStats:
                 for name, total in self.loss_sums.items()}
 
 
+def format_memory_report(rank: int, iteration: int, stats: dict) -> str:
+    """Megatron's memory line from ``torch.cuda.memory_stats``-style byte counts."""
+    megabyte = 1024.0 * 1024.0
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | "
+            f"allocated: {stats['allocated_bytes.all.current'] / megabyte} | "
+            f"max allocated: {stats['allocated_bytes.all.peak'] / megabyte} | "
+            f"reserved: {stats['reserved_bytes.all.current'] / megabyte} | "
+            f"max reserved: {stats['reserved_bytes.all.peak'] / megabyte}")
+
+
+def memory_report(rank: int, iteration: int, device) -> Optional[str]:
+    """The memory line for a CUDA device; None on other devices (no allocator statistics)."""
+    import torch
+    if device.type != "cuda":
+        return None
+    return format_memory_report(rank, iteration, torch.cuda.memory_stats(device))
+
+
 def check_logging_packages(logging_config) -> None:
     """Fail with the fix when --tensorboard-dir / --wandb-project need a package that is missing.
 

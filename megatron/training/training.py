@@ -38,6 +38,7 @@ from megatron.training.initialize import (initialize_megatron, local_rank_from_e
 from megatron.training.logging_utils import (IntervalStats, build_tensorboard_writer,
                                              check_logging_packages,
                                              format_iteration_line, format_validation_lines,
+                                             memory_report,
                                              write_training_scalars, write_validation_scalars)
 from megatron.training.microbatches import build_microbatches, global_batch_size_at
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
@@ -303,6 +304,15 @@ def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord
     return record, batch_size
 
 
+def _report_memory(loop: _LoopContext) -> None:
+    """Megatron's memory line after the run's first iteration, printed by every rank of data-
+    parallel rank 0 (CUDA only; whatever the pipeline depth)."""
+    parallel_state = loop.components.parallel_state
+    line = memory_report(parallel_state.rank, loop.state.iteration, loop.components.device)
+    if line is not None and parallel_state.dp_rank == 0:
+        print(line, flush=True)
+
+
 def _log_interval(loop: _LoopContext, record: IterationRecord, batch_size: int) -> None:
     """Megatron's iteration line and the TensorBoard scalars for the interval that just ended."""
     components, state, interval = loop.components, loop.state, loop.interval
@@ -390,6 +400,8 @@ def _run_loop(loop: _LoopContext, train_dataset, valid_dataset) -> TrainingResul
     loop.restart_interval_clock()
     while state.iteration < config.training.train_iters:
         record, batch_size = _train_iteration(loop, train_dataset)
+        if len(loop.result.history) == 1:
+            _report_memory(loop)
         if state.iteration % config.logging.log_interval == 0:
             _log_interval(loop, record, batch_size)
         _evaluate_if_due(loop, valid_dataset)

@@ -55,3 +55,13 @@ def test_options_max_and_all():
             "    optimizer " + "." * 39 + ": 3.00"]
     assert Timers(0, "all", torch.device("cpu"))._format(["optimizer"], table[:, 1:])[1] \
         == "    optimizer " + "." * 39 + ": 1.00, 3.00"
+
+
+def test_memory_report_line_is_megatron_s():
+    from megatron.training.logging_utils import format_memory_report, memory_report
+    stats = {"allocated_bytes.all.current": 2 * 2**20, "allocated_bytes.all.peak": 3 * 2**20,
+             "reserved_bytes.all.current": 4 * 2**20, "reserved_bytes.all.peak": 5 * 2**20}
+    assert format_memory_report(3, 1, stats) == (
+        "[Rank 3] (after 1 iterations) memory (MB) | allocated: 2.0 | max allocated: 3.0 | "
+        "reserved: 4.0 | max reserved: 5.0")
+    assert memory_report(0, 1, torch.device("cpu")) is None  # no allocator statistics on CPU
