@@ -5,8 +5,10 @@ Owns the thin skin between a Megatron launch script and :class:`MegatronConfig`:
 - :func:`build_parser`: one ``--flag`` per config field (``num_layers`` -> ``--num-layers``), help text,
   choices and aliases from the field metadata, one ``--help`` group per config section. Fields marked
   ``derived`` never become flags.
-- :func:`parse_args`: parse, reject unsupported flags by name, log the flags that are accepted for
-  compatibility but ignored, and validate (:func:`megatron.training.config_validation.validate_config`).
+- :func:`parse_args`: parse, log the flags that are accepted for compatibility but ignored (the
+  tables are in :mod:`megatron.training.megatron_flags`), validate
+  (:func:`megatron.training.config_validation.validate_config`), and report every problem at once:
+  unknown flags, known-but-unimplemented ones and invalid combinations in one message.
 - :func:`config_to_argv`: the inverse, so ``parse_args(config_to_argv(c), world_size) == c``.
 - :func:`format_arguments`: Megatron's ``---- arguments ----`` block.
 - :func:`accepted_flags` and :func:`flags_markdown`: the flag set for the golden test and docs/flags.md.

@@ -5,7 +5,10 @@ divisible by TP, global batch divisible by micro-batch x DP, pipeline schedule o
 tokenizer flags, ...) and fills the derived fields (data-parallel size, micro-batches per iteration,
 default FFN size and position table, default schedule, padded vocabulary where it is already known).
 
-Every user error is a ``ValueError`` whose message names the flags involved and says how to fix it.
+Every user error names the flags involved and says how to fix it; :func:`validate_config` runs every
+independent check and raises one :class:`ConfigurationError` (a ``ValueError``) listing all problems.
+Batch-size, training-length and LR-schedule-length rules live in
+:mod:`megatron.training.batch_validation`.
 The decisions about features that exist as flags but are not implemented are in
 :data:`NOT_SUPPORTED_YET` (rejected) and in :mod:`megatron.training.arguments` (accepted and logged as
 ignored); ``docs/flags.md`` documents both.
