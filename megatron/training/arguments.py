@@ -5,8 +5,10 @@ Owns the thin skin between a Megatron launch script and :class:`MegatronConfig`:
 - :func:`build_parser`: one ``--flag`` per config field (``num_layers`` -> ``--num-layers``), help text,
   choices and aliases from the field metadata, one ``--help`` group per config section. Fields marked
   ``derived`` never become flags.
-- :func:`parse_args`: parse, reject unsupported flags by name, log the flags that are accepted for
-  compatibility but ignored, and validate (:func:`megatron.training.config_validation.validate_config`).
+- :func:`parse_args`: parse, log the flags that are accepted for compatibility but ignored (the
+  tables are in :mod:`megatron.training.megatron_flags`), validate
+  (:func:`megatron.training.config_validation.validate_config`), and report every problem at once:
+  unknown flags, known-but-unimplemented ones and invalid combinations in one message.
 - :func:`config_to_argv`: the inverse, so ``parse_args(config_to_argv(c), world_size) == c``.
 - :func:`format_arguments`: Megatron's ``---- arguments ----`` block.
 - :func:`accepted_flags` and :func:`flags_markdown`: the flag set for the golden test and docs/flags.md.
@@ -27,14 +29,17 @@ from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from megatron.core.config import MegatronConfig
 from megatron.training.config_validation import (DEFAULT_MOCK_VOCAB_SIZE, NOT_SUPPORTED_YET,
-                                                 pad_vocab_size, set_padded_vocab_size,
-                                                 validate_config)
+                                                 ConfigurationError, pad_vocab_size,
+                                                 set_padded_vocab_size, validate_config)
+from megatron.training.megatron_flags import (COMPATIBILITY_FLAGS, UNIMPLEMENTED_FLAGS,
+                                              CompatibilityFlag)
 from megatron.training.launch_env import world_size_from_environment
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "COMPATIBILITY_FLAGS", "IGNORED_FIELDS", "CompatibilityFlag", "accepted_flags", "build_parser",
+    "COMPATIBILITY_FLAGS", "IGNORED_FIELDS", "UNIMPLEMENTED_FLAGS", "CompatibilityFlag",
+    "accepted_flags", "build_parser",
     "config_to_argv", "flags_markdown", "format_arguments", "pad_vocab_size", "parse_args",
     "parse_args_unvalidated", "print_arguments", "set_padded_vocab_size", "validate_config",
 ]
@@ -42,52 +47,11 @@ __all__ = [
 DOCS_HINT = "see docs/flags.md for the supported flags"
 
 
-@dataclass(frozen=True)
-class CompatibilityFlag:
-    """A Megatron flag that is not part of our config: accepted so scripts keep working, then
-    reported as ignored in the log (never silently)."""
-
-    flag: str
-    reason: str
-    choices: Optional[tuple[str, ...]] = None  # takes one value from these when set
-
-    @property
-    def dest(self) -> str:
-        return "compat__" + self.flag.lstrip("-").replace("-", "_").lower()
-
-
-# Megatron performance switches for CUDA kernels this project does not have, or choices it always
-# makes one way. Ignoring them cannot change what is trained.
-COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
-    CompatibilityFlag("--no-masked-softmax-fusion",
-                      "attention uses torch's scaled_dot_product_attention; there is no fused "
-                      "softmax kernel to switch off"),
-    CompatibilityFlag("--no-bias-gelu-fusion", "bias and GeLU are not fused; nothing to switch off"),
-    CompatibilityFlag("--no-bias-dropout-fusion",
-                      "bias, dropout and residual add are not fused; nothing to switch off"),
-    CompatibilityFlag("--no-gradient-accumulation-fusion",
-                      "gradients accumulate with plain PyTorch ops; there is no fused kernel"),
-    CompatibilityFlag("--no-async-tensor-model-parallel-allreduce",
-                      "tensor-parallel all-reduces are not overlapped with the weight-gradient "
-                      "computation anyway"),
-    CompatibilityFlag("--use-flash-attn",
-                      "scaled_dot_product_attention already picks a flash kernel when the device "
-                      "has one"),
-    CompatibilityFlag("--use-cpu-initialization",
-                      "weights are always initialised layout-independently (the same full weights "
-                      "for every TP/PP layout)"),
-    CompatibilityFlag("--DDP-impl",
-                      "data-parallel gradients always use this project's contiguous-buffer "
-                      "all-reduce", choices=("local", "torch")),
-)
-
 # Config fields that are accepted, but whose feature is not implemented and is harmless to skip
 # (performance or bookkeeping only). Logged as ignored when set to a non-default value.
 IGNORED_FIELDS: dict[str, str] = {
     "num_workers": "samples are read in the training process from memory-mapped files "
                    "(no data-loader workers)",
-    "wandb_project": "Weights & Biases logging is not implemented; use --tensorboard-dir or the "
-                     "log lines",
 }
 
 
@@ -161,25 +125,62 @@ def _help_text(spec: _ConfigField) -> str:
 
 
 class _MegatronArgumentParser(argparse.ArgumentParser):
-    """Rejects unknown flags by name, saying they are unsupported, with a close match if any."""
+    """Collects unknown flags instead of stopping at the first, so that one message can name
+    every problem of a command line (see :func:`parse_args`)."""
 
     def parse_args(self, args=None, namespace=None):
         namespace, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            self.error(self._unsupported_message(unknown))
+        problems = self.unknown_flag_problems(unknown)
+        if problems:
+            self.error(problems_message(problems))
         return namespace
 
-    def _unsupported_message(self, unknown: list[str]) -> str:
+    def unknown_flag_problems(self, unknown: list[str]) -> list[str]:
+        """One line per unknown flag, with "did you mean" only for a close match."""
         flags = [item.split("=", 1)[0] for item in unknown if item.startswith("-")]
-        if not flags:
-            return f"unexpected argument(s) {' '.join(unknown)}: every value must follow its flag"
+        if unknown and not flags:
+            return [f"unexpected argument(s) {' '.join(unknown)}: every value must follow its "
+                    f"flag"]
         known = [option for action in self._actions for option in action.option_strings]
-        hints = []
+        problems = []
         for flag in flags:
-            close = difflib.get_close_matches(flag, known, n=1)
-            hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
-        return (f"unsupported by Megatron-Chimera: {', '.join(hints)}; remove the flag(s) "
-                f"({DOCS_HINT})")
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"unknown flag {flag}{hint}: not a Megatron flag Megatron-Chimera "
+                            f"knows; remove it")
+        return problems
+
+
+def problems_message(problems: Sequence[str]) -> str:
+    """All problems of one command line in one message."""
+    if len(problems) == 1:
+        return f"unsupported by Megatron-Chimera: {problems[0]} ({DOCS_HINT})"
+    lines = "\n".join(f"  - {problem}" for problem in problems)
+    return f"unsupported by Megatron-Chimera, {len(problems)} problems:\n{lines}\n({DOCS_HINT})"
+
+
+def _add_compatibility_flags(parser: argparse.ArgumentParser) -> None:
+    compat = parser.add_argument_group(
+        "accepted for compatibility, ignored",
+        "Megatron flags that change nothing here; each one is reported in the log when given.")
+    for flag in COMPATIBILITY_FLAGS:
+        help_text = f"Ignored: {flag.reason}."
+        if flag.choices:
+            compat.add_argument(flag.flag, dest=flag.dest, choices=flag.choices,
+                                default=argparse.SUPPRESS, help=help_text)
+        elif flag.takes_value:
+            compat.add_argument(flag.flag, dest=flag.dest, default=argparse.SUPPRESS,
+                                metavar="VALUE", help=help_text)
+        else:
+            compat.add_argument(flag.flag, dest=flag.dest, action="store_true",
+                                default=argparse.SUPPRESS, help=help_text)
+    unimplemented = parser.add_argument_group(
+        "known Megatron flags, not implemented (rejected)",
+        "Accepted by the parser only so that every problem is reported at once.")
+    for flag in UNIMPLEMENTED_FLAGS:
+        unimplemented.add_argument(flag.flag, dest=flag.dest, nargs="*", metavar="VALUE",
+                                   default=argparse.SUPPRESS,
+                                   help=f"Not implemented: {flag.reason}.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,17 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
             groups[spec.section].add_argument(*names, type=spec.value_type, choices=choices,
                                               metavar=None if choices else spec.name.upper(),
                                               **common)
-    compat = parser.add_argument_group(
-        "accepted for compatibility, ignored",
-        "Megatron flags that change nothing here; each one is reported in the log when given.")
-    for flag in COMPATIBILITY_FLAGS:
-        help_text = f"Ignored: {flag.reason}."
-        if flag.choices:
-            compat.add_argument(flag.flag, dest=flag.dest, choices=flag.choices,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            compat.add_argument(flag.flag, dest=flag.dest, action="store_true",
-                                default=argparse.SUPPRESS, help=help_text)
+    _add_compatibility_flags(parser)
     return parser
 
 
@@ -238,15 +229,25 @@ def _ignored_messages(namespace: argparse.Namespace, config: MegatronConfig) -> 
     return messages
 
 
-def parse_args_unvalidated(argv: Optional[Sequence[str]] = None
-                           ) -> tuple[MegatronConfig, list[str]]:
-    """Parse flags into a config without validation or derived fields.
+@dataclass
+class ParsedCommandLine:
+    """A parsed command line before validation: the config from the known flags, the "ignored"
+    messages of the compatibility flags given, and the problems found while parsing (unknown flags
+    and known-but-unimplemented ones)."""
 
-    Returns the config and the "ignored" messages for the compatibility flags given. Unsupported
-    flags exit through argparse (status 2) with a message naming them.
-    """
-    namespace = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    config: MegatronConfig
+    ignored: list[str]
+    problems: list[str]
+
+
+def parse_command_line(argv: Optional[Sequence[str]] = None) -> ParsedCommandLine:
+    """Parse without stopping at problems: every unknown or unimplemented flag is collected."""
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     given = vars(namespace)
+    problems = [f"{flag.flag} is not implemented: {flag.reason}"
+                for flag in UNIMPLEMENTED_FLAGS if flag.dest in given]
+    problems += parser.unknown_flag_problems(unknown)
     section_values: dict[str, dict[str, Any]] = {}
     for spec in config_fields():
         if spec.dest in given:
@@ -255,7 +256,20 @@ def parse_args_unvalidated(argv: Optional[Sequence[str]] = None
                     **section_values.get(section_field.name, {}))
                 for section_field in dataclasses.fields(MegatronConfig)}
     config = MegatronConfig(**sections)
-    return config, _ignored_messages(namespace, config)
+    return ParsedCommandLine(config, _ignored_messages(namespace, config), problems)
+
+
+def parse_args_unvalidated(argv: Optional[Sequence[str]] = None
+                           ) -> tuple[MegatronConfig, list[str]]:
+    """Parse flags into a config without validation or derived fields.
+
+    Returns the config and the "ignored" messages for the compatibility flags given. Unknown and
+    unimplemented flags exit through argparse (status 2) with one message naming all of them.
+    """
+    parsed = parse_command_line(argv)
+    if parsed.problems:
+        build_parser().error(problems_message(parsed.problems))
+    return parsed.config, parsed.ignored
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
@@ -263,17 +277,26 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     """Parse Megatron flags into a validated :class:`MegatronConfig` with derived fields filled.
 
     ``argv`` defaults to ``sys.argv[1:]``; ``world_size`` to the launcher's (``WORLD_SIZE`` from
-    torchrun, else ``SLURM_NTASKS``, else 1). Unsupported flags exit with argparse's status 2 and a
-    message naming them; accepted-but-ignored flags are logged as warnings on the
-    ``megatron.training.arguments`` logger; invalid combinations raise ``ValueError`` saying how to
-    fix them.
+    torchrun, else ``SLURM_NTASKS``, else 1). Accepted-but-ignored flags are logged once each as
+    warnings on the ``megatron.training.arguments`` logger. Every problem is reported at once:
+    when any flag is unknown or not implemented, argparse exits with status 2 and one message
+    listing those together with the validation problems of the other flags; otherwise invalid
+    combinations raise :class:`ConfigurationError` (a ``ValueError``) listing all of them.
     """
-    config, ignored = parse_args_unvalidated(argv)
-    for message in ignored:
+    parsed = parse_command_line(argv)
+    for message in parsed.ignored:
         logger.warning(message)
     if world_size is None:
         world_size = world_size_from_environment()
-    return validate_config(config, world_size)
+    try:
+        config = validate_config(parsed.config, world_size)
+    except ConfigurationError as error:
+        if not parsed.problems:
+            raise
+        parsed.problems.extend(error.problems)
+    if parsed.problems:
+        build_parser().error(problems_message(parsed.problems))
+    return config
 
 
 def _value_tokens(value: Any) -> list[str]:
@@ -321,8 +344,10 @@ def print_arguments(config: MegatronConfig, file: Optional[TextIO] = None) -> No
 
 
 def accepted_flags() -> list[str]:
-    """Every option string the parser accepts (aliases and compatibility flags included), sorted."""
-    return sorted(option for action in build_parser()._actions for option in action.option_strings)
+    """Every option string the parser accepts (aliases and compatibility flags included, the
+    known-but-unimplemented flags, which are always rejected, excluded), sorted."""
+    return sorted(option for action in build_parser()._actions for option in action.option_strings
+                  if not action.dest.startswith("unimplemented__"))
 
 
 def _markdown_cell(text: str) -> str:
@@ -358,12 +383,17 @@ def flags_markdown() -> str:
     lines += ["", "### accepted for compatibility, ignored (logged)", "",
               "| flag | why it changes nothing |", "|---|---|"]
     for flag in COMPATIBILITY_FLAGS:
-        shown = flag.flag + (" {" + ",".join(flag.choices) + "}" if flag.choices else "")
+        shown = flag.flag + (" {" + ",".join(flag.choices) + "}" if flag.choices else
+                             " VALUE" if flag.takes_value else "")
         lines.append(f"| `{shown}` | {_markdown_cell(flag.reason)} |")
     lines += ["", "### rejected: not supported yet", "", "| flag (value) | what to do instead |",
               "|---|---|"]
     for feature in NOT_SUPPORTED_YET:
         lines.append(f"| `{feature.shown}` | {_markdown_cell(feature.instead)} |")
+    lines += ["", "### rejected: Megatron flags for features that do not exist here", "",
+              "| flag | why |", "|---|---|"]
+    for unimplemented in UNIMPLEMENTED_FLAGS:
+        lines.append(f"| `{unimplemented.flag}` | {_markdown_cell(unimplemented.reason)} |")
     lines += ["", f"Mock-data vocabulary without a tokenizer: `--vocab-size`, default "
                   f"{DEFAULT_MOCK_VOCAB_SIZE}.", ""]
     return "\n".join(lines)

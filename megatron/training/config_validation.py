@@ -5,7 +5,10 @@ divisible by TP, global batch divisible by micro-batch x DP, pipeline schedule o
 tokenizer flags, ...) and fills the derived fields (data-parallel size, micro-batches per iteration,
 default FFN size and position table, default schedule, padded vocabulary where it is already known).
 
-Every user error is a ``ValueError`` whose message names the flags involved and says how to fix it.
+Every user error names the flags involved and says how to fix it; :func:`validate_config` runs every
+independent check and raises one :class:`ConfigurationError` (a ``ValueError``) listing all problems.
+Batch-size, training-length and LR-schedule-length rules live in
+:mod:`megatron.training.batch_validation`.
 The decisions about features that exist as flags but are not implemented are in
 :data:`NOT_SUPPORTED_YET` (rejected) and in :mod:`megatron.training.arguments` (accepted and logged as
 ignored); ``docs/flags.md`` documents both.
@@ -20,8 +23,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron.core.config import MegatronConfig, ModelConfig
+from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, schedule_layout
+from megatron.training.batch_validation import (require_positive, validate_batch,
+                                               validate_iterations_schedule,
+                                               validate_precision_and_evaluation,
+                                               validate_samples_schedule)
 
 logger = logging.getLogger(__name__)
 
@@ -47,18 +54,9 @@ class UnsupportedFeature:
 NOT_SUPPORTED_YET: tuple[UnsupportedFeature, ...] = (
     UnsupportedFeature("parallel", "sequence_parallel", "--sequence-parallel", bool,
                        "remove it (tensor parallelism without sequence parallelism is supported)"),
-    UnsupportedFeature("training", "rampup_batch_size", "--rampup-batch-size",
-                       lambda value: value is not None,
-                       "remove it and train with a fixed --global-batch-size"),
-    UnsupportedFeature("model", "position_embedding_type", "--position-embedding-type rope",
-                       lambda value: value == "rope",
-                       "use --position-embedding-type learned_absolute (the default)"),
-    UnsupportedFeature("model", "swiglu", "--swiglu", bool,
-                       "remove it (the MLP is GeLU with --ffn-hidden-size)"),
-    UnsupportedFeature("model", "normalization", "--normalization RMSNorm",
-                       lambda value: value == "RMSNorm", "use --normalization LayerNorm (the default)"),
-    UnsupportedFeature("model", "disable_bias_linear", "--disable-bias-linear", bool,
-                       "remove it (linear layers have biases)"),
+    # The model's gates: one table shared with the model (megatron.core.config).
+    *(UnsupportedFeature("model", gate.field, gate.shown, gate.is_used, gate.instead)
+      for gate in MODEL_FEATURE_GATES),
 )
 
 
@@ -89,21 +87,25 @@ def set_padded_vocab_size(config: MegatronConfig, vocab_size: int) -> int:
     return padded
 
 
-def _require_positive(section, names: tuple[str, ...], allow_none: bool = False) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value is None and allow_none:
-            continue
-        if value is None or value < 1:
-            raise ValueError(f"{_flag(name)} must be a positive integer, got {value}; "
-                             f"set {_flag(name)} to a value >= 1")
+class ConfigurationError(ValueError):
+    """Every problem validation found in one config; ``problems`` holds one message each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        if len(problems) == 1:
+            text = problems[0]
+        else:
+            text = f"{len(problems)} problems in the flags:\n" + "\n".join(
+                f"  - {problem}" for problem in problems)
+        super().__init__(text)
 
 
-def _check_not_supported_yet(config: MegatronConfig) -> None:
-    for feature in NOT_SUPPORTED_YET:
-        if feature.is_used(getattr(getattr(config, feature.section), feature.field)):
-            raise ValueError(f"{feature.shown} is not supported yet by Megatron-Chimera; "
-                             f"{feature.instead}. See docs/flags.md for the supported flags.")
+def not_supported_problems(config: MegatronConfig) -> list[str]:
+    """One message per unimplemented feature the config asks for (all of them, not the first)."""
+    return [f"{feature.shown} is not supported yet by Megatron-Chimera; {feature.instead}. See "
+            f"docs/flags.md for the supported flags."
+            for feature in NOT_SUPPORTED_YET
+            if feature.is_used(getattr(getattr(config, feature.section), feature.field))]
 
 
 def _translate_legacy_recompute(config: MegatronConfig) -> None:
@@ -137,9 +139,9 @@ def _validate_model(config: MegatronConfig) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(model, name) is None:
             raise ValueError(f"{_flag(name)} is required; add it to the command line")
-    _require_positive(model, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+    require_positive(model, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                               "make_vocab_size_divisible_by"))
-    _require_positive(model, ("ffn_hidden_size", "max_position_embeddings", "vocab_size"),
+    require_positive(model, ("ffn_hidden_size", "max_position_embeddings", "vocab_size"),
                       allow_none=True)
     if model.hidden_size % model.num_attention_heads:
         raise ValueError(f"--hidden-size {model.hidden_size} is not divisible by "
@@ -163,7 +165,7 @@ def _validate_model(config: MegatronConfig) -> None:
 
 def _validate_parallel(config: MegatronConfig, world_size: int) -> None:
     parallel, model = config.parallel, config.model
-    _require_positive(parallel, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    require_positive(parallel, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world_size < 1:
         raise ValueError(f"world size {world_size} must be >= 1")
@@ -243,39 +245,6 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
                        "--chimera-grad-sync)")
 
 
-def _validate_batch(config: MegatronConfig) -> None:
-    training, parallel = config.training, config.parallel
-    _require_positive(training, ("micro_batch_size",))
-    _require_positive(training, ("global_batch_size", "train_iters", "train_samples"),
-                      allow_none=True)
-    per_step = training.micro_batch_size * parallel.data_parallel_size
-    if training.global_batch_size is None:
-        training.global_batch_size = per_step
-    if training.global_batch_size % per_step:
-        raise ValueError(
-            f"--global-batch-size {training.global_batch_size} is not divisible by "
-            f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
-            f"{parallel.data_parallel_size} = {per_step}; use a multiple of {per_step}")
-    training.num_microbatches = training.global_batch_size // per_step
-
-    if training.train_iters is None and training.train_samples is None:
-        raise ValueError("give the training length: --train-iters N or --train-samples N")
-    if training.train_samples is not None:
-        if training.train_samples < training.global_batch_size:
-            raise ValueError(f"--train-samples {training.train_samples} is smaller than one "
-                             f"global batch ({training.global_batch_size}); raise it")
-        iterations = training.train_samples // training.global_batch_size
-        if training.train_iters is not None and training.train_iters != iterations:
-            raise ValueError(f"--train-iters {training.train_iters} and --train-samples "
-                             f"{training.train_samples} disagree (that is {iterations} iterations "
-                             f"of {training.global_batch_size} samples); give only one")
-        training.train_iters = iterations
-    if training.fp16 and training.bf16:
-        raise ValueError("--fp16 and --bf16 are mutually exclusive; choose one")
-    if training.eval_interval < 1 or training.eval_iters < 0:
-        raise ValueError("--eval-interval must be >= 1 and --eval-iters >= 0")
-
-
 def _refuse_other_families_flags(config: MegatronConfig) -> None:
     """A schedule option flag given for a family that does not take it is a mistake, and so is a
     gradient-sync policy for a schedule whose stages have no replicas. Logs the family's note on
@@ -336,7 +305,7 @@ def _validate_recompute(config: MegatronConfig) -> None:
                              "block")
         if recompute.recompute_num_layers is None:
             recompute.recompute_num_layers = 1
-        _require_positive(recompute, ("recompute_num_layers",))
+        require_positive(recompute, ("recompute_num_layers",))
         layers_per_stage = config.model.num_layers // config.parallel.pipeline_model_parallel_size
         if recompute.recompute_method == "block" and \
                 recompute.recompute_num_layers > layers_per_stage:
@@ -348,25 +317,16 @@ def _validate_recompute(config: MegatronConfig) -> None:
 
 
 def _validate_optimizer(config: MegatronConfig) -> None:
-    optimizer, train_iters = config.optimizer, config.training.train_iters
+    optimizer = config.optimizer
     if optimizer.lr is None:
         raise ValueError("--lr (peak learning rate) is required, e.g. --lr 1.5e-4")
     if optimizer.lr <= 0 or optimizer.min_lr < 0 or optimizer.min_lr > optimizer.lr:
         raise ValueError(f"need 0 <= --min-lr ({optimizer.min_lr}) <= --lr ({optimizer.lr}) and "
                          f"--lr > 0")
-    if optimizer.lr_decay_iters is None:
-        optimizer.lr_decay_iters = train_iters
-    if optimizer.lr_decay_iters < 1:
-        raise ValueError(f"--lr-decay-iters {optimizer.lr_decay_iters} must be >= 1")
-    if optimizer.lr_warmup_fraction is not None:
-        if optimizer.lr_warmup_iters:
-            raise ValueError("give only one of --lr-warmup-fraction and --lr-warmup-iters")
-        if not 0.0 <= optimizer.lr_warmup_fraction <= 1.0:
-            raise ValueError(f"--lr-warmup-fraction {optimizer.lr_warmup_fraction} must lie in "
-                             f"[0, 1]")
-    elif optimizer.lr_warmup_iters < 0 or optimizer.lr_warmup_iters > optimizer.lr_decay_iters:
-        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must lie in [0, "
-                         f"--lr-decay-iters {optimizer.lr_decay_iters}]; shorten the warm-up")
+    if config.training.train_samples is not None:
+        validate_samples_schedule(config)
+    else:
+        validate_iterations_schedule(config)
     if optimizer.clip_grad < 0:
         raise ValueError(f"--clip-grad {optimizer.clip_grad} must be >= 0 (0 disables clipping)")
     for name in ("adam_beta1", "adam_beta2"):
@@ -380,7 +340,7 @@ def _validate_optimizer(config: MegatronConfig) -> None:
     if optimizer.initial_loss_scale <= 0 or optimizer.min_loss_scale <= 0 or \
             optimizer.min_loss_scale > optimizer.initial_loss_scale:
         raise ValueError("need 0 < --min-loss-scale <= --initial-loss-scale")
-    _require_positive(optimizer, ("loss_scale_window", "hysteresis"))
+    require_positive(optimizer, ("loss_scale_window", "hysteresis"))
 
 
 def _parse_split(split: str) -> list[float]:
@@ -456,9 +416,9 @@ def _validate_data(config: MegatronConfig) -> None:
 
 
 def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
-    _require_positive(config.logging, ("log_interval",))
-    _require_positive(config.checkpoint, ("save_interval",), allow_none=True)
-    _require_positive(config.training, ("exit_interval",), allow_none=True)
+    require_positive(config.logging, ("log_interval",))
+    require_positive(config.checkpoint, ("save_interval",), allow_none=True)
+    require_positive(config.training, ("exit_interval",), allow_none=True)
     if config.checkpoint.save_interval is not None and config.checkpoint.save is None:
         logger.warning("--save-interval %d is given without --save: no checkpoints will be written",
                        config.checkpoint.save_interval)
@@ -471,14 +431,36 @@ def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
     processes of the run (``TP x PP x DP``). The input config is not modified.
     """
     config = copy.deepcopy(config)
-    _check_not_supported_yet(config)
-    _translate_legacy_recompute(config)
-    _validate_model(config)
-    _validate_parallel(config, world_size)
-    _validate_batch(config)
-    _check_schedule_options(config)
-    _validate_recompute(config)
-    _validate_optimizer(config)
-    _validate_data(config)
-    _validate_logging_and_checkpoints(config)
+    problems = not_supported_problems(config)
+    failed: set[str] = set()
+    for name, step, needs in _VALIDATION_STEPS:
+        if failed.intersection(needs):
+            failed.add(name)  # its inputs are invalid: its own verdict would mislead
+            continue
+        try:
+            step(config, world_size)
+        except ConfigurationError as error:
+            problems.extend(error.problems)
+            failed.add(name)
+        except ValueError as error:
+            problems.append(str(error))
+            failed.add(name)
+    if problems:
+        raise ConfigurationError(problems)
     return config
+
+
+# (name, step, names of the steps whose derived fields it reads). Independent steps all run, so one
+# run reports every problem; a step whose inputs failed is skipped.
+_VALIDATION_STEPS: tuple = (
+    ("legacy", lambda config, world_size: _translate_legacy_recompute(config), ()),
+    ("model", lambda config, world_size: _validate_model(config), ()),
+    ("parallel", _validate_parallel, ("model",)),
+    ("batch", lambda config, world_size: validate_batch(config), ("parallel",)),
+    ("precision", lambda config, world_size: validate_precision_and_evaluation(config), ()),
+    ("schedule", lambda config, world_size: _check_schedule_options(config), ("batch",)),
+    ("recompute", lambda config, world_size: _validate_recompute(config), ("parallel", "legacy")),
+    ("optimizer", lambda config, world_size: _validate_optimizer(config), ("batch",)),
+    ("data", lambda config, world_size: _validate_data(config), ("parallel",)),
+    ("logging", lambda config, world_size: _validate_logging_and_checkpoints(config), ()),
+)

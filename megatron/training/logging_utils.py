@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,7 +33,9 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
                           elapsed_ms: float, throughput_tflops: Optional[float],
                           learning_rate: float, global_batch_size: int, losses: dict,
                           loss_scale: float, grad_norm: Optional[float], skipped_iterations: int,
-                          nan_iterations: int, now: Optional[datetime.datetime] = None) -> str:
+                          nan_iterations: int, now: Optional[datetime.datetime] = None,
+                          num_zeros_in_grad: Optional[float] = None,
+                          params_norm: Optional[float] = None) -> str:
     """One Megatron training log line (``losses`` maps a name such as "lm loss" to its average)."""
     now = now or datetime.datetime.now()
     line = f" [{now.strftime('%Y-%m-%d %H:%M:%S')}]"
@@ -52,6 +55,10 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
     line += " loss scale: {:.1f} |".format(loss_scale)
     if grad_norm is not None:
         line += " grad norm: {:.3f} |".format(grad_norm)
+    if num_zeros_in_grad is not None:
+        line += " num zeros: {:.1f} |".format(num_zeros_in_grad)
+    if params_norm is not None:
+        line += " params norm: {:.3f} |".format(params_norm)
     line += " number of skipped iterations: {:3d} |".format(skipped_iterations)
     line += " number of nan iterations: {:3d} |".format(nan_iterations)
     return line
@@ -99,23 +106,97 @@ class IntervalStats:
                 for name, total in self.loss_sums.items()}
 
 
-def build_tensorboard_writer(logging_config, is_writer_rank: bool):
-    """A TensorBoard ``SummaryWriter`` for ``--tensorboard-dir`` on the logging rank, else None.
+def format_memory_report(rank: int, iteration: int, stats: dict) -> str:
+    """Megatron's memory line from ``torch.cuda.memory_stats``-style byte counts."""
+    megabyte = 1024.0 * 1024.0
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | "
+            f"allocated: {stats['allocated_bytes.all.current'] / megabyte} | "
+            f"max allocated: {stats['allocated_bytes.all.peak'] / megabyte} | "
+            f"reserved: {stats['reserved_bytes.all.current'] / megabyte} | "
+            f"max reserved: {stats['reserved_bytes.all.peak'] / megabyte}")
 
-    Every rank checks that TensorBoard is installed, so a missing package stops the run everywhere
-    with the fix instead of being ignored.
-    """
-    if logging_config.tensorboard_dir is None:
+
+def memory_report(rank: int, iteration: int, device) -> Optional[str]:
+    """The memory line for a CUDA device; None on other devices (no allocator statistics)."""
+    import torch
+    if device.type != "cuda":
         return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ValueError("--tensorboard-dir needs the tensorboard package; install it (pip install "
-                         "tensorboard, or the project's [tensorboard] extra) or drop "
-                         "--tensorboard-dir") from None
+    return format_memory_report(rank, iteration, torch.cuda.memory_stats(device))
+
+
+def check_logging_packages(logging_config) -> None:
+    """Fail with the fix when --tensorboard-dir / --wandb-project need a package that is missing.
+
+    Call it on every rank before any process group exists, so a missing package stops the run at
+    once instead of after the rendezvous."""
+    if logging_config.tensorboard_dir is not None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ValueError("--tensorboard-dir needs the tensorboard package; install it (pip "
+                             "install tensorboard, or the project's [tensorboard] extra) or drop "
+                             "--tensorboard-dir") from None
+    if logging_config.wandb_project is not None:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError("--wandb-project needs the wandb package; install it (pip install "
+                             "wandb) or drop --wandb-project") from None
+
+
+class WandbWriter:
+    """``add_scalar(tag, value, step)`` on a Weights & Biases run (the TensorBoard tags)."""
+
+    def __init__(self, logging_config, save_dir: Optional[str], run_config: Optional[dict]):
+        import wandb
+        directory = logging_config.wandb_save_dir or os.path.join(save_dir or ".", "wandb")
+        os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(project=logging_config.wandb_project,
+                              name=logging_config.wandb_exp_name, dir=directory,
+                              config=run_config)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.run.log({tag: value}, step=step)
+
+    def flush(self) -> None:
+        """wandb writes as it goes; finishing the run happens at interpreter exit."""
+
+
+class ScalarWriters:
+    """Sends each scalar to every configured writer (TensorBoard and/or Weights & Biases)."""
+
+    def __init__(self, writers: list):
+        self.writers = writers
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        for writer in self.writers:
+            writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        for writer in self.writers:
+            if hasattr(writer, "flush"):
+                writer.flush()
+
+
+def build_tensorboard_writer(logging_config, is_writer_rank: bool, save_dir: Optional[str] = None,
+                             run_config: Optional[dict] = None):
+    """The scalar writer of the logging rank: TensorBoard for ``--tensorboard-dir`` and Weights &
+    Biases for ``--wandb-project`` (both when both are given); None elsewhere or without either.
+
+    Every rank checks the packages, so a missing one stops the run everywhere with the fix.
+    """
+    check_logging_packages(logging_config)
     if not is_writer_rank:
         return None
-    return SummaryWriter(log_dir=logging_config.tensorboard_dir, max_queue=1000)
+    writers = []
+    if logging_config.tensorboard_dir is not None:
+        from torch.utils.tensorboard import SummaryWriter
+        writers.append(SummaryWriter(log_dir=logging_config.tensorboard_dir, max_queue=1000))
+    if logging_config.wandb_project is not None:
+        writers.append(WandbWriter(logging_config, save_dir, run_config))
+    if not writers:
+        return None
+    return writers[0] if len(writers) == 1 else ScalarWriters(writers)
 
 
 def write_training_scalars(writer, iteration: int, *, losses: dict, learning_rate: float,

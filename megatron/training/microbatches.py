@@ -7,6 +7,11 @@ each block. So micro-batch ``k`` on rank ``d`` holds samples
 
     first + k * mbs * DP + d * mbs  ...  first + k * mbs * DP + (d + 1) * mbs - 1.
 
+With ``--rampup-batch-size START INCREMENT RAMP_SAMPLES`` the global batch grows, as in Megatron, from
+START by INCREMENT every ``RAMP_SAMPLES / ((global - START) / INCREMENT)`` consumed samples, and is the
+full ``--global-batch-size`` once RAMP_SAMPLES samples have been consumed
+(:func:`global_batch_size_at`).
+
 The union over ranks and micro-batches is exactly the global batch one process would see. Each
 micro-batch carries the samples' global indices (``sample_ids``) so dropout masks, which the model
 derives from them, do not depend on the layout.
@@ -18,6 +23,31 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+
+def global_batch_size_at(training_config, consumed_samples: int) -> int:
+    """The global batch size of the iteration that starts after ``consumed_samples`` samples."""
+    rampup, full = training_config.rampup_batch_size, training_config.global_batch_size
+    if not rampup:
+        return full
+    start, increment, ramp_samples = rampup
+    increments = (full - start) // increment
+    if increments == 0 or consumed_samples > ramp_samples:
+        return full
+    return min(full, start + int(consumed_samples / (ramp_samples / increments)) * increment)
+
+
+def iterations_for_samples(training_config, train_samples: int) -> int:
+    """Iterations that consume ``train_samples`` samples (Megatron's count: the ramp-up phase
+    iteration by iteration, then whole full-size batches)."""
+    full = training_config.global_batch_size
+    iterations = consumed = 0
+    if training_config.rampup_batch_size:
+        ramp_samples = training_config.rampup_batch_size[2]
+        while consumed <= ramp_samples and consumed <= train_samples:
+            consumed += global_batch_size_at(training_config, consumed)
+            iterations += 1
+    return iterations + max(0, train_samples - consumed) // full
 
 
 def microbatch_sample_ids(first_sample: int, micro_batch_size: int, data_parallel_size: int,

@@ -19,6 +19,8 @@ globals; config, process groups and components are passed explicitly. Checkpoint
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,9 +37,14 @@ from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_p
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
                                           training_device)
 from megatron.training.logging_utils import (IntervalStats, build_tensorboard_writer,
+                                             check_logging_packages,
                                              format_iteration_line, format_validation_lines,
+                                             memory_report,
                                              write_training_scalars, write_validation_scalars)
-from megatron.training.microbatches import build_microbatches
+from megatron.training.microbatches import build_microbatches, global_batch_size_at
+from megatron.training.model_statistics import num_zeros_in_grads, params_norm
+from megatron.training.signal_handler import ExitSignalHandler
+from megatron.training.timers import Timers
 from megatron.core.runtimes import autocast_context, model_parameters, select_runtime_class
 
 LOSS_KEYS = ("lm loss",)
@@ -133,34 +140,48 @@ def reduce_losses(loss_dicts: list[dict], parallel_state, device: torch.device,
     return {key: totals[index].item() / count for index, key in enumerate(keys)}
 
 
-def iteration_microbatches(components: TrainingComponents, dataset, first_sample: int
-                           ) -> list[dict]:
-    """This rank's micro-batches of the global batch starting at ``first_sample``."""
+def iteration_microbatches(components: TrainingComponents, dataset, first_sample: int,
+                           global_batch_size: Optional[int] = None) -> list[dict]:
+    """This rank's micro-batches of the global batch starting at ``first_sample`` (of
+    ``global_batch_size`` samples; default ``--global-batch-size``)."""
     training, state = components.config.training, components.parallel_state
+    num_microbatches = training.num_microbatches if global_batch_size is None else \
+        global_batch_size // (training.micro_batch_size * state.dp_size)
     return build_microbatches(dataset, first_sample, training.micro_batch_size, state.dp_size,
-                              state.dp_rank, training.num_microbatches, components.device)
+                              state.dp_rank, num_microbatches, components.device)
 
 
-def train_step(components: TrainingComponents, forward_step_func, microbatches: list[dict]
-               ) -> IterationRecord:
-    """One iteration on already-built micro-batches; returns its record (iteration unset: 0)."""
+def _timed(timers: Optional[Timers], name: str):
+    return contextlib.nullcontext() if timers is None else timers.time(name)
+
+
+def train_step(components: TrainingComponents, forward_step_func, microbatches: list[dict],
+               global_batch_size: Optional[int] = None,
+               timers: Optional[Timers] = None) -> IterationRecord:
+    """One iteration on already-built micro-batches of ``global_batch_size`` samples (default
+    ``--global-batch-size``); returns its record (iteration unset: 0). ``timers`` (optional)
+    records forward-backward, all-grads-sync and optimizer."""
     optimizer = components.optimizer
     for chunk in components.model_chunks:
         chunk.train()
     optimizer.zero_grad()
     learning_rate = optimizer.param_groups[0]["lr"]
-    loss_dicts = components.runtime.forward_backward(
-        forward_step_func=forward_step_func, model_chunks=components.model_chunks,
-        microbatches=microbatches, scale_loss=optimizer.scale_loss,
-        gradient_reducers=components.gradient_reducers, forward_only=False,
-        autocast=components.autocast)
+    with _timed(timers, "forward-backward"):
+        loss_dicts = components.runtime.forward_backward(
+            forward_step_func=forward_step_func, model_chunks=components.model_chunks,
+            microbatches=microbatches, scale_loss=optimizer.scale_loss,
+            gradient_reducers=components.gradient_reducers, forward_only=False,
+            autocast=components.autocast)
     components.after_compute()
-    for reducer in components.gradient_reducers:
-        reducer.wait()
-    result = optimizer.step()
+    with _timed(timers, "all-grads-sync"):
+        for reducer in components.gradient_reducers:
+            reducer.wait()
+    with _timed(timers, "optimizer"):
+        result = optimizer.step()
     a2sgd.finish_a2sgd_step(components.gradient_reducers, result.update_successful)
     if result.update_successful:
-        components.lr_scheduler.step(components.config.training.global_batch_size)
+        components.lr_scheduler.step(global_batch_size or
+                                     components.config.training.global_batch_size)
     losses = reduce_losses(loss_dicts, components.parallel_state, components.device)
     got_nan = any(not math.isfinite(v) for v in losses.values()) or (
         result.grad_norm is not None and not math.isfinite(result.grad_norm))
@@ -197,13 +218,16 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _should_exit_for_duration(config, start_time: float, device: torch.device) -> bool:
-    """All ranks agree (MAX over the world) on whether --exit-duration-in-mins has passed."""
+def _should_exit_now(config, start_time: float, device: torch.device,
+                     exit_signal: Optional[ExitSignalHandler]) -> bool:
+    """All ranks agree (MAX over the world, one all-reduce) on whether --exit-duration-in-mins has
+    passed or any rank received the exit signal (--exit-signal-handler)."""
     limit = config.training.exit_duration_in_mins
-    if limit is None:
+    if limit is None and exit_signal is None:
         return False
-    flag = torch.tensor([1.0 if (time.time() - start_time) / 60.0 > limit else 0.0],
-                        device=device)
+    over_time = limit is not None and (time.time() - start_time) / 60.0 > limit
+    signalled = exit_signal is not None and exit_signal.received
+    flag = torch.tensor([1.0 if over_time or signalled else 0.0], device=device)
     all_reduce_world(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
 
@@ -224,86 +248,168 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
             log(line)
 
 
+@dataclass
+class _LoopContext:
+    """What the training loop's helpers share: the run's objects and the interval being logged."""
+
+    components: TrainingComponents
+    forward_step_func: Callable
+    state: TrainingState
+    result: TrainingResult
+    log: Callable
+    checkpointing: object
+    start_time: float
+    tensorboard_writer: object
+    timers: Timers
+    exit_signal: Optional[ExitSignalHandler] = None
+    interval: IntervalStats = field(default_factory=IntervalStats)
+    interval_start: float = 0.0
+    last_saved: Optional[int] = None
+
+    @property
+    def config(self):
+        return self.components.config
+
+    def restart_interval_clock(self) -> None:
+        _synchronize(self.components.device)
+        self.interval_start = time.perf_counter()
+
+    def save(self) -> None:
+        """Save (when --save is given) unless this iteration is already saved."""
+        if self.last_saved == self.state.iteration:
+            return
+        if self.checkpointing is not None and self.config.checkpoint.save is not None:
+            a2sgd.synchronize_replicas(self.components)  # A2SGD: save identical replicas
+            self.checkpointing.save(self.components, self.state)
+            self.last_saved = self.state.iteration
+
+
+def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord, int]:
+    """One training iteration at the current (possibly ramping) global batch size."""
+    state = loop.state
+    batch_size = global_batch_size_at(loop.config.training, state.consumed_train_samples)
+    with loop.timers.time("batch-generator"):
+        microbatches = iteration_microbatches(loop.components, train_dataset,
+                                              state.consumed_train_samples, batch_size)
+    record = train_step(loop.components, loop.forward_step_func, microbatches, batch_size,
+                        loop.timers)
+    state.iteration += 1
+    state.consumed_train_samples += batch_size
+    record.iteration = state.iteration
+    loop.result.history.append(record)
+    if a2sgd.sync_due(state.iteration, loop.config.parallel.a2sgd_sync_interval):
+        a2sgd.synchronize_replicas(loop.components)
+    loop.interval.add(record.losses, record.skipped, record.got_nan)
+    return record, batch_size
+
+
+def _report_memory(loop: _LoopContext) -> None:
+    """Megatron's memory line after the run's first iteration, printed by every rank of data-
+    parallel rank 0 (CUDA only; whatever the pipeline depth)."""
+    parallel_state = loop.components.parallel_state
+    line = memory_report(parallel_state.rank, loop.state.iteration, loop.components.device)
+    if line is not None and parallel_state.dp_rank == 0:
+        print(line, flush=True)
+
+
+def _log_interval(loop: _LoopContext, record: IterationRecord, batch_size: int) -> None:
+    """Megatron's iteration line and the TensorBoard scalars for the interval that just ended."""
+    components, state, interval = loop.components, loop.state, loop.interval
+    parallel_state = components.parallel_state
+    _synchronize(components.device)
+    elapsed = (time.perf_counter() - loop.interval_start) / interval.iterations
+    learning_rate = components.optimizer.param_groups[0]["lr"]
+    losses = interval.average_losses()
+    logging_config = loop.config.logging
+    zeros = num_zeros_in_grads(components.optimizer, parallel_state) \
+        if logging_config.log_num_zeros_in_grad else None  # collective: every rank
+    norm = params_norm(components.optimizer, parallel_state) \
+        if logging_config.log_params_norm else None
+    write_training_scalars(loop.tensorboard_writer, state.iteration, losses=losses,
+                           learning_rate=learning_rate, global_batch_size=batch_size,
+                           loss_scale=record.loss_scale, grad_norm=record.grad_norm)
+    if is_logging_rank(parallel_state):
+        loop.log(format_iteration_line(
+            iteration=state.iteration, train_iters=loop.config.training.train_iters,
+            consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0,
+            throughput_tflops=throughput_tflops_per_gpu(
+                gpt_flops_per_iteration(loop.config.model, batch_size), elapsed,
+                parallel_state.world_size),
+            learning_rate=learning_rate, global_batch_size=batch_size, losses=losses,
+            loss_scale=record.loss_scale, grad_norm=record.grad_norm,
+            skipped_iterations=interval.skipped_iterations,
+            nan_iterations=interval.nan_iterations, num_zeros_in_grad=zeros,
+            params_norm=norm))
+    timer_lines = loop.timers.report(interval.iterations, parallel_state.world_size)
+    if is_logging_rank(parallel_state):
+        for line in timer_lines:
+            loop.log(line)
+    loop.interval = IntervalStats()
+    loop.interval_start = time.perf_counter()
+
+
+def _evaluate_if_due(loop: _LoopContext, valid_dataset) -> None:
+    training, iteration = loop.config.training, loop.state.iteration
+    if (valid_dataset is not None and training.eval_iters > 0 and training.eval_interval
+            and iteration % training.eval_interval == 0):
+        _run_evaluation(loop.components, loop.forward_step_func, valid_dataset, loop.state,
+                        f"iteration {iteration}", loop.result, loop.log, advance=True,
+                        tensorboard_writer=loop.tensorboard_writer)
+        loop.interval_start = time.perf_counter()  # evaluation time is not training time
+
+
+def _save_and_exit_if_due(loop: _LoopContext) -> bool:
+    """Save every --save-interval; on --exit-interval / --exit-duration-in-mins save and say so.
+    Returns True when the run must stop now."""
+    config, iteration = loop.config, loop.state.iteration
+    save_interval = config.checkpoint.save_interval
+    if save_interval and iteration % save_interval == 0:
+        loop.save()
+    exit_interval = config.training.exit_interval
+    exit_now = bool(exit_interval and iteration % exit_interval == 0)
+    exit_now = _should_exit_now(config, loop.start_time, loop.components.device,
+                                loop.exit_signal) or exit_now
+    if exit_now:
+        loop.save()
+        if is_logging_rank(loop.components.parallel_state):
+            loop.log(f"exiting program at iteration {iteration}")
+    return exit_now
+
+
 def train(components: TrainingComponents, forward_step_func, train_dataset, valid_dataset,
           state: TrainingState, *, log: Callable = print, checkpointing=None,
           start_time: Optional[float] = None, tensorboard_writer=None) -> TrainingResult:
     """Iterate from ``state`` to ``--train-iters``, logging, evaluating, saving and exiting as the
     flags say. Returns the final state and per-iteration records."""
-    config = components.config
-    training, logging_config = config.training, config.logging
-    parallel_state, device = components.parallel_state, components.device
-    start_time = time.time() if start_time is None else start_time
-    flops_per_iteration = gpt_flops_per_iteration(config.model, training.global_batch_size)
-    result = TrainingResult(state=state, components=components)
-    interval = IntervalStats()
-    _synchronize(device)
-    interval_start = time.perf_counter()
-    last_saved = None
+    loop = _LoopContext(
+        components=components, forward_step_func=forward_step_func, state=state,
+        result=TrainingResult(state=state, components=components), log=log,
+        checkpointing=checkpointing, tensorboard_writer=tensorboard_writer,
+        start_time=time.time() if start_time is None else start_time,
+        timers=Timers(components.config.logging.timing_log_level,
+                      components.config.logging.timing_log_option, components.device))
+    if components.config.training.exit_signal_handler:
+        with ExitSignalHandler() as loop.exit_signal:
+            return _run_loop(loop, train_dataset, valid_dataset)
+    return _run_loop(loop, train_dataset, valid_dataset)
 
-    def save():
-        nonlocal last_saved
-        if checkpointing is not None and config.checkpoint.save is not None:
-            a2sgd.synchronize_replicas(components)  # A2SGD: save identical replicas
-            checkpointing.save(components, state)
-            last_saved = state.iteration
 
-    while state.iteration < training.train_iters:
-        microbatches = iteration_microbatches(components, train_dataset, state.consumed_train_samples)
-        record = train_step(components, forward_step_func, microbatches)
-        state.iteration += 1
-        state.consumed_train_samples += training.global_batch_size
-        record.iteration = state.iteration
-        result.history.append(record)
-        if a2sgd.sync_due(state.iteration, config.parallel.a2sgd_sync_interval):
-            a2sgd.synchronize_replicas(components)
-        interval.add(record.losses, record.skipped, record.got_nan)
-
-        if state.iteration % logging_config.log_interval == 0:
-            _synchronize(device)
-            elapsed = (time.perf_counter() - interval_start) / interval.iterations
-            learning_rate = components.optimizer.param_groups[0]["lr"]
-            losses = interval.average_losses()
-            write_training_scalars(tensorboard_writer, state.iteration, losses=losses,
-                                   learning_rate=learning_rate,
-                                   global_batch_size=training.global_batch_size,
-                                   loss_scale=record.loss_scale, grad_norm=record.grad_norm)
-            if is_logging_rank(parallel_state):
-                log(format_iteration_line(
-                    iteration=state.iteration, train_iters=training.train_iters,
-                    consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0,
-                    throughput_tflops=throughput_tflops_per_gpu(
-                        flops_per_iteration, elapsed, parallel_state.world_size),
-                    learning_rate=learning_rate,
-                    global_batch_size=training.global_batch_size,
-                    losses=losses, loss_scale=record.loss_scale,
-                    grad_norm=record.grad_norm, skipped_iterations=interval.skipped_iterations,
-                    nan_iterations=interval.nan_iterations))
-            interval = IntervalStats()
-            interval_start = time.perf_counter()
-
-        if (valid_dataset is not None and training.eval_iters > 0 and training.eval_interval
-                and state.iteration % training.eval_interval == 0):
-            _run_evaluation(components, forward_step_func, valid_dataset, state,
-                            f"iteration {state.iteration}", result, log, advance=True,
-                            tensorboard_writer=tensorboard_writer)
-            interval_start = time.perf_counter()  # evaluation time is not training time
-
-        save_interval = config.checkpoint.save_interval
-        if save_interval and state.iteration % save_interval == 0:
-            save()
-        exit_now = bool(training.exit_interval and state.iteration % training.exit_interval == 0)
-        exit_now = _should_exit_for_duration(config, start_time, device) or exit_now
-        if exit_now:
-            if last_saved != state.iteration:
-                save()
-            if is_logging_rank(parallel_state):
-                log(f"exiting program at iteration {state.iteration}")
-            result.exited_early = True
-            return result
-
-    if last_saved != state.iteration and state.iteration > 0:
-        save()
-    return result
+def _run_loop(loop: _LoopContext, train_dataset, valid_dataset) -> TrainingResult:
+    state, config = loop.state, loop.config
+    loop.restart_interval_clock()
+    while state.iteration < config.training.train_iters:
+        record, batch_size = _train_iteration(loop, train_dataset)
+        if len(loop.result.history) == 1:
+            _report_memory(loop)
+        if state.iteration % config.logging.log_interval == 0:
+            _log_interval(loop, record, batch_size)
+        _evaluate_if_due(loop, valid_dataset)
+        if _save_and_exit_if_due(loop):
+            loop.result.exited_early = True
+            return loop.result
+    if state.iteration > 0:
+        loop.save()
+    return loop.result
 
 
 def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
@@ -354,6 +460,8 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
         raise ValueError("--save/--load need a checkpointing hook, and this entry point has none; "
                          "drop --save/--load or use a pretrain_gpt.py with checkpoint support")
     runtime_class = runtime_class or select_runtime_class(config)
+    if tensorboard_writer is None:
+        check_logging_packages(config.logging)  # before any process group exists
     if parallel_state is None:
         from megatron.core.parallel_state import RankLayout
         world_size = config.parallel.world_size or 1
@@ -363,18 +471,15 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
             config, extra_group_ranks=runtime_class.required_group_ranks(config, layout))
     device = training_device(parallel_state.backend, local_rank_from_environment(config))
     if tensorboard_writer is None:
-        tensorboard_writer = build_tensorboard_writer(config.logging,
-                                                      is_logging_rank(parallel_state))
+        tensorboard_writer = build_tensorboard_writer(
+            config.logging, is_logging_rank(parallel_state), save_dir=config.checkpoint.save,
+            run_config=dataclasses.asdict(config))
     runtime = runtime_class(config, parallel_state, device)
     components = setup_model_and_optimizer(config, parallel_state, runtime, model_provider, device)
     if after_compute is not None:
         components.after_compute = after_compute
     if is_logging_rank(parallel_state):
-        log(f"> optimizer: {components.optimizer.implementation}; device: {device}; "
-            f"backend: {parallel_state.backend}; world size: {parallel_state.world_size} "
-            f"(TP {parallel_state.tp_size}, DP {parallel_state.dp_size}, "
-            f"PP {parallel_state.pp_size})")
-        log(runtime.describe())
+        _announce_setup(components, log)
 
     state = TrainingState()
     if checkpointing is not None and config.checkpoint.load:
@@ -385,18 +490,35 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
                    checkpointing=checkpointing, start_time=start_time,
                    tensorboard_writer=tensorboard_writer)
     runtime.report(log if is_logging_rank(parallel_state) else None)  # collective
-    if result.exited_early:
-        if tensorboard_writer is not None and hasattr(tensorboard_writer, "flush"):
-            tensorboard_writer.flush()
-        return result
-    eval_iters = config.training.eval_iters
-    if valid_dataset is not None and eval_iters > 0:
-        _run_evaluation(components, forward_step_func, valid_dataset, state,
-                        f"iteration {state.iteration} on validation set", result, log,
-                        advance=True, tensorboard_writer=tensorboard_writer)
-    if test_dataset is not None and eval_iters > 0:
-        _run_evaluation(components, forward_step_func, test_dataset, state,
-                        f"iteration {state.iteration} on test set", result, log, advance=False)
+    if not result.exited_early:
+        _final_evaluations(components, forward_step_func, valid_dataset, test_dataset, result,
+                           log, tensorboard_writer)
     if tensorboard_writer is not None and hasattr(tensorboard_writer, "flush"):
         tensorboard_writer.flush()
     return result
+
+
+def _announce_setup(components: TrainingComponents, log: Callable) -> None:
+    """The setup lines: optimizer, device, backend, layout and the runtime's description."""
+    parallel_state = components.parallel_state
+    log(f"> optimizer: {components.optimizer.implementation}; device: {components.device}; "
+        f"backend: {parallel_state.backend}; world size: {parallel_state.world_size} "
+        f"(TP {parallel_state.tp_size}, DP {parallel_state.dp_size}, "
+        f"PP {parallel_state.pp_size})")
+    log(components.runtime.describe())
+
+
+def _final_evaluations(components: TrainingComponents, forward_step_func, valid_dataset,
+                       test_dataset, result: TrainingResult, log: Callable,
+                       tensorboard_writer) -> None:
+    """Megatron's evaluation on the validation and the test set after training."""
+    state = result.state
+    if components.config.training.eval_iters <= 0:
+        return
+    if valid_dataset is not None:
+        _run_evaluation(components, forward_step_func, valid_dataset, state,
+                        f"iteration {state.iteration} on validation set", result, log,
+                        advance=True, tensorboard_writer=tensorboard_writer)
+    if test_dataset is not None:
+        _run_evaluation(components, forward_step_func, test_dataset, state,
+                        f"iteration {state.iteration} on test set", result, log, advance=False)

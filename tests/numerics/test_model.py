@@ -291,6 +291,8 @@ def test_parameter_attributes():
     (dict(padded_vocab_size=97), 2, "padded vocabulary"),
     (dict(seq_length=32), 1, "max-position-embeddings"),
     (dict(swiglu=True), 1, "swiglu"),
+    (dict(normalization="RMSNorm"), 1, "--normalization RMSNorm is not supported yet"),
+    (dict(disable_bias_linear=True), 1, "--disable-bias-linear is not supported yet"),
 ])
 def test_bad_configurations_explain_themselves(overrides, tp_size, message):
     with pytest.raises(ValueError, match=message):

@@ -171,12 +171,42 @@ def test_abbreviations_are_not_accepted(capsys):
 
 def test_unsupported_flag_is_rejected_by_name(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(TINY + ["--use-mcore-models", "--num-layer", "3"], world_size=1)
+        parse_args(TINY + ["--frobnicate-widgets", "--num-layer", "3"], world_size=1)
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
-    assert "unsupported by Megatron-Chimera" in message
-    assert "--use-mcore-models" in message
-    assert "--num-layer (did you mean --num-layers?)" in message
+    assert "unsupported by Megatron-Chimera, 2 problems" in message
+    assert "unknown flag --frobnicate-widgets: not a Megatron flag" in message
+    assert "--frobnicate-widgets (did you mean" not in message  # nothing close: no guess
+    assert "unknown flag --num-layer (did you mean --num-layers?)" in message
+
+
+def test_every_problem_is_reported_in_one_message(capsys):
+    """Unknown flags, unimplemented Megatron flags, unsupported config features and invalid
+    combinations: all in one exit, each saying which kind of problem it is."""
+    argv = [item for item in TINY if item not in ("--lr", "1e-3")]
+    argv += ["--num-experts", "8", "--sequence-parallel", "--swiglu", "--hiden-size", "64",
+             "--fp16", "--bf16"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv, world_size=1)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "6 problems" in message
+    for expected in ("--num-experts is not implemented: mixture of experts",
+                     "unknown flag --hiden-size (did you mean --hidden-size?)",
+                     "--sequence-parallel is not supported yet", "--swiglu is not supported yet",
+                     "--fp16 and --bf16 are mutually exclusive", "--lr (peak learning rate) is "
+                     "required"):
+        assert expected in message, expected
+
+
+def test_validation_problems_alone_are_one_value_error():
+    argv = [item for item in TINY if item not in ("--lr", "1e-3")] + ["--fp16", "--bf16"]
+    with pytest.raises(ValueError) as error:
+        parse_args(argv, world_size=1)
+    assert error.value.problems == [
+        "--fp16 and --bf16 are mutually exclusive; choose one",
+        "--lr (peak learning rate) is required, e.g. --lr 1.5e-4"]
+    assert str(error.value).startswith("2 problems in the flags:")
 
 
 def test_compatibility_flags_are_logged_as_ignored(caplog):
@@ -197,7 +227,8 @@ def test_nothing_is_logged_as_ignored_without_such_flags(caplog):
 
 def test_every_compatibility_flag_parses_and_is_reported():
     for flag in COMPATIBILITY_FLAGS:
-        argv = [flag.flag] + ([flag.choices[0]] if flag.choices else [])
+        argv = [flag.flag] + ([flag.choices[0]] if flag.choices else
+                              ["7"] if flag.takes_value else [])
         _, messages = parse_args_unvalidated(TINY + argv)
         assert len(messages) == 1 and flag.flag in messages[0] and "ignored" in messages[0]
 

@@ -111,7 +111,15 @@ BAD_COMBINATIONS = [
     (TINY + ["--distributed-timeout-minutes", "0"], 1, ["--distributed-timeout-minutes"]),
     # Features that are flags but not implemented: rejected, never silently ignored.
     (TINY + ["--sequence-parallel"], 1, ["--sequence-parallel is not supported yet"]),
-    (TINY + ["--rampup-batch-size", "4", "4", "100"], 1, ["--rampup-batch-size is not supported"]),
+    (TINY + ["--rampup-batch-size", "4", "5", "100"], 1, ["not a multiple of the increment 5"]),
+    (TINY + ["--rampup-batch-size", "4", "4"], 1, ["takes three numbers"]),
+    (TINY + ["--rampup-batch-size", "4", "4", "100"], 4, ["must be multiples of --micro-batch"]),
+    (TINY + "--rampup-batch-size 4 4 100 --pipeline-model-parallel-size 2".split(), 2,
+     ["--rampup-batch-size is not supported yet with pipeline parallelism"]),
+    (replaced(TINY, "--train-iters", "5") + ["--lr-decay-samples", "10"], 1,
+     ["--lr-decay-samples / --lr-warmup-samples belong to samples-based"]),
+    (replaced(TINY, "--train-iters", "5") + ["--train-samples", "80", "--lr-warmup-iters", "1"], 1,
+     ["with --train-samples use --lr-decay-samples"]),
     (TINY + ["--position-embedding-type", "rope"], 1, ["--position-embedding-type rope"]),
     (TINY + ["--swiglu"], 1, ["--swiglu is not supported yet"]),
     (TINY + ["--normalization", "RMSNorm"], 1, ["--normalization RMSNorm is not supported yet"]),
@@ -275,3 +283,15 @@ def test_overlap_grad_reduce_with_a_pipeline_is_reported_as_ignored(caplog):
         parse_args(argv, world_size=2)
     assert any("--overlap-grad-reduce is ignored with pipeline parallelism" in r.getMessage()
                for r in caplog.records)
+
+
+def test_model_feature_gates_are_one_table_for_validation_and_the_model():
+    """Argument validation and GPTModel refuse exactly the features of MODEL_FEATURE_GATES."""
+    from megatron.core.config import MODEL_FEATURE_GATES, ModelConfig, refused_model_features
+    from megatron.training.config_validation import NOT_SUPPORTED_YET
+    gated = {(gate.field, gate.shown) for gate in MODEL_FEATURE_GATES}
+    refused_by_validation = {(feature.field, feature.shown) for feature in NOT_SUPPORTED_YET
+                             if feature.section == "model"}
+    assert refused_by_validation == gated
+    assert refused_model_features(ModelConfig()) == []
+    assert len(refused_model_features(ModelConfig(swiglu=True, normalization="RMSNorm"))) == 2

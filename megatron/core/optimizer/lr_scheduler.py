@@ -88,6 +88,21 @@ def build_lr_scheduler(optimizer, optimizer_config, training_config) -> Optimize
     --lr-warmup-iters --lr-warmup-fraction`` and the batch size / iteration count."""
     if optimizer_config.lr is None:
         raise ValueError("no learning rate given; pass --lr")
+    if optimizer_config.lr_decay_samples is not None:  # samples-based training
+        decay_steps = optimizer_config.lr_decay_samples
+        warmup_steps = optimizer_config.lr_warmup_samples
+    else:
+        decay_steps, warmup_steps = _iteration_based_steps(optimizer_config, training_config)
+    if optimizer_config.lr_warmup_fraction is not None:
+        warmup_steps = int(optimizer_config.lr_warmup_fraction * decay_steps)
+    return OptimizerParamScheduler(
+        optimizer, max_lr=optimizer_config.lr, min_lr=optimizer_config.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=optimizer_config.lr_decay_style)
+
+
+def _iteration_based_steps(optimizer_config, training_config) -> tuple[int, int]:
+    """(decay, warm-up) in samples from --lr-decay-iters / --lr-warmup-iters x the global batch."""
     global_batch_size = training_config.global_batch_size
     train_iters = training_config.train_iters
     if train_iters is None and training_config.train_samples is not None:
@@ -96,12 +111,4 @@ def build_lr_scheduler(optimizer, optimizer_config, training_config) -> Optimize
     if decay_iters is None:
         raise ValueError("cannot size the learning-rate schedule; pass --train-iters or "
                          "--lr-decay-iters")
-    decay_steps = decay_iters * global_batch_size
-    if optimizer_config.lr_warmup_fraction is not None:
-        warmup_steps = int(optimizer_config.lr_warmup_fraction * decay_steps)
-    else:
-        warmup_steps = optimizer_config.lr_warmup_iters * global_batch_size
-    return OptimizerParamScheduler(
-        optimizer, max_lr=optimizer_config.lr, min_lr=optimizer_config.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
-        lr_decay_style=optimizer_config.lr_decay_style)
+    return decay_iters * global_batch_size, optimizer_config.lr_warmup_iters * global_batch_size

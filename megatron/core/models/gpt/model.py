@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.config import refused_model_features
 from megatron.core.models.gpt.init import initialize_parameters
 from megatron.core.models.gpt.transformer import TransformerBlock
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -40,11 +41,9 @@ def resolve_model_config(model_config, tensor_parallel_size: int = 1):
     if model_config.padded_vocab_size is None:
         raise ValueError("model.padded_vocab_size is not set; argument validation derives it from "
                          "the tokenizer (or set it with tensor_parallel.pad_vocab_size(...))")
-    if model_config.position_embedding_type != "learned_absolute":
-        raise ValueError(f"position-embedding-type {model_config.position_embedding_type!r} is "
-                         f"not supported; use learned_absolute")
-    if model_config.swiglu:
-        raise ValueError("--swiglu is not supported; remove it (the MLP is GPT-2's GeLU MLP)")
+    refused = refused_model_features(model_config)  # the same gates as argument validation
+    if refused:
+        raise ValueError("; ".join(refused))
     config = dataclasses.replace(
         model_config,
         ffn_hidden_size=model_config.ffn_hidden_size or 4 * model_config.hidden_size,

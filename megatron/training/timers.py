@@ -1,0 +1,86 @@
+"""Megatron's timers: named wall-clock intervals summed over a log interval and printed as
+
+    (min, max) time across ranks (ms):
+        forward-backward ...............................: (1234.56, 1240.03)
+        optimizer ......................................: (12.34, 13.01)
+
+``--timing-log-level`` picks which timers run (0: forward-backward and optimizer; 1 and 2: also
+batch-generator and all-grads-sync); ``--timing-log-option`` how ranks are summarised (``max``,
+``minmax`` or ``all``). Times are averaged per iteration over the log interval. On CUDA each start
+and stop synchronises the device so the intervals measure the work, not the launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+# The level at which each timer starts running (Megatron's levels; per-instruction pipeline timers
+# are not recorded by this loop).
+TIMER_LEVELS = {"forward-backward": 0, "optimizer": 0, "batch-generator": 1, "all-grads-sync": 1}
+
+
+class Timers:
+    """Accumulates named intervals between log lines (one instance per run, per rank)."""
+
+    def __init__(self, log_level: int, log_option: str, device: torch.device):
+        self.log_level = log_level
+        self.log_option = log_option
+        self.device = device
+        self.elapsed_s: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        """Time the body under ``name`` when the timer's level is active."""
+        if TIMER_LEVELS.get(name, 2) > self.log_level:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.elapsed_s[name] = self.elapsed_s.get(name, 0.0) + time.perf_counter() - start
+
+    def report(self, iterations: int, world_size: int) -> list[str]:
+        """The timer block for the last ``iterations`` iterations (ms per iteration), then reset.
+
+        A collective when ``world_size > 1``: every rank must call it."""
+        names = [name for name in TIMER_LEVELS if name in self.elapsed_s]
+        if not names:
+            return []
+        mine = torch.tensor([self.elapsed_s[name] * 1000.0 / iterations for name in names],
+                            dtype=torch.float64, device=self.device)
+        self.elapsed_s.clear()
+        if world_size > 1:
+            every = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(every, mine)
+        else:
+            every = [mine]
+        table = torch.stack(every).cpu()
+        return self._format(names, table)
+
+    def _format(self, names: list[str], table: torch.Tensor) -> list[str]:
+        header = {"max": "max time across ranks (ms):",
+                  "minmax": "(min, max) time across ranks (ms):",
+                  "all": "times across ranks (ms):"}[self.log_option]
+        lines = [header]
+        for column, name in enumerate(names):
+            values = table[:, column]
+            if self.log_option == "max":
+                shown = f"{values.max().item():.2f}"
+            elif self.log_option == "minmax":
+                shown = f"({values.min().item():.2f}, {values.max().item():.2f})"
+            else:
+                shown = ", ".join(f"{value:.2f}" for value in values.tolist())
+            lines.append(f"    {name} {'.' * (48 - len(name))}: {shown}")
+        return lines

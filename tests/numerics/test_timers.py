@@ -1,0 +1,67 @@
+"""Megatron's timer block after each log line (--timing-log-level, --timing-log-option)."""
+
+import re
+
+import torch
+
+import pretrain_gpt
+from megatron.core.parallel_state import ParallelState
+from megatron.training.arguments import parse_args
+from megatron.training.timers import Timers
+from megatron.training.training import pretrain
+
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --vocab-size 64 --mock-data --seed 1234 --lr 1e-3 "
+        "--micro-batch-size 2 --global-batch-size 4 --log-interval 2 --eval-iters 0 --train-iters 4")
+TIMER_LINE = re.compile(r"^    ([a-z-]+) \.+: \((\d+\.\d\d), (\d+\.\d\d)\)$")
+
+
+def _run(extra: str) -> list[str]:
+    config = parse_args((TINY + " " + extra).split(), world_size=1)
+    lines = []
+    pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+             pretrain_gpt.forward_step, parallel_state=ParallelState.single_process(),
+             log=lines.append)
+    return lines
+
+
+def test_timer_block_follows_each_log_line_with_the_level_s_timers():
+    lines = _run("--timing-log-level 1")
+    headers = [i for i, line in enumerate(lines) if line == "(min, max) time across ranks (ms):"]
+    assert len(headers) == 2  # iterations 2 and 4
+    for header in headers:
+        assert "iteration" in lines[header - 1]
+        block = [TIMER_LINE.match(line) for line in lines[header + 1:header + 5]]
+        assert [match.group(1) for match in block] == [
+            "forward-backward", "optimizer", "batch-generator", "all-grads-sync"]
+        forward_backward = float(block[0].group(2))
+        assert forward_backward > 0 and block[0].group(2) == block[0].group(3)  # one rank
+        assert len(lines[header + 1].split(":")[0]) == 4 + len("forward-backward") + 1 + 32
+
+
+def test_level_zero_shows_forward_backward_and_optimizer_only():
+    lines = _run("")
+    header = lines.index("(min, max) time across ranks (ms):")
+    names = [TIMER_LINE.match(line).group(1) for line in lines[header + 1:header + 3]]
+    assert names == ["forward-backward", "optimizer"]
+    assert not TIMER_LINE.match(lines[header + 3]) if len(lines) > header + 3 else True
+
+
+def test_options_max_and_all():
+    table = torch.tensor([[10.0, 1.0], [12.5, 3.0]], dtype=torch.float64)
+    assert Timers(0, "max", torch.device("cpu"))._format(["forward-backward", "optimizer"], table) \
+        == ["max time across ranks (ms):",
+            "    forward-backward " + "." * 32 + ": 12.50",
+            "    optimizer " + "." * 39 + ": 3.00"]
+    assert Timers(0, "all", torch.device("cpu"))._format(["optimizer"], table[:, 1:])[1] \
+        == "    optimizer " + "." * 39 + ": 1.00, 3.00"
+
+
+def test_memory_report_line_is_megatron_s():
+    from megatron.training.logging_utils import format_memory_report, memory_report
+    stats = {"allocated_bytes.all.current": 2 * 2**20, "allocated_bytes.all.peak": 3 * 2**20,
+             "reserved_bytes.all.current": 4 * 2**20, "reserved_bytes.all.peak": 5 * 2**20}
+    assert format_memory_report(3, 1, stats) == (
+        "[Rank 3] (after 1 iterations) memory (MB) | allocated: 2.0 | max allocated: 3.0 | "
+        "reserved: 4.0 | max reserved: 5.0")
+    assert memory_report(0, 1, torch.device("cpu")) is None  # no allocator statistics on CPU

@@ -1,0 +1,118 @@
+"""The flag lines of three real Megatron-LM launch scripts parse unchanged (paths replaced).
+
+The scripts could not be downloaded here: their flag lines below are written from knowledge of
+Megatron-LM's repository (examples/pretrain_gpt_distributed_with_mp.sh of 2021,
+examples/pretrain_gpt3_175B.sh, examples/gpt3/train_gpt3_175b_distributed.sh), not copied from a
+checkout, so small differences to a given revision are possible.
+"""
+
+import logging
+
+import pytest
+
+from megatron.training.arguments import accepted_flags, parse_args
+from megatron.training.megatron_flags import UNIMPLEMENTED_FLAGS
+
+PATHS = {"$DATA_PATH": "my-gpt2_text_document", "$VOCAB_FILE": "gpt2-vocab.json",
+         "$MERGE_FILE": "gpt2-merges.txt", "$CHECKPOINT_PATH": "checkpoints/gpt",
+         "$TENSORBOARD_LOGS_PATH": "tensorboard/gpt"}
+
+# examples/pretrain_gpt_distributed_with_mp.sh (torch.distributed.launch, 8 GPUs: TP 2, PP 2)
+DISTRIBUTED_WITH_MP = """
+--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 1024
+--num-attention-heads 16 --micro-batch-size 2 --global-batch-size 16 --seq-length 1024
+--max-position-embeddings 1024 --train-iters 500000 --lr-decay-iters 320000
+--save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --data-path $DATA_PATH --vocab-file $VOCAB_FILE
+--merge-file $MERGE_FILE --data-impl mmap --split 949,50,1 --distributed-backend nccl --lr 0.00015
+--lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0
+--lr-warmup-fraction .01 --checkpoint-activations --log-interval 100 --save-interval 10000
+--eval-interval 1000 --eval-iters 10 --fp16
+"""
+
+# examples/pretrain_gpt3_175B.sh (samples-based, batch-size ramp-up; 1024 GPUs: TP 8, PP 16)
+GPT3_175B = """
+--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --num-layers 96
+--hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048
+--micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375
+--train-samples 146484375 --lr-decay-samples 126953125 --lr-warmup-samples 183105 --lr 6.0e-5
+--min-lr 6.0e-6 --lr-decay-style cosine --log-interval 10 --eval-iters 40 --eval-interval 1000
+--data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --save-interval 1000
+--save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --split 98,2,0 --clip-grad 1.0 --weight-decay 0.1
+--adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006
+--tensorboard-dir $TENSORBOARD_LOGS_PATH --fp16 --checkpoint-activations
+"""
+
+# examples/gpt3/train_gpt3_175b_distributed.sh (torchrun; TP 8, PP 16)
+GPT3_175B_DISTRIBUTED = """
+--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+--max-position-embeddings 2048 --attention-backend auto
+--micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375
+--train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
+--init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine
+--min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
+--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
+--data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1
+--log-interval 100 --save-interval 10000 --eval-interval 1000 --save $CHECKPOINT_PATH
+--load $CHECKPOINT_PATH --eval-iters 10 --tensorboard-dir $TENSORBOARD_LOGS_PATH
+"""
+
+SCRIPTS = {"pretrain_gpt_distributed_with_mp": DISTRIBUTED_WITH_MP,
+           "pretrain_gpt3_175B": GPT3_175B,
+           "train_gpt3_175b_distributed": GPT3_175B_DISTRIBUTED}
+
+
+def script_argv(text: str) -> list[str]:
+    return [PATHS.get(token, token) for token in text.split()]
+
+
+def with_value(argv: list[str], flag: str, value: str) -> list[str]:
+    result = list(argv)
+    result[result.index(flag) + 1] = value
+    return result
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_flag_of_the_script_is_accepted(name):
+    flags = {token for token in script_argv(SCRIPTS[name]) if token.startswith("--")}
+    unimplemented = {flag.flag for flag in UNIMPLEMENTED_FLAGS}
+    assert flags <= set(accepted_flags()), flags - set(accepted_flags())
+    assert not flags & unimplemented
+
+
+def test_distributed_with_mp_parses_at_its_scale():
+    config = parse_args(script_argv(DISTRIBUTED_WITH_MP), world_size=8)
+    assert (config.parallel.tensor_model_parallel_size, config.parallel.data_parallel_size,
+            config.parallel.pipeline_model_parallel_size) == (2, 2, 2)
+    assert config.recompute.recompute_granularity == "full"
+    assert config.training.num_microbatches == 4
+
+
+def test_gpt3_175b_samples_based_script():
+    argv = script_argv(GPT3_175B)
+    # At its own scale only the ramp-up with pipeline parallelism is refused, in one message.
+    with pytest.raises(ValueError) as error:
+        parse_args(argv, world_size=1024)
+    assert error.value.problems == [
+        "--rampup-batch-size is not supported yet with pipeline parallelism (the pipeline "
+        "schedule is built for one micro-batch count); use --pipeline-model-parallel-size 1 or a "
+        "fixed --global-batch-size"]
+    # Without pipelines (TP 8, DP 16) the unchanged remaining flags parse with Megatron's numbers.
+    config = parse_args(with_value(argv, "--pipeline-model-parallel-size", "1"), world_size=128)
+    assert config.optimizer.lr_decay_samples == 126953125
+    assert config.optimizer.lr_warmup_samples == 183105
+    # Megatron's count: ramp-up iterations one by one (batch 16k for 5859375 / 95 samples each,
+    # about 3855 / k iterations, k = 1..95: ~19 800), then (146484375 - ~5.86e6) / 1536 ~ 91 550
+    ramp = sum(5859375 / 95 / (16 * k) for k in range(1, 96))
+    assert config.training.train_iters == pytest.approx(ramp + (146484375 - 5859375) / 1536,
+                                                        abs=100)
+
+
+def test_gpt3_175b_distributed_script_logs_its_ignored_flag(caplog):
+    argv = with_value(script_argv(GPT3_175B_DISTRIBUTED), "--pipeline-model-parallel-size", "1")
+    with caplog.at_level(logging.WARNING, logger="megatron.training.arguments"):
+        config = parse_args(argv, world_size=128)
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(ignored) == 1 and ignored[0].startswith("--attention-backend")
+    assert config.training.rampup_batch_size == [16, 16, 5859375]
+    with pytest.raises(ValueError, match="--rampup-batch-size is not supported yet with pipeline"):
+        parse_args(script_argv(GPT3_175B_DISTRIBUTED), world_size=1024)
