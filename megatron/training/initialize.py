@@ -96,6 +96,7 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
         torch.cuda.set_device(local_rank_from_environment(config, env))
 
     rank, world_size = launch.rank, launch.world_size
+    timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     if world_size > 1 and not dist.is_initialized():
         if launch.launcher == "torchrun":
             init_method = "env://"  # torchrun's agent already hosts the rendezvous store
@@ -105,7 +106,7 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
                 f"tcp://{host}:{launch.master_port}"
         dist.init_process_group(
             backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+            timeout=timeout)
     elif dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     if parallel.world_size is not None and parallel.world_size != world_size:
@@ -116,7 +117,8 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
     layout = RankLayout.from_world_size(world_size, parallel.tensor_model_parallel_size,
                                         parallel.pipeline_model_parallel_size)
     if world_size > 1:
-        state = create_parallel_state(layout, rank, backend, extra_group_ranks=extra_group_ranks)
+        state = create_parallel_state(layout, rank, backend, extra_group_ranks=extra_group_ranks,
+                                      timeout=timeout)
     else:
         state = ParallelState(layout=layout, rank=0, backend=backend)
     set_random_seeds(config.training.seed)
