@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 import sys
 
 import torch
@@ -20,7 +21,8 @@ import torch
 from megatron.core.datasets.mock_dataset import build_mock_datasets
 from megatron.core.models.gpt import GPTModel
 from megatron.training.arguments import parse_args, print_arguments, set_padded_vocab_size
-from megatron.training.checkpointing import Checkpointer
+from megatron.training.checkpointing import Checkpointer, check_checkpoint_directories
+from megatron.training.initialize import shutdown_distributed
 from megatron.training.launch_env import read_launch_environment
 from megatron.training.training import pretrain
 
@@ -69,10 +71,19 @@ def build_run_tokenizer(config):
     return tokenizer
 
 
+def _raise_on_sigterm(signum, frame):
+    """SIGTERM (scancel, torchrun stopping its workers) unwinds like an error: the teardown in
+    :func:`main` runs, and the exit status is 143 as for a plain SIGTERM."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = parse_args(argv)
+        # Before any process group, model or iteration: a run that would overwrite checkpoints it
+        # does not resume, or could not save at all, stops now instead of at its first save.
+        check_checkpoint_directories(config.checkpoint)
         tokenizer = build_run_tokenizer(config)
     except (ValueError, FileNotFoundError) as error:
         # A bad flag combination or missing tokenizer file: the message says how to fix it, a
@@ -82,9 +93,17 @@ def main(argv=None) -> None:
     log = functools.partial(print, flush=True)
     if read_launch_environment().rank == 0:
         print_arguments(config)  # as Megatron, once, after the derived sizes are known
-    pretrain(config, model_provider,
-             functools.partial(datasets_provider, tokenizer=tokenizer), forward_step,
-             checkpointing=Checkpointer(config, log=log), log=log)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    finished = False
+    try:
+        pretrain(config, model_provider,
+                 functools.partial(datasets_provider, tokenizer=tokenizer), forward_step,
+                 checkpointing=Checkpointer(config, log=log), log=log)
+        finished = True
+    finally:
+        shutdown_distributed(finished)
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":

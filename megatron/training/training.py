@@ -31,6 +31,7 @@ from megatron.core.distributed import GradientReducer, all_reduce_over, all_redu
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
 from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_per_gpu
+from megatron.training.iteration_health import IterationHealth
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
                                           training_device)
 from megatron.training.logging_utils import (IntervalStats, build_tensorboard_writer,
@@ -243,6 +244,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
     _synchronize(device)
     interval_start = time.perf_counter()
     last_saved = None
+    health = IterationHealth.from_config(config, parallel_state.rank)
 
     def save():
         nonlocal last_saved
@@ -258,6 +260,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         record.iteration = state.iteration
         result.history.append(record)
         interval.add(record.losses, record.skipped, record.got_nan)
+        health.check(record)  # raises on NaN (--check-for-nan-in-loss-and-grad) or endless skips
 
         if state.iteration % logging_config.log_interval == 0:
             _synchronize(device)
