@@ -56,7 +56,14 @@ def datasets_provider(config, parallel_state, num_samples, tokenizer=None):
         vocab_size = tokenizer.vocab_size if tokenizer is not None else config.model.vocab_size
         return build_mock_datasets(num_samples, seq_length, vocab_size, seed)
     from megatron.core.datasets.builder import build_gpt_datasets
-    return build_gpt_datasets(config.data, seq_length, seed, num_samples, tokenizer)
+    train, valid, test = build_gpt_datasets(config.data, seq_length, seed, num_samples, tokenizer)
+    if train is None or len(train) == 0:
+        # Caught here, before the first iteration: a missing train split used to end in a bare
+        # TypeError inside the micro-batch builder.
+        raise ValueError(f"there is no training data: --data-path {' '.join(config.data.data_path)} "
+                         f"with --split {config.data.split} leaves the train split empty; give the "
+                         f"train split a non-zero weight or use data with more documents")
+    return train, valid, test
 
 
 def build_run_tokenizer(config):

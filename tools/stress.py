@@ -61,6 +61,7 @@ class LaunchOutcome:
     aborted_at_exit: bool
     finished_training: bool
     met_expectation: bool
+    error_lines: list = field(default_factory=list, repr=False)  # first lines naming an error
     tail: str = field(default="", repr=False)
 
 
@@ -128,6 +129,8 @@ def run_launch(command: list[str], options, log_path: str) -> LaunchOutcome:
                          aborted_at_exit=ABORT_MARKER in output, finished_training=finished,
                          met_expectation=_expected(options.fault, returncode, finished, wall,
                                                    limit),
+                         error_lines=[line for line in output.splitlines()
+                                      if "Error" in line or ABORT_MARKER in line][:6],
                          tail=output[-1500:])
 
 

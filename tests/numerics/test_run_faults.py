@@ -58,3 +58,19 @@ def test_unwritable_save_fails_before_iteration_one(tmp_path, capsys):
     output = capsys.readouterr()
     assert "is not a writable directory" in output.err
     assert " iteration " not in output.out
+
+
+def test_empty_train_split_says_there_is_no_training_data(tmp_path):
+    import numpy as np
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for start in range(0, 200, 20):
+        builder.add_document(np.arange(start, start + 20) % 64)
+    builder.finalize(prefix + ".idx")
+    flags = [flag for flag in TINY if flag != "--mock-data"]
+    with pytest.raises(ValueError, match=f"there is no training data: --data-path {prefix} with "
+                                         f"--split 0,1,0 leaves the train split empty"):
+        pretrain_gpt.main(flags + ["--data-path", prefix, "--split", "0,1,0",
+                               "--tokenizer-type", "NullTokenizer"])
