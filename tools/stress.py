@@ -7,11 +7,12 @@
 
 Each launch runs ``torchrun --nproc-per-node N pretrain_gpt.py`` (one thread per rank) with the
 preset's flags, then any flags after ``--``. Faults, applied to one worker (local rank
-``--fault-rank``) ``--fault-after`` seconds after launch:
+``--fault-rank``) ``--fault-after`` seconds after its first logged iteration (give enough
+``--train-iters`` that training is still running then):
 
 - ``none``: the run must finish: exit status 0 and its last iteration logged;
 - ``stop``: SIGSTOP (a stalled peer); the run must end, with a non-zero status, within the
-  distributed timeout plus ``--grace`` seconds;
+  distributed timeout plus ``--grace`` seconds of the signal;
 - ``kill``: SIGKILL (a lost rank); the run must end with a non-zero status.
 
 A launch that outlives ``--launch-timeout`` is a hang: its whole process group is killed. The report
@@ -50,6 +51,7 @@ PRESETS = {
        for depth in (2, 4) for sync in ("eager-opt", "eager", "end")},
 }
 ABORT_MARKER = "terminate called"
+FIRST_ITERATION = " iteration        1/"
 
 
 @dataclass
@@ -61,6 +63,7 @@ class LaunchOutcome:
     aborted_at_exit: bool
     finished_training: bool
     met_expectation: bool
+    fault_injected: bool = False
     error_lines: list = field(default_factory=list, repr=False)  # first lines naming an error
     tail: str = field(default="", repr=False)
 
@@ -81,27 +84,42 @@ def _worker_pids(agent_pid: int) -> list[int]:
     return sorted(children)
 
 
-def _inject(process: subprocess.Popen, fault: str, rank: int, after: float) -> bool:
-    """Wait ``after`` seconds, then signal worker ``rank``; False when the run ended first."""
+def _inject(process: subprocess.Popen, fault: str, rank: int, after: float,
+            log_path: str) -> Optional[float]:
+    """Once the run logged its first iteration, wait ``after`` seconds and signal worker
+    ``rank``; returns the time of the signal (``time.monotonic``), None when the run ended first.
+    Counting from the first iteration (not the launch) puts the fault inside training even when
+    start-up is slow on a busy machine."""
+    while FIRST_ITERATION not in _read(log_path):
+        if process.poll() is not None:
+            return None
+        time.sleep(0.2)
     deadline = time.monotonic() + after
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            return False
+            return None
         time.sleep(0.2)
     workers = _worker_pids(process.pid)
     if len(workers) <= rank:
-        return False
+        return None
     os.kill(workers[rank], signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
-    return True
+    return time.monotonic()
 
 
-def _expected(fault: str, returncode: Optional[int], finished: bool, wall: float,
+def _read(path: str) -> str:
+    with open(path, errors="replace") as handle:
+        return handle.read()
+
+
+def _expected(fault: str, returncode: Optional[int], finished: bool, ended_after_fault: float,
               limit: float) -> bool:
+    """No fault: exit 0 with the last iteration logged. A fault (``ended_after_fault`` is the
+    seconds from the signal to the end, None when it was not injected): non-zero within ``limit``."""
     if returncode is None:
         return False
     if fault == "none":
         return returncode == 0 and finished
-    return returncode != 0 and wall <= limit
+    return ended_after_fault is not None and returncode != 0 and ended_after_fault <= limit
 
 
 def run_launch(command: list[str], options, log_path: str) -> LaunchOutcome:
@@ -111,8 +129,10 @@ def run_launch(command: list[str], options, log_path: str) -> LaunchOutcome:
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
+        injected_at = None
         if options.fault != "none":
-            _inject(process, options.fault, options.fault_rank, options.fault_after)
+            injected_at = _inject(process, options.fault, options.fault_rank,
+                                  options.fault_after, log_path)
         try:
             returncode = process.wait(timeout=max(1.0, options.launch_timeout
                                                   - (time.monotonic() - started)))
@@ -120,15 +140,17 @@ def run_launch(command: list[str], options, log_path: str) -> LaunchOutcome:
             os.killpg(process.pid, signal.SIGKILL)  # the agent and every worker, stopped or not
             process.wait()
             returncode = None
-    wall = time.monotonic() - started
-    with open(log_path) as handle:
-        output = handle.read()
+    ended = time.monotonic()
+    wall = ended - started
+    output = _read(log_path)
     finished = f" iteration {options.train_iters:8d}/" in output
-    limit = options.distributed_timeout_minutes * 60 + options.fault_after + options.grace
+    ended_after_fault = None if injected_at is None else ended - injected_at
+    limit = options.distributed_timeout_minutes * 60 + options.grace
     return LaunchOutcome(returncode=returncode, wall_s=round(wall, 2),
                          aborted_at_exit=ABORT_MARKER in output, finished_training=finished,
-                         met_expectation=_expected(options.fault, returncode, finished, wall,
-                                                   limit),
+                         fault_injected=injected_at is not None,
+                         met_expectation=_expected(options.fault, returncode, finished,
+                                                   ended_after_fault, limit),
                          error_lines=[line for line in output.splitlines()
                                       if "Error" in line or ABORT_MARKER in line][:6],
                          tail=output[-1500:])
@@ -158,7 +180,8 @@ def parse_options(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), help="pipeline configuration")
     parser.add_argument("--fault", choices=("none", "stop", "kill"), default="none")
     parser.add_argument("--fault-rank", type=int, default=1, help="local rank that gets the fault")
-    parser.add_argument("--fault-after", type=float, default=8.0, help="seconds after launch")
+    parser.add_argument("--fault-after", type=float, default=2.0,
+                        help="seconds after the first logged iteration")
     parser.add_argument("--train-iters", type=int, default=4)
     parser.add_argument("--distributed-timeout-minutes", type=float, default=1.0)
     parser.add_argument("--grace", type=float, default=60.0,

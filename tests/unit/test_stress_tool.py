@@ -46,6 +46,7 @@ def test_expectations_per_fault():
     assert not stress._expected("stop", 1, False, 100, 90)  # ended, but too late
     assert not stress._expected("stop", None, False, 300, 90)  # hang
     assert not stress._expected("kill", 0, True, 20, 90)
+    assert not stress._expected("stop", 1, False, None, 90)  # the fault was never injected
 
 
 def test_report_counts_statuses_hangs_and_aborts():
