@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 import sys
 
 import torch
@@ -23,8 +24,9 @@ import torch
 from megatron.core.datasets.mock_dataset import build_mock_datasets
 from megatron.core.models.gpt import GPTModel
 from megatron.training.arguments import parse_args, print_arguments, set_padded_vocab_size
-from megatron.training.checkpointing import Checkpointer
+from megatron.training.checkpointing import Checkpointer, check_checkpoint_directories
 from megatron.training.crossover import load_crossover_jobs, run_crossover
+from megatron.training.initialize import shutdown_distributed
 from megatron.training.launch_env import read_launch_environment
 from megatron.training.training import pretrain
 
@@ -58,7 +60,14 @@ def datasets_provider(config, parallel_state, num_samples, tokenizer=None):
         vocab_size = tokenizer.vocab_size if tokenizer is not None else config.model.vocab_size
         return build_mock_datasets(num_samples, seq_length, vocab_size, seed)
     from megatron.core.datasets.builder import build_gpt_datasets
-    return build_gpt_datasets(config.data, seq_length, seed, num_samples, tokenizer)
+    train, valid, test = build_gpt_datasets(config.data, seq_length, seed, num_samples, tokenizer)
+    if train is None or len(train) == 0:
+        # Caught here, before the first iteration: a missing train split used to end in a bare
+        # TypeError inside the micro-batch builder.
+        raise ValueError(f"there is no training data: --data-path {' '.join(config.data.data_path)} "
+                         f"with --split {config.data.split} leaves the train split empty; give the "
+                         f"train split a non-zero weight or use data with more documents")
+    return train, valid, test
 
 
 def build_run_tokenizer(config):
@@ -77,6 +86,9 @@ def _configure(argv):
     """The validated config and tokenizer of one run; a bad flag exits with status 2."""
     try:
         config = parse_args(argv)
+        # Before any process group, model or iteration: a run that would overwrite checkpoints it
+        # does not resume, or could not save at all, stops now instead of at its first save.
+        check_checkpoint_directories(config.checkpoint)
         return config, build_run_tokenizer(config)
     except (ValueError, FileNotFoundError) as error:
         # A bad flag combination or missing tokenizer file: the message says how to fix it, a
@@ -107,33 +119,46 @@ def crossover_config_path(argv) -> str | None:
     return argv[1]
 
 
+def _raise_on_sigterm(signum, frame):
+    """SIGTERM (scancel, torchrun stopping its workers) unwinds like an error: the teardown in
+    :func:`main` runs, and the exit status is 143 as for a plain SIGTERM."""
+    raise SystemExit(128 + signum)
+
+
+def _run(argv, log) -> None:
+    """One run, or several jobs under crossover scheduling (``--crossover-config FILE``)."""
+    path = crossover_config_path(argv)
+    if path is None:
+        train_one_job(argv, log)
+        return
+    try:
+        jobs = load_crossover_jobs(path)
+    except ValueError as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    for job in jobs:
+        _configure(list(job.args))  # every job's flags are checked before any job starts
+    run_crossover(jobs, lambda job, after_compute, job_log: train_one_job(
+        list(job.args), job_log, after_compute), log=log)
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log = functools.partial(print, flush=True)
-    path = crossover_config_path(argv)
-    if path is None:
-        train_one_job(argv, log)
-    else:
-        try:
-            jobs = load_crossover_jobs(path)
-        except ValueError as error:
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        for job in jobs:
-            _configure(list(job.args))  # every job's flags are checked before any job starts
-        run_crossover(jobs, lambda job, after_compute, job_log: train_one_job(
-            list(job.args), job_log, after_compute), log=log)
-    shut_down_distributed()
-
-
-def shut_down_distributed() -> None:
-    """After a successful run: wait for every rank, then tear the process groups down, so no
-    communication thread is still alive when the interpreter exits (an abort at exit would turn a
-    finished run into a failed one for torchrun, SLURM and CI)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    previous_handler = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    finished = False
+    try:
+        _run(argv, log)
+        finished = True
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+        # A finished run waits for every rank and tears the process groups down, so no
+        # communication thread is alive at interpreter exit (an abort there would turn a finished
+        # run into a failed one for torchrun, SLURM and CI); a failed run only tears down.
+        shutdown_distributed(finished)
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":

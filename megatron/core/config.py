@@ -205,6 +205,12 @@ class TrainingConfig:
     seed: int = option(1234, "Random seed.")
     fp16: bool = option(False, "Train in float16 with dynamic loss scaling.")
     bf16: bool = option(False, "Train in bfloat16.")
+    check_for_nan_in_loss_and_grad: bool = option(
+        False, "Stop (error naming the iteration and rank) when the loss or gradient norm is NaN "
+               "or infinite, instead of skipping the update.")
+    max_consecutive_skipped_iterations: int = option(
+        100, "Stop when this many iterations in a row skipped their update (overflow/NaN the "
+             "loss scaler cannot recover from); 0 disables.")
     num_microbatches: Optional[int] = option(
         None, "Micro-batches per iteration per data-parallel rank (derived).", derived=True)
 
@@ -275,6 +281,9 @@ class CheckpointConfig:
     no_load_rng: bool = option(False, "Do not load RNG state.")
     finetune: bool = option(
         False, "Load weights only and start at iteration 0.")
+    allow_overwrite_checkpoints: bool = option(
+        False, "Start even though --save holds checkpoints this run does not resume from "
+               "(they may be overwritten); without it such a run stops before training.")
 
 
 @dataclass

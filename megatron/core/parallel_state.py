@@ -208,12 +208,16 @@ class ParallelState:
 
 def create_parallel_state(layout: RankLayout, rank: int, backend: str,
                           extra_group_ranks: Iterable = (),
-                          new_group: Optional[Callable] = None) -> ParallelState:
+                          new_group: Optional[Callable] = None,
+                          timeout: Optional[Any] = None) -> ParallelState:
     """Create every process group of ``layout`` and return this rank's handle.
 
     ``torch.distributed.new_group`` must be called by all ranks for every group, in the same order,
     so every rank walks the full list. ``extra_group_ranks`` lists further groups, each as its ranks
     or as a :class:`GroupSpec` (every rank passes the same list; repeated entries collapse). ``new_group`` defaults to ``torch.distributed.new_group``.
+    ``timeout`` (a ``datetime.timedelta``, from ``--distributed-timeout-minutes``) is given to every
+    group: without it a subgroup gets torch's default (30 minutes for gloo, 10 for nccl) and a stalled
+    peer hangs its collectives far longer than the user asked for.
     """
     if new_group is None:
         import torch.distributed as dist
@@ -222,7 +226,7 @@ def create_parallel_state(layout: RankLayout, rank: int, backend: str,
     def make(groups: list[list[int]]):
         mine = None
         for ranks in groups:
-            group = new_group(ranks=ranks)
+            group = new_group(ranks=ranks, timeout=timeout)
             if rank in ranks:
                 mine = group
         return mine if layout.world_size > 1 else None
@@ -232,7 +236,7 @@ def create_parallel_state(layout: RankLayout, rank: int, backend: str,
     pipeline_group = make(layout.all_groups("pp"))
     extra = {}
     for key in dict.fromkeys(_group_key(entry) for entry in extra_group_ranks):
-        group = new_group(ranks=list(key[1]))
+        group = new_group(ranks=list(key[1]), timeout=timeout)
         if rank in key[1]:
             extra[key] = group
     return ParallelState(layout=layout, rank=rank, tensor_group=tensor_group,

@@ -34,6 +34,7 @@ from megatron.core.distributed import a2sgd
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
 from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_per_gpu
+from megatron.training.iteration_health import IterationHealth
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
                                           training_device)
 from megatron.training.logging_utils import (IntervalStats, build_tensorboard_writer,
@@ -262,6 +263,7 @@ class _LoopContext:
     tensorboard_writer: object
     timers: Timers
     exit_signal: Optional[ExitSignalHandler] = None
+    health: Optional[IterationHealth] = None
     interval: IntervalStats = field(default_factory=IntervalStats)
     interval_start: float = 0.0
     last_saved: Optional[int] = None
@@ -300,6 +302,8 @@ def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord
     if a2sgd.sync_due(state.iteration, loop.config.parallel.a2sgd_sync_interval):
         a2sgd.synchronize_replicas(loop.components)
     loop.interval.add(record.losses, record.skipped, record.got_nan)
+    if loop.health is not None:  # raises on NaN (--check-for-nan-in-loss-and-grad), endless skips
+        loop.health.check(record)
     return record, batch_size
 
 
@@ -387,7 +391,8 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         checkpointing=checkpointing, tensorboard_writer=tensorboard_writer,
         start_time=time.time() if start_time is None else start_time,
         timers=Timers(components.config.logging.timing_log_level,
-                      components.config.logging.timing_log_option, components.device))
+                      components.config.logging.timing_log_option, components.device),
+        health=IterationHealth.from_config(components.config, components.parallel_state.rank))
     if components.config.training.exit_signal_handler:
         with ExitSignalHandler() as loop.exit_signal:
             return _run_loop(loop, train_dataset, valid_dataset)

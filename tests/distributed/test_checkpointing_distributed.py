@@ -121,7 +121,7 @@ def _save_fails_on_rank_one(rank, world_size, argv, save_dir, failing_function):
     if rank == 1:
         def broken(*args, **kwargs):
             raise OSError(5, "Input/output error (injected)")
-        setattr(checkpointing, failing_function, broken)
+        setattr(checkpointing.checkpointer, failing_function, broken)  # where the hook calls it
     try:
         _train(f"{argv} --load {save_dir} --save {save_dir} --exit-interval 4", world_size)
     except RuntimeError as error:

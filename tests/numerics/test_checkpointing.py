@@ -321,7 +321,7 @@ def test_failing_save_raises_and_keeps_the_older_checkpoint(tmp_path, monkeypatc
             handle.write(b"half a file")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpointing, "save_file", disk_full)
+    monkeypatch.setattr(checkpointing.checkpointer, "save_file", disk_full)
     with pytest.raises(RuntimeError) as error:
         _run(f"--load {save_dir} --save {save_dir} --exit-interval 4")
     assert "No space left on device" in str(error.value) and "unchanged" in str(error.value)

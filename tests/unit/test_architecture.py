@@ -25,7 +25,8 @@ def test_planning_package_and_performance_model_import_no_torch():
 # Family names compared outside the family's own module mean a decision that belongs in the
 # family record. megatron/core/config.py puts the default (1f1b) first in the choices.
 FAMILY_COMPARISON = re.compile(r"""(==|!=)\s*["'](chimera|gpipe|interleaved-1f1b)["']""")
-SCANNED = ("megatron/core", "megatron/training/checkpoint_conversion.py", "tools/show_schedule.py",
+SCANNED = ("megatron/core", "megatron/training/checkpoint_conversion.py",
+           "megatron/training/checkpointing", "tools/show_schedule.py",
            "tools/convert_checkpoint.py")
 
 

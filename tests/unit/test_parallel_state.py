@@ -46,7 +46,7 @@ def test_bad_world_size_says_how_to_fix():
 def test_group_creation_walks_every_group_in_the_same_order():
     created = []
 
-    def fake_new_group(ranks):
+    def fake_new_group(ranks, timeout=None):
         created.append(tuple(ranks))
         return tuple(ranks)
 
@@ -62,6 +62,22 @@ def test_group_creation_walks_every_group_in_the_same_order():
     with pytest.raises(KeyError, match="no process group"):
         state.group_for([1, 5])
     assert ParallelState.single_process().world_size == 1
+
+
+def test_every_group_gets_the_distributed_timeout():
+    """Subgroups without timeout= get torch's 30-minute default: a stalled peer would hang."""
+    import datetime
+    timeouts = []
+
+    def fake_new_group(ranks, timeout=None):
+        timeouts.append(timeout)
+        return tuple(ranks)
+
+    limit = datetime.timedelta(minutes=1)
+    create_parallel_state(RankLayout(2, 1, 2), rank=0, backend="gloo",
+                          extra_group_ranks=[[0, 3]], new_group=fake_new_group, timeout=limit)
+    assert len(timeouts) == 2 + 4 + 2 + 1  # tp, dp (4 singletons), pp, extra
+    assert set(timeouts) == {limit}
 
 
 @pytest.mark.parametrize("tp,dp,pp", [(1, 1, 1), (2, 3, 2), (3, 2, 4), (1, 4, 3), (4, 1, 2)])

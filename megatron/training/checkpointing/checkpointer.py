@@ -1,0 +1,365 @@
+"""The training loop's checkpointing hook: :class:`Checkpointer` saves (staged, agreed on by every
+rank, then published atomically by rank 0) and loads (checked completely before anything is applied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from typing import Callable, Optional
+
+from megatron.core.distributed import a2sgd
+from megatron.training.checkpointing.collectives import (_all_gather,
+                                                        _gather_rng_states_over_data_parallel,
+                                                        _raise_for_failures, _raise_if_any_failed)
+from megatron.training.checkpointing.files import (CHECKPOINT_FILENAME, CHECKPOINT_FORMAT,
+                                                  CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
+                                                  NO_CHECKPOINT_MESSAGE, REPLACED_SUFFIX,
+                                                  STAGING_SUFFIX, TRACKER_FILENAME,
+                                                  CheckpointError, _describe, _fsync_directory,
+                                                  _read_metadata, _verify_file, checkpoint_file,
+                                                  file_crc32, iteration_dir_name, load_file,
+                                                  model_keys, rank_dir_name, read_tracker,
+                                                  save_file, write_tracker)
+from megatron.training.checkpointing.optimizer_shards import (is_sharded, optimizer_state_entry,
+                                                             optimizer_state_for_this_rank,
+                                                             write_optimizer_shard)
+from megatron.training.checkpointing.state import (_check_model_flags, _check_model_state,
+                                                  _check_optimizer_groups, _load_optimizer_state,
+                                                  capture_rng_state, describe_layout,
+                                                  parallel_layout, restore_rng_state)
+
+logger = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------------------------
+# The hook
+# ----------------------------------------------------------------------------------------------
+
+def _checkpoint_header(components, state) -> dict:
+    """What both a rank's file and the iteration's metadata record: format, progress, layout."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "layout": parallel_layout(components.config, len(components.model_chunks)),
+        "data_parallel_size": components.parallel_state.dp_size,
+    }
+
+
+class Checkpointer:
+    """The training loop's checkpointing hook (``pretrain(..., checkpointing=Checkpointer(config))``).
+
+    Args:
+        config: the validated MegatronConfig; ``config.checkpoint`` holds ``--save``, ``--load``,
+            ``--no-load-optim``, ``--no-load-rng`` and ``--finetune``.
+        log: where global rank 0's progress lines go (Megatron prints them on rank 0).
+    """
+
+    def __init__(self, config, *, log: Callable[[str], None] = print):
+        self.config = config
+        self.log = log
+
+    # ---- save ------------------------------------------------------------------------------
+
+    def save(self, components, state) -> str:
+        """Write the checkpoint of ``state.iteration`` to ``--save``; returns its directory.
+
+        Collective: every rank must call it. Raises RuntimeError on every rank if any rank failed;
+        the previous checkpoint and the tracker are then unchanged. Three agreed steps: prepare
+        the staging directory, write every (tensor, pipeline) position's file, publish.
+        """
+        root = self.config.checkpoint.save
+        if not root:
+            raise ValueError("Checkpointer.save needs --save DIR; pass --save")
+        is_first = components.parallel_state.rank == 0
+        final_dir = os.path.join(root, iteration_dir_name(state.iteration))
+        staging_dir = final_dir + STAGING_SUFFIX
+        if is_first:
+            self.log(f"saving checkpoint at iteration {state.iteration:7d} to {root}")
+        started = time.perf_counter()
+        self._prepare_staging(components, root, staging_dir)
+        files = self._write_all_rank_files(components, state, root, staging_dir)
+        self._publish_agreed(components, state, root, staging_dir, final_dir, files)
+        if is_first:
+            self.log(f"  successfully saved checkpoint at iteration {state.iteration:7d} to "
+                     f"{root} ({time.perf_counter() - started:.2f} s)")
+        return final_dir
+
+    def _prepare_staging(self, components, root: str, staging_dir: str) -> None:
+        """Rank 0 creates an empty staging directory (removing what a crashed save left)."""
+        error = None
+        if components.parallel_state.rank == 0:
+            try:
+                os.makedirs(root, exist_ok=True)
+                shutil.rmtree(staging_dir, ignore_errors=True)
+                os.makedirs(staging_dir)
+            except OSError as caught:
+                error = _describe(caught)
+        _raise_if_any_failed(components.parallel_state, error,
+                             f"preparing checkpoint directory {staging_dir}")
+
+    def _write_all_rank_files(self, components, state, root: str, staging_dir: str) -> dict:
+        """Each data-parallel rank 0 writes its position's file; returns {relative path: record}.
+
+        Every rank takes part in the RNG gather even if capturing failed (no rank left waiting);
+        errors reach every rank through the all-gather, and a failure removes the staging directory.
+        """
+        parallel_state = components.parallel_state
+        written, error, rng_state = [], None, None
+        try:
+            rng_state = capture_rng_state()
+        except Exception as caught:
+            error = _describe(caught)
+        rng_states = _gather_rng_states_over_data_parallel(parallel_state, rng_state)
+        reducer_states = _gather_rng_states_over_data_parallel(  # A2SGD error buffers, if any
+            parallel_state, a2sgd.reducer_state(components.gradient_reducers))
+        if error is None and parallel_state.dp_rank == 0:
+            try:
+                if any(entry is None for entry in rng_states):
+                    raise RuntimeError("a data-parallel rank could not capture its RNG state")
+                written.append(self._write_rank_file(components, state, staging_dir, rng_states,
+                                                     reducer_states))
+            except Exception as caught:
+                error = _describe(caught)
+        if error is None and is_sharded(components.optimizer):
+            try:  # --use-distributed-optimizer: every rank writes its own optimizer shard
+                written.append(write_optimizer_shard(
+                    components, _checkpoint_header(components, state), staging_dir))
+            except Exception as caught:
+                error = _describe(caught)
+        try:
+            gathered = _all_gather(parallel_state, (error, written))
+            _raise_for_failures([message for message, _ in gathered],
+                                f"saving checkpoint at iteration {state.iteration} to {root} (the "
+                                f"previous checkpoint and {TRACKER_FILENAME} are unchanged)")
+        except BaseException:
+            if parallel_state.rank == 0:
+                shutil.rmtree(staging_dir, ignore_errors=True)
+            raise
+        return dict(entry for _, entries in gathered for entry in entries or ())
+
+    def _publish_agreed(self, components, state, root: str, staging_dir: str, final_dir: str,
+                        files: dict) -> None:
+        """Rank 0 publishes; every rank learns whether it succeeded."""
+        error = None
+        if components.parallel_state.rank == 0:
+            try:
+                self._publish(components, state, root, staging_dir, final_dir, files)
+            except Exception as caught:
+                error = _describe(caught)
+                shutil.rmtree(staging_dir, ignore_errors=True)
+        _raise_if_any_failed(components.parallel_state, error,
+                             f"publishing checkpoint at iteration {state.iteration} to {root}")
+
+    def _write_rank_file(self, components, state, staging_dir: str, rng_states: list,
+                         reducer_states: Optional[list] = None) -> tuple[str, dict]:
+        """Write this (tp, pp) position's file; return (relative path, {size, crc32})."""
+        parallel_state = components.parallel_state
+        relative = os.path.join(rank_dir_name(parallel_state.tp_rank, parallel_state.pp_rank,
+                                              parallel_state.pp_size), CHECKPOINT_FILENAME)
+        payload = {
+            **_checkpoint_header(components, state),
+            "config": dataclasses.asdict(components.config),
+            "optimizer": optimizer_state_entry(components.optimizer, parallel_state.dp_size),
+            "opt_param_scheduler": components.lr_scheduler.state_dict(),
+            "rng_state": rng_states,
+        }
+        if reducer_states and reducer_states[0] is not None:
+            payload["gradient_reducer_state"] = reducer_states
+        for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
+            payload[key] = chunk.state_dict()
+        path = os.path.join(staging_dir, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file(payload, path)
+        return relative, {"size": os.path.getsize(path), "crc32": file_crc32(path)}
+
+    def _publish(self, components, state, root: str, staging_dir: str, final_dir: str,
+                 files: dict) -> None:
+        """Rank 0, after every rank wrote: metadata, rename into place, then the tracker."""
+        metadata = {
+            **_checkpoint_header(components, state),
+            "files": dict(sorted(files.items())),
+        }
+        metadata_path = os.path.join(staging_dir, METADATA_FILENAME)
+        with open(metadata_path, "w") as handle:
+            json.dump(metadata, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())
+        for directory in {os.path.dirname(os.path.join(staging_dir, name)) for name in files}:
+            _fsync_directory(directory)
+        _fsync_directory(staging_dir)
+        _move_into_place(staging_dir, final_dir)
+        _fsync_directory(root)
+        write_tracker(root, state.iteration)
+        shutil.rmtree(final_dir + REPLACED_SUFFIX, ignore_errors=True)
+
+    # ---- load ------------------------------------------------------------------------------
+
+    def load(self, components):
+        """Restore the checkpoint named by ``--load``'s tracker; return its TrainingState.
+
+        Returns None (and logs that training starts from scratch) when the directory or the
+        tracker does not exist. Collective: every rank must call it; an error on any rank raises
+        on every rank.
+        """
+        # imported here, not at the top, so that training.py may import this module
+        from megatron.training.training import TrainingState
+
+        checkpoint_config = self.config.checkpoint
+        root = checkpoint_config.load
+        parallel_state = components.parallel_state
+        is_first = parallel_state.rank == 0
+
+        iteration, error = None, None
+        try:
+            iteration = read_tracker(root) if root else None
+        except (OSError, ValueError) as caught:
+            error = _describe(caught)
+        gathered = _all_gather(parallel_state, (error, iteration))
+        _raise_for_failures([message for message, _ in gathered],
+                            f"reading the checkpoint tracker in {root}")
+        if len({value for _, value in gathered}) != 1:
+            raise RuntimeError(f"ranks read different iterations from {root}/{TRACKER_FILENAME} "
+                               f"({sorted({value for _, value in gathered}, key=str)}); every "
+                               f"rank must see the same (shared) checkpoint directory")
+        if iteration is None:
+            if is_first:
+                self.log(f"{NO_CHECKPOINT_MESSAGE} (no {TRACKER_FILENAME} in {root})")
+            return None
+        if is_first:
+            self.log(f"loading checkpoint from {root} at iteration {iteration}")
+
+        payload, error = None, None
+        try:
+            payload = self._read_and_check(components, root, iteration)
+        except Exception as caught:
+            error = _describe(caught) if not isinstance(caught, CheckpointError) else str(caught)
+        _raise_if_any_failed(parallel_state, error, f"loading checkpoint {root} "
+                                                    f"(iteration {iteration})")
+
+        result, error = None, None
+        try:
+            result = self._apply(components, payload, TrainingState)
+        except Exception as caught:
+            error = _describe(caught)
+        _raise_if_any_failed(parallel_state, error, f"restoring checkpoint {root} "
+                                                    f"(iteration {iteration})")
+        if is_first:
+            loaded = "weights only (--finetune), starting at iteration 0" \
+                if checkpoint_config.finetune else f"at iteration {iteration}"
+            self.log(f"  successfully loaded checkpoint from {root} {loaded}")
+        return result
+
+    def _read_and_check(self, components, root: str, iteration: int) -> dict:
+        """Read this rank's file and check it against the metadata and the current run."""
+        parallel_state = components.parallel_state
+        iteration_dir = os.path.join(root, iteration_dir_name(iteration))
+        if not os.path.isdir(iteration_dir):
+            hint = ""
+            if os.path.isdir(iteration_dir + REPLACED_SUFFIX):
+                hint = (f"; a save replacing it was interrupted: rename "
+                        f"{iteration_dir + REPLACED_SUFFIX} to {iteration_dir}")
+            raise CheckpointError(f"{os.path.join(root, TRACKER_FILENAME)} names iteration "
+                                  f"{iteration}, but {iteration_dir} does not exist{hint}")
+        metadata = _read_metadata(os.path.join(iteration_dir, METADATA_FILENAME))
+        expected = parallel_layout(components.config, len(components.model_chunks))
+        if metadata["layout"] != expected:
+            raise CheckpointError(
+                f"checkpoint {iteration_dir} was saved with parallel layout "
+                f"[{describe_layout(metadata['layout'])}] but this run uses "
+                f"[{describe_layout(expected)}]; loading another layout is not supported: resume "
+                f"with the saved layout's flags, or convert "
+                f"the weights with tools/convert_checkpoint.py and load them with --finetune or "
+                f"--no-load-optim")
+        path = checkpoint_file(root, iteration, parallel_state.tp_rank, parallel_state.pp_rank,
+                               parallel_state.pp_size)
+        relative = os.path.relpath(path, iteration_dir)
+        recorded = metadata["files"].get(relative)
+        if recorded is None:
+            raise CheckpointError(f"{os.path.join(iteration_dir, METADATA_FILENAME)} lists no "
+                                  f"{relative}; the checkpoint is incomplete")
+        _verify_file(path, recorded)
+        payload = load_file(path)
+        for key in ("format", "iteration", "layout", "optimizer", "opt_param_scheduler",
+                    "rng_state", *model_keys(len(components.model_chunks))):
+            if key not in payload:
+                raise CheckpointError(f"checkpoint file {path} has no {key!r} entry; it was not "
+                                      f"written by this project's checkpointing")
+        if payload["format"] != CHECKPOINT_FORMAT or \
+                payload.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint file {path} has format {payload['format']!r} "
+                                  f"version {payload.get('format_version')}; this build reads "
+                                  f"{CHECKPOINT_FORMAT!r} version {CHECKPOINT_FORMAT_VERSION}")
+        if payload["iteration"] != iteration or payload["layout"] != metadata["layout"]:
+            raise CheckpointError(f"checkpoint file {path} holds iteration "
+                                  f"{payload['iteration']}, but its directory is iteration "
+                                  f"{iteration}; the checkpoint directory was mixed up")
+        _check_model_flags(path, payload.get("config", {}).get("model", {}),
+                           dataclasses.asdict(components.config.model))
+        if payload.get("weights_only") and not (self.config.checkpoint.finetune
+                                                or self.config.checkpoint.no_load_optim):
+            raise CheckpointError(f"checkpoint file {path} holds weights only (converted from "
+                                  f"another parallel layout by tools/convert_checkpoint.py): it "
+                                  f"has no optimizer state; pass --finetune or --no-load-optim")
+        for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
+            _check_model_state(path, key, payload[key], chunk)
+        if not (self.config.checkpoint.finetune or self.config.checkpoint.no_load_optim):
+            payload["optimizer"] = optimizer_state_for_this_rank(
+                path, payload["optimizer"], components, iteration_dir, metadata)
+            _check_optimizer_groups(path, payload["optimizer"], components.optimizer)
+        return payload
+
+    def _apply(self, components, payload: dict, training_state_class):
+        """Copy the checked payload into the model, optimizer, schedule and RNGs."""
+        checkpoint_config = self.config.checkpoint
+        parallel_state = components.parallel_state
+        for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
+            chunk.load_state_dict(payload[key], strict=True)
+        if checkpoint_config.finetune:
+            return training_state_class()
+        if not checkpoint_config.no_load_optim:
+            _load_optimizer_state(components.optimizer, payload["optimizer"])
+            components.lr_scheduler.load_state_dict(payload["opt_param_scheduler"])
+            a2sgd.load_reducer_state(components.gradient_reducers,
+                                     payload.get("gradient_reducer_state"), parallel_state.dp_rank)
+        if payload.get("weights_only"):
+            if parallel_state.rank == 0:
+                self.log("  the checkpoint holds weights only (converted from "
+                         f"[{payload.get('converted_from', 'another layout')}]): the optimizer, "
+                         "LR schedule and RNG states start afresh")
+        elif not checkpoint_config.no_load_rng:
+            rng_states = payload["rng_state"]
+            if len(rng_states) == parallel_state.dp_size:
+                restore_rng_state(rng_states[parallel_state.dp_rank])
+            elif parallel_state.rank == 0:
+                logger.warning("the checkpoint was saved with data-parallel size %d and this run "
+                               "uses %d: RNG states are not restored", len(rng_states),
+                               parallel_state.dp_size)
+        return training_state_class(
+            iteration=int(payload["iteration"]),
+            consumed_train_samples=int(payload["consumed_train_samples"]),
+            consumed_valid_samples=int(payload["consumed_valid_samples"]))
+
+
+
+
+def _move_into_place(staging_dir: str, final_dir: str) -> None:
+    """Rename the staging directory to its final name. Re-saving an existing iteration moves the
+    old copy aside first and deletes it only after the tracker is written (an interruption leaves
+    it as ``iter_X.replaced``); a failed rename puts the old copy back."""
+    replaced = final_dir + REPLACED_SUFFIX
+    if os.path.exists(final_dir):
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final_dir, replaced)
+    try:
+        os.replace(staging_dir, final_dir)
+    except OSError:
+        if os.path.exists(replaced):  # put the old copy back where the tracker expects it
+            os.replace(replaced, final_dir)
+        raise

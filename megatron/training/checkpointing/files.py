@@ -1,0 +1,173 @@
+"""Checkpoint files on disk: names and paths, the tracker, CRC-32s, reading and writing files and
+``metadata.json``. Pure file handling, no process groups (see the package docstring for the layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Optional
+
+import torch
+
+CHECKPOINT_FORMAT = "megatron-chimera"
+CHECKPOINT_FORMAT_VERSION = 1
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_FILENAME = "model_optim_rng.pt"
+METADATA_FILENAME = "metadata.json"
+STAGING_SUFFIX = ".tmp"
+REPLACED_SUFFIX = ".replaced"
+NO_CHECKPOINT_MESSAGE = "no checkpoint found, starting from scratch"
+_CRC_BLOCK = 1 << 22
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Names and paths
+# ----------------------------------------------------------------------------------------------
+
+def iteration_dir_name(iteration: int) -> str:
+    """Megatron's directory name of an iteration: ``iter_0000100``."""
+    return f"iter_{iteration:07d}"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """``mp_rank_{tp:02d}`` when there is no pipeline, else ``mp_rank_{tp:02d}_{pp:03d}``."""
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def checkpoint_file(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Path of the ``model_optim_rng.pt`` of one (tensor, pipeline) position."""
+    return os.path.join(root, iteration_dir_name(iteration),
+                        rank_dir_name(tp_rank, pp_rank, pp_size), CHECKPOINT_FILENAME)
+
+
+def model_keys(num_chunks: int) -> list[str]:
+    """State-dict keys of the model chunks: ``model``, or ``model0``, ``model1``, ..."""
+    return ["model"] if num_chunks == 1 else [f"model{index}" for index in range(num_chunks)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tracker file
+# ----------------------------------------------------------------------------------------------
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration named by ``root/latest_checkpointed_iteration.txt``; None when the directory
+    or the tracker does not exist. Raises ValueError for a tracker that is not an iteration."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        text = handle.read().strip()
+    if text == "release":
+        raise ValueError(f"{path} names a Megatron 'release' checkpoint, which this project does "
+                         f"not read; convert it or point --load at a training checkpoint")
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise ValueError(f"tracker file {path} contains {text!r}, expected an iteration number; "
+                         f"fix or delete the file") from None
+    if iteration < 0:
+        raise ValueError(f"tracker file {path} names iteration {iteration} < 0; fix the file")
+    return iteration
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Atomically replace the tracker with ``iteration`` (temporary file, fsync, rename)."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    temporary = path + STAGING_SUFFIX
+    with open(temporary, "w") as handle:
+        handle.write(f"{iteration}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync_directory(root)
+
+
+def _fsync_directory(path: str) -> None:
+    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; the rename itself is still atomic
+    finally:
+        os.close(descriptor)
+
+
+def file_crc32(path: str) -> int:
+    """CRC-32 of a file, read in blocks (torch's zip reader does not verify its own CRCs)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(_CRC_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file and the fix."""
+
+
+def save_file(payload: dict, path: str) -> None:
+    """``torch.save`` to ``path`` and fsync it (the staging directory makes it atomic)."""
+    with open(path, "wb") as handle:
+        torch.save(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def load_file(path: str) -> dict:
+    """``torch.load`` of a checkpoint file on the CPU, without executing code from it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({_describe(error)}); it "
+                              f"is corrupt or truncated: load an older iteration (edit "
+                              f"{TRACKER_FILENAME}) or save again") from error
+
+
+def _read_metadata(path: str) -> dict:
+    try:
+        with open(path) as handle:
+            metadata = json.load(handle)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete or not written "
+                              f"by this project") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path} cannot be read ({_describe(error)}); the checkpoint is "
+                              f"corrupt") from None
+    if metadata.get("format") != CHECKPOINT_FORMAT or \
+            metadata.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+        raise CheckpointError(f"{path} describes format {metadata.get('format')!r} version "
+                              f"{metadata.get('format_version')}; this build reads "
+                              f"{CHECKPOINT_FORMAT!r} version {CHECKPOINT_FORMAT_VERSION}")
+    for key in ("layout", "files"):
+        if key not in metadata:
+            raise CheckpointError(f"{path} has no {key!r} entry; the checkpoint is corrupt")
+    return metadata
+
+
+def _verify_file(path: str, recorded: dict) -> None:
+    """Size and CRC-32 against the metadata: catches truncation and flipped bytes."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
+    size = os.path.getsize(path)
+    if size != recorded["size"]:
+        raise CheckpointError(f"checkpoint file {path} has {size} bytes, but {recorded['size']} "
+                              f"were written; it is truncated or corrupt")
+    if file_crc32(path) != recorded["crc32"]:
+        raise CheckpointError(f"checkpoint file {path} does not match its CRC-32 in "
+                              f"{METADATA_FILENAME}; it is corrupt")
+
+
+# Architecture flags a checkpoint's weights depend on (Megatron's check_checkpoint_args checks
