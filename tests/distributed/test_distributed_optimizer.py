@@ -48,8 +48,13 @@ def _close(a, b, what, tolerance=1e-9):
 
 @pytest.mark.parametrize("layout,world_size", [
     ("", 2), ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 2),
-    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4)],
-    ids=["dp2", "chimera-pp2", "chimera-pp2xdp2"])
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b", 4),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", 4),
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+     "--chimera-variant forward-doubling", 4)],
+    ids=["dp2", "chimera-pp2", "chimera-pp2xdp2", "1f1b-pp2xdp2", "interleaved-pp2xdp2",
+         "chimera-fd-tp2xpp2"])
 def test_distributed_optimizer_matches_the_replicated_one(layout, world_size):
     argv = f"{TINY} {layout}"
     replicated = run_distributed(_train, world_size, argv, timeout=240)
@@ -68,7 +73,9 @@ def test_distributed_optimizer_matches_the_replicated_one(layout, world_size):
             assert abs(value - single_params[name]).max() / scale < 1e-9, name
         # Every element of a stage is stepped by one of its R replicas (R = DP, and under Chimera
         # 2 x DP); only the tied embedding's copies are stepped whole. Shards are padded to R.
-        replicas = world_size if "pipeline" not in layout else 2 * (world_size // 2)
+        tensor = 2 if "tensor-model" in layout else 1
+        data = world_size // tensor // (2 if "pipeline" in layout else 1)
+        replicas = data * (2 if "chimera" in layout else 1)
         sharded_numel, whole_numel = stepped
         expected = (ref_stepped[1] - whole_numel) / replicas
         assert expected <= sharded_numel <= expected + 8 * replicas, (stepped, ref_stepped)
