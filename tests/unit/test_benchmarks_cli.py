@@ -96,3 +96,48 @@ def test_tiny_schedule_comparison_reports_speedups_and_peaks():
     assert by_schedule["1f1b"]["peaks"] == [2, 1]  # D - r micro-batches on rank r
     assert by_schedule["chimera direct"]["predicted_bk2"] > 1.0
     assert len(by_schedule["chimera direct"]["peaks"]) == 2
+
+
+def test_vs_torch_pipelining_arguments_and_configurations():
+    import vs_torch_pipelining as bench
+
+    args = bench.parse_arguments([])
+    assert (args.size, args.microbatches, args.rounds, args.depth) == ("issue", [2, 4, 8], 2, 2)
+    assert len(args.torch_labels) == 5
+    with pytest.raises(ValueError, match="--rounds"):
+        bench.parse_arguments(["--rounds", "0"])
+    runnable, skipped = bench.configurations("tiny", 2, [2, 4], args.torch_labels)
+    labels = {(row["label"], row["N"]) for row in runnable}
+    # 1F1B, interleaved 1F1B and 3 Chimera variants x 3 grad-sync policies, plus 5 PyTorch schedules.
+    assert len([row for row in runnable if row["kind"] == "ours"]) == 2 * 11
+    assert ("ours chimera backward-halving sync=end", 4) in labels
+    assert ("torch DualPipeV", 2) in labels and not skipped
+
+
+def test_torch_pipeline_order_simulation_matches_a_hand_count():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    import _torch_pipelining
+
+    def act(stage, kind, microbatch):
+        return _Action(stage, _ComputationType(kind), microbatch)
+
+    # GPipe-like, 2 ranks, 1 micro-batch: F0 F1 B1 B0 in sequence: work 6, makespan 6, bubble 1/2.
+    order = {0: [act(0, "F", 0), None, act(0, "B", 0)], 1: [act(1, "F", 0), act(1, "B", 0)]}
+    assert _torch_pipelining.simulate_pipeline_order(order) == pytest.approx(0.5)
+
+
+@pytest.mark.distributed
+def test_tiny_vs_torch_pipelining_run():
+    import vs_torch_pipelining as bench
+
+    result = bench.main(["--size", "tiny", "--microbatches", "2", "--rounds", "1", "--iters", "1",
+                         "--warmup", "0", "--ours", "direct sync=eager-opt",
+                         "--torch-schedules", "1F1B", "DualPipeV", "ZBVZeroBubble"])
+    rows = {row["label"]: row for row in result["pipelined"]}
+    assert set(rows) == {"ours chimera direct sync=eager-opt", "torch 1F1B", "torch ZBVZeroBubble"}
+    assert [entry["label"] for entry in result["skipped"]] == ["torch DualPipeV"]  # N < 2D
+    assert all(row["tokens_per_s"] > 0 and 0 < row["efficiency"] for row in rows.values())
+    assert rows["torch 1F1B"]["simulated_bubble"] == pytest.approx(1 / 3)  # (D-1)/(N+D-1)
+    assert all(mb > 0 for row in rows.values() for mb in row["peak_mb"])
+    assert result["single"]["ours"]["vs_plain_model"] > 0
