@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region)
-from megatron.core.tensor_parallel.utils import divide, tensor_parallel_group
+from megatron.core.tensor_parallel.utils import divide, group_size_and_rank, tensor_parallel_group
 
 
 def set_parameter_attributes(param: torch.nn.Parameter, *, tensor_model_parallel: bool,
@@ -119,6 +119,7 @@ class RowParallelLinear(torch.nn.Module):
                  init_std: float, params_dtype=torch.float32, device=None):
         super().__init__()
         self.group = tensor_parallel_group(parallel_state)
+        self.tp_size = group_size_and_rank(self.group)[0]
         self.input_size_per_rank = divide(input_size, parallel_state.tp_size,
                                           "input size of a row-parallel linear layer")
         self.weight = set_parameter_attributes(
@@ -131,5 +132,7 @@ class RowParallelLinear(torch.nn.Module):
                 tensor_model_parallel=False, no_weight_decay=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # nothing to reduce: one fused addmm
+            return F.linear(x, self.weight, self.bias)
         output = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         return output if self.bias is None else output + self.bias
