@@ -141,3 +141,4 @@ def test_tiny_vs_torch_pipelining_run():
     assert rows["torch 1F1B"]["simulated_bubble"] == pytest.approx(1 / 3)  # (D-1)/(N+D-1)
     assert all(mb > 0 for row in rows.values() for mb in row["peak_mb"])
     assert result["single"]["ours"]["vs_plain_model"] > 0
+    assert result["single"]["ours"]["cpu_vs_plain_model"] > 0
