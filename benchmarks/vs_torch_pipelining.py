@@ -165,7 +165,7 @@ class PlainLoopRun:
 
 
 def _timed_rounds(runs: list, warmup: int, rounds: int, iterations: int, barrier,
-                  cpu_seconds: list = None) -> list:
+                  cpu_seconds: list = None, on_round=None) -> list:
     """Seconds of every timed iteration per run; runs interleaved round by round.
 
     ``cpu_seconds`` (optional, one list per run) receives this process's CPU time per iteration:
@@ -175,7 +175,9 @@ def _timed_rounds(runs: list, warmup: int, rounds: int, iterations: int, barrier
         for _ in range(warmup):
             run.step()
     seconds = [[] for _ in runs]
-    for _ in range(rounds):
+    for round_index in range(rounds):
+        if on_round is not None:
+            on_round(round_index)
         for index, run in enumerate(runs):
             for _ in range(iterations):
                 barrier()
@@ -239,7 +241,13 @@ def _pipelined_rank(rank: int, world_size: int, size: str, configs: list, warmup
             except ValueError as error:
                 runs.append(str(error))
     timed = [run for run in runs if not isinstance(run, str)]
-    seconds = iter(_timed_rounds(timed, warmup, rounds, iterations, dist.barrier))
+    def progress(round_index):
+        if rank == 0:
+            print(f"  round {round_index + 1}/{rounds} of {len(timed)} configurations "
+                  f"({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
+
+    seconds = iter(_timed_rounds(timed, warmup, rounds, iterations, dist.barrier,
+                                 on_round=progress))
     results = []
     for run in runs:
         if isinstance(run, str):
