@@ -13,7 +13,8 @@ One command: ``python benchmarks/vs_torch_pipelining.py [--size issue|tiny] [--r
    round runs every configuration for ``--iters`` iterations, so a slow phase of a shared machine
    hits all of them. Per configuration: tokens/s (median over all timed iterations and the spread
    min-max), efficiency = tokens/s / (D x single-process tokens/s of the same code: ours for ours,
-   the plain loop over GPTModel for PyTorch), measured bubble = 1 - efficiency (it includes p2p and
+   the plain loop over GPTModel for PyTorch; timed inside the rounds with every rank running the whole
+   model alone at the same moment, so it sees the same machine load), measured bubble = 1 - efficiency (it includes p2p and
    framework costs), simulated bubble (ours: our simulator; PyTorch: its own ``pipeline_order``
    list-scheduled; both F = 1, B = 2, zero p2p cost) and peak saved-activation MB per rank.
 
@@ -44,6 +45,11 @@ MODEL_SIZES = {
 COMMON_FLAGS = ("--make-vocab-size-divisible-by 128 --untie-embeddings-and-output-weights "
                 "--hidden-dropout 0 --attention-dropout 0 --lr 1e-3 --train-iters 1000 "
                 "--mock-data --seed 1234 --eval-iters 0")
+
+#: Single-process baselines timed inside the rounds: every rank runs the whole model on its own at
+#: the same moment, so "D x single-process tokens/s" sees the same machine load as the pipelines.
+IN_ROUND_BASELINES = (("single process, ours, on every rank", "single-ours"),
+                      ("single process, GPTModel plain loop, on every rank", "single-torch"))
 
 OUR_SCHEDULES = [("ours 1F1B", ["--pipeline-schedule", "1f1b"])]
 OUR_SCHEDULES += [(f"ours chimera {variant} sync={policy}",
@@ -212,6 +218,20 @@ def _single_rank(rank: int, world_size: int, size: str, num_microbatches: int, w
             for s, c, run in zip(seconds, cpu_seconds, runs)]
 
 
+def _single_run(config: dict, flags: list, rank: int):
+    """A single-process baseline that every rank runs at once, on its own (no communication)."""
+    from megatron.core.parallel_state import ParallelState
+    from megatron.training.arguments import parse_args
+
+    single_flags = [f for f in flags]
+    depth_at = single_flags.index("--pipeline-model-parallel-size")
+    del single_flags[depth_at:depth_at + 2]
+    if config["kind"] == "single-ours":
+        return OurRun(rank, 1, single_flags, ParallelState.single_process())
+    parsed = parse_args(single_flags, world_size=1)
+    return PlainLoopRun(parsed, _data(parsed, config["N"]))
+
+
 def _pipelined_rank(rank: int, world_size: int, size: str, configs: list, warmup: int,
                     rounds: int, iterations: int) -> list:
     import logging
@@ -233,6 +253,8 @@ def _pipelined_rank(rank: int, world_size: int, size: str, configs: list, warmup
         flags = model_flags(size) + config["flags"]
         if config["kind"] == "ours":
             runs.append(OurRun(rank, world_size, flags, parallel_state))
+        elif config["kind"].startswith("single"):
+            runs.append(_single_run(config, flags, rank))
         else:
             parsed = parse_args(flags, world_size=world_size)
             try:  # PyTorch refuses some (schedule, N): every rank decides the same
@@ -260,7 +282,7 @@ def _pipelined_rank(rank: int, world_size: int, size: str, configs: list, warmup
             result["peak_bytes"] = tracker.peak_bytes
             result["simulated_bubble"] = run.simulated_bubble()
         else:
-            result["peak_bytes"] = run.peak_bytes()
+            result["peak_bytes"] = run.peak_bytes() if hasattr(run, "peak_bytes") else 0
         results.append(result)
     return results
 
@@ -291,8 +313,14 @@ def run_single(args) -> dict:
     return rows
 
 
-def run_pipelined(args, configs: list, single: dict) -> list:
-    """Measure the configurations side by side; one row per configuration."""
+def run_pipelined(args, configs: list) -> tuple:
+    """Measure the configurations and the in-round baselines side by side; (rows, skipped,
+    baselines)."""
+    num_microbatches = max(args.microbatches)
+    batch_flags = ["--pipeline-model-parallel-size", str(args.depth), "--global-batch-size",
+                   str(num_microbatches * micro_batch_size(args.size))]
+    configs = configs + [{"label": label, "N": num_microbatches, "kind": kind, "flags": batch_flags}
+                         for label, kind in IN_ROUND_BASELINES]
     per_rank = run_distributed(_pipelined_rank, args.depth, args.size, configs, args.warmup,
                                args.rounds, args.iters, timeout=args.timeout)
     rows, skipped = [], []
@@ -308,11 +336,14 @@ def run_pipelined(args, configs: list, single: dict) -> list:
                "description": results[0]["description"]}
         if config["kind"] == "torch":
             row["simulated_bubble"] = results[0]["simulated_bubble"]
-        baseline = single.get("ours" if config["kind"] == "ours" else "plain loop") if single else None
-        if baseline:
-            row["efficiency"] = row["tokens_per_s"] / (args.depth * baseline["tokens_per_s"])
         rows.append(row)
-    return rows, skipped
+    baselines = {row["kind"]: row for row in rows if row["kind"].startswith("single")}
+    for row in rows:
+        if not row["kind"].startswith("single"):
+            base = baselines["single-ours" if row["kind"] == "ours" else "single-torch"]
+            row["efficiency"] = row["tokens_per_s"] / (args.depth * base["tokens_per_s"])
+    return [row for row in rows if not row["kind"].startswith("single")], skipped, \
+        list(baselines.values())
 
 
 def print_single(single: dict, num_microbatches: int) -> None:
@@ -364,7 +395,7 @@ def parse_arguments(argv=None):
     parser.add_argument("--ours", default="",
                         help="only our configurations whose label contains this text")
     parser.add_argument("--skip-single", action="store_true",
-                        help="skip the single-process phase (no efficiency column)")
+                        help="skip the single-process phase (the overhead ratio vs the plain model)")
     parser.add_argument("--single-only", action="store_true",
                         help="only the single-process phase (the overhead ratio)")
     parser.add_argument("--timeout", type=float, default=3000.0,
@@ -397,13 +428,17 @@ def main(argv=None) -> dict:
                                       args.ours)
     print(f"\n== Pipelined, D={args.depth}: {len(configs)} configurations, interleaved ==")
     print(oversubscription_note(args.depth))
-    rows, refused = run_pipelined(args, configs, single)
+    rows, refused, baselines = run_pipelined(args, configs)
     skipped += refused
     print_pipelined(rows, skipped)
-    print("efficiency = tokens/s / (D x single-process tokens/s of the same code); measured bubble "
+    for base in baselines:
+        print(f"{base['label']} (N={base['N']}): {base['tokens_per_s']:.0f} tokens/s per rank "
+              f"({base['min']:.0f}-{base['max']:.0f})")
+    print("efficiency = tokens/s / (D x single-process tokens/s of the same code, timed on every rank "
+          "at once inside the rounds); measured bubble "
           "= 1 - efficiency; simulated bubble: F=1, B=2, zero p2p cost; peak MB = saved "
           "activations held at once per rank.")
-    return {"single": single, "pipelined": rows, "skipped": skipped}
+    return {"single": single, "pipelined": rows, "skipped": skipped, "baselines": baselines}
 
 
 if __name__ == "__main__":

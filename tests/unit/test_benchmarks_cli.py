@@ -141,4 +141,6 @@ def test_tiny_vs_torch_pipelining_run():
     assert rows["torch 1F1B"]["simulated_bubble"] == pytest.approx(1 / 3)  # (D-1)/(N+D-1)
     assert all(mb > 0 for row in rows.values() for mb in row["peak_mb"])
     assert result["single"]["ours"]["vs_plain_model"] > 0
+    assert {base["kind"] for base in result["baselines"]} == {"single-ours", "single-torch"}
+    assert all(base["tokens_per_s"] > 0 for base in result["baselines"])
     assert result["single"]["ours"]["cpu_vs_plain_model"] > 0
