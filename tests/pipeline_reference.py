@@ -23,7 +23,8 @@ from megatron.training.training import (iteration_microbatches, select_runtime_c
 
 MODEL_FLAGS = ("--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
                "--max-position-embeddings 16 --vocab-size 96 --make-vocab-size-divisible-by 64 "
-               "--lr 1e-2 --train-iters 2 --mock-data --seed 1234 --eval-iters 0").split()
+               "--lr 1e-2 --train-iters 2 --mock-data --seed 1234 --eval-iters 0 "
+               "--layout-invariant-attention-dropout").split()  # exact in every layout
 
 
 def test_model_provider(config, parallel_state, *, pre_process=True, post_process=True,

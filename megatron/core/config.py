@@ -45,6 +45,11 @@ class ModelConfig:
         None, "Size of the learned position-embedding table; defaults to seq-length.")
     attention_dropout: float = option(0.1, "Dropout probability on attention weights.")
     hidden_dropout: float = option(0.1, "Dropout probability on the hidden state.")
+    layout_invariant_attention_dropout: bool = option(
+        False, "Draw attention-dropout masks from the counter-based hash (explicit s x s softmax, "
+               "slower) so they are identical in every TP/PP/DP/Chimera layout; default: fused "
+               "scaled_dot_product_attention with dropout from a per-TP-rank stream (Megatron's "
+               "semantics). Hidden dropout is layout-invariant either way.")
     init_method_std: float = option(
         0.02, "Standard deviation of the normal weight initialisation.")
     layernorm_epsilon: float = option(1e-5, "Epsilon of the normalisation layers.")

@@ -23,7 +23,7 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--max-position-embeddings 16 --vocab-size 128 --make-vocab-size-divisible-by 64 --mock-data "
         "--seed 7 --micro-batch-size 2 "
         "--global-batch-size 8 --lr 1e-2 --train-iters 3 --log-interval 1 --eval-iters 0 "
-        "--clip-grad 0.05")
+        "--clip-grad 0.05 --layout-invariant-attention-dropout")
 
 
 def _train(argv: str, world_size: int, parallel_state=None):

@@ -96,7 +96,7 @@ def test_vocab_parallel_cross_entropy_matches_full_softmax(dtype, tolerance):
 def _model_config(**overrides):
     values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                   max_position_embeddings=16, padded_vocab_size=128, attention_dropout=0.1,
-                  hidden_dropout=0.1)
+                  hidden_dropout=0.1, layout_invariant_attention_dropout=True)
     values.update(overrides)
     return ModelConfig(**values)
 

@@ -25,7 +25,7 @@ VOCAB = 96
 def make_config(**overrides) -> ModelConfig:
     values = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=12,
                   max_position_embeddings=16, padded_vocab_size=VOCAB, attention_dropout=0.1,
-                  hidden_dropout=0.1)
+                  hidden_dropout=0.1, layout_invariant_attention_dropout=True)
     values.update(overrides)
     return ModelConfig(**values)
 

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.smoke
 
 COMMAND = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
            "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 "
-           "--train-iters 5 --log-interval 1 --mock-data --seed 1234 --eval-iters 1").split()
+           "--train-iters 5 --log-interval 1 --mock-data --seed 1234 --eval-iters 1 "
+           "--layout-invariant-attention-dropout").split()  # TP x PP reproduces one process
 
 
 def test_chimera_1f1b_and_tp_chimera_print_the_single_process_losses(tmp_path):

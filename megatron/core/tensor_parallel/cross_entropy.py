@@ -4,13 +4,15 @@ Each TP rank holds logits for its contiguous block of the (padded) vocabulary. T
 reductions over the vocabulary, each an all-reduce of a ``[b, s]`` tensor over the TP group:
 the maximum (for a stable softmax), the target's logit (only the owning rank contributes a non-zero)
 and the sum of exponentials. The backward pass is local: softmax minus the one-hot target on the
-owning rank, scaled by the incoming gradient.
+owning rank, scaled by the incoming gradient. With TP = 1 (nothing to reduce) it is PyTorch's
+``F.cross_entropy`` in the same precision, which is cheaper on one process.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.utils import group_size_and_rank
 
@@ -68,4 +70,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} "
                          f"disagree; logits must be [..., V/tp] for target [...]")
+    if group_size_and_rank(group)[0] == 1:  # the whole vocabulary is here: PyTorch's fused kernel
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        flat = logits.to(compute_dtype).reshape(-1, logits.shape[-1])
+        return F.cross_entropy(flat, target.reshape(-1), reduction="none").view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group)

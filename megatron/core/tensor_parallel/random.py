@@ -21,6 +21,7 @@ below 2**31), so no signed overflow happens and CPU and CUDA give identical bits
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -177,13 +178,49 @@ class CounterBasedDropout:
                           sample_ids).transpose(0, 1)
 
 
+def attention_dropout_seed(model_seed: int, layer_number: int, tp_rank: int,
+                           first_sample: int) -> int:
+    """Seed of the fused attention dropout of one layer on one TP rank for one micro-batch.
+
+    Megatron draws attention dropout inside the tensor-parallel region from a separate RNG stream
+    per TP rank (``model-parallel-rng``: seed + 2718 + tp_rank), so the heads on different TP ranks
+    get independent masks. Here the stream is reseeded per (layer, TP rank, micro-batch's first
+    global sample id): masks differ per TP rank as in Megatron, and a recomputed forward or the
+    other Chimera replica of a stage draws the same mask without any RNG state to save.
+    """
+    return stable_seed(model_seed, "attention-dropout", layer_number, tp_rank, first_sample)
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device):
+    """Run the block with ``device``'s default generator seeded with ``seed``, then restore it."""
+    device = torch.device(device)
+    is_cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) \
+        if is_cuda else None
+    with torch.random.fork_rng(devices=[index] if is_cuda else [], device_type="cuda"):
+        if is_cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        else:
+            torch.random.default_generator.manual_seed(seed)
+        yield
+
+
 @dataclass(frozen=True)
 class DropoutContext:
-    """What a forward pass needs to draw dropout masks: the generator, sample ids, on/off."""
+    """What a forward pass needs to draw dropout masks.
+
+    ``dropout``: the counter-based generator; ``sample_ids``: global sample ids ``[b]``;
+    ``enabled``: training mode; ``first_sample``: the micro-batch's first global sample id (a
+    python int, keys the fused attention dropout's stream); ``layout_invariant_attention``: draw
+    attention-dropout masks from the counter-based hash instead (--layout-invariant-attention-dropout).
+    """
 
     dropout: CounterBasedDropout
     sample_ids: torch.Tensor
     enabled: bool
+    first_sample: int = 0
+    layout_invariant_attention: bool = False
 
     def hidden(self, hidden: torch.Tensor, probability: float, layer_number: int,
                site: int) -> torch.Tensor:

@@ -2,10 +2,13 @@
 
 ``linear_qkv`` is column-parallel with Megatron's interleaved layout: the full weight's rows are
 ``[heads, 3 (q, k, v), head_dim]``, so a contiguous block of rows is whole heads. ``linear_proj`` is
-row-parallel. Without active attention dropout the core uses ``scaled_dot_product_attention``; with
-it, an explicit softmax whose dropout mask comes from :class:`CounterBasedDropout` at the
-coordinates (global head, query, key) of the full attention-probability tensor, so a TP rank drops
-exactly what the unsplit model drops for its heads.
+row-parallel. The core is ``scaled_dot_product_attention`` (fused), with attention dropout drawn from
+a stream seeded per (layer, TP rank, micro-batch) (:func:`attention_dropout_seed`): Megatron's
+semantics, where TP ranks draw independent masks for their heads, so TP=2 is *a* valid model but not
+bit-for-bit the TP=1 model. With ``--layout-invariant-attention-dropout`` the core is an explicit
+s x s softmax whose dropout mask comes from :class:`CounterBasedDropout` at the coordinates (global
+head, query, key) of the full attention-probability tensor, so a TP rank drops exactly what the
+unsplit model drops for its heads (what the layout-equivalence tests use; slower).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.random import SITE_ATTENTION_PROBS, DropoutContext
+from megatron.core.tensor_parallel.random import (SITE_ATTENTION_PROBS, DropoutContext,
+                                                  attention_dropout_seed, seeded_rng)
 from megatron.core.tensor_parallel.utils import divide
 
 
@@ -35,6 +39,7 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_rank = divide(
             self.num_heads, parallel_state.tp_size,
             "num-attention-heads (must be a multiple of tensor-model-parallel-size)")
+        self.tp_rank = parallel_state.tp_rank
         self.first_head = parallel_state.tp_rank * self.heads_per_rank
         bias = not config.disable_bias_linear
         self.linear_qkv = ColumnParallelLinear(
@@ -64,6 +69,17 @@ class SelfAttention(torch.nn.Module):
         probability = self.attention_dropout if dropout.enabled else 0.0
         if probability == 0.0:
             return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        if not dropout.layout_invariant_attention:
+            seed = attention_dropout_seed(dropout.dropout.seed, self.layer_number, self.tp_rank,
+                                          dropout.first_sample)
+            with seeded_rng(seed, query.device):
+                return F.scaled_dot_product_attention(query, key, value, dropout_p=probability,
+                                                      is_causal=True)
+        return self.layout_invariant_core_attention(query, key, value, probability, dropout)
+
+    def layout_invariant_core_attention(self, query, key, value, probability: float,
+                                        dropout: DropoutContext) -> torch.Tensor:
+        """Explicit s x s softmax with counter-based masks (--layout-invariant-attention-dropout)."""
         seq_len = query.shape[2]
         scores = torch.matmul(query, key.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=scores.device).triu(1)

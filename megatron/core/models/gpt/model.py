@@ -188,7 +188,10 @@ class GPTModel(torch.nn.Module):
         elif sample_ids.shape != (batch,):
             raise ValueError(f"sample_ids must have shape [{batch}] (one global index per "
                              f"sample), got {tuple(sample_ids.shape)}")
-        dropout = DropoutContext(self.dropout, sample_ids.to(inputs.device), self.training)
+        dropout = DropoutContext(
+            self.dropout, sample_ids.to(inputs.device), self.training,
+            first_sample=int(sample_ids[0]) if self.training and batch else 0,
+            layout_invariant_attention=self.config.layout_invariant_attention_dropout)
 
         if self.pre_process:
             if inputs.dim() != 2 or inputs.shape[1] > self.config.max_position_embeddings:
