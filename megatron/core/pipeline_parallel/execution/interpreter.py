@@ -280,11 +280,11 @@ class Interpreter:
 
     def _backward(self, op: Instruction) -> None:
         input_tensor, output, nbytes = self.stored.pop((op.pipeline, op.stage, op.microbatch))
-        if self.context.layout.is_last_stage(op.stage):
+        grad = self._output_gradient(op, output)
+        if grad is None:
             output.backward()
         else:
-            grad = self._take_received((GRADIENT, op.pipeline, op.stage + 1, op.microbatch))
-            backward_from(output, grad.to(output.dtype))
+            backward_from(output, grad)
         self.live_bytes -= nbytes
         if not self.context.layout.is_first_stage(op.stage):
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_tensor.grad

@@ -24,18 +24,11 @@ from collections import deque
 
 from ..dependencies import op_key, remote_inputs
 from ..instructions import Instruction, Kind
+from ..simulator import peak_activations
 
 
 def _split(op: Instruction, kind: Kind) -> Instruction:
     return Instruction(kind, op.pipeline, op.stage, op.microbatch, op.chunk)
-
-
-def _peak_stored(ops) -> int:
-    stored = peak = 0
-    for op in ops:
-        stored += 1 if op.kind is Kind.FORWARD else -1
-        peak = max(peak, stored)
-    return peak
 
 
 class _Rank:
@@ -88,7 +81,7 @@ def split_backward_schedule(schedule, num_stages: int, extra_activations: int = 
     """
     if extra_activations < 0:
         raise ValueError(f"extra stored activations must be >= 0, got {extra_activations}")
-    limit = max(_peak_stored(ops) for ops in schedule) + extra_activations
+    limit = max(peak_activations(ops) for ops in schedule) + extra_activations
     ranks = [_Rank(ops, limit) for ops in schedule]
     split_keys = {op_key(op) for rank in ranks for op in rank.main}
     needs = {op_key(op): [key for _, key in remote_inputs(op, num_stages, split_keys)]
