@@ -78,14 +78,8 @@ def run_lambada(args, model, tokenizer, device) -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron.inference import launch
-    from megatron.inference.loading import load_model
     try:
-        device = launch.choose_device(args.device)
-        state = launch.inference_parallel_state(device)
-        model, config = load_model(args.load, state, args.iteration, device)
-        launch.override_tokenizer_files(config, args.vocab_file, args.merge_file,
-                                       args.tokenizer_model)
-        tokenizer = launch.run_tokenizer(config)
+        device, state, model, config, tokenizer = launch.load_for_inference(args)
         result = (run_perplexity(args, model, config, tokenizer, state, device)
                   if args.task == "perplexity" else run_lambada(args, model, tokenizer, device))
     except ValueError as error:  # ConversionError is a ValueError

@@ -49,16 +49,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron.inference import launch
     from megatron.inference.generation import generate
-    from megatron.inference.loading import load_model
     from megatron.training.checkpoint_conversion import ConversionError
     try:
         params = sampling_from_args(args)
-        device = launch.choose_device(args.device)
-        state = launch.inference_parallel_state(device)
-        model, config = load_model(args.load, state, args.iteration, device)
-        launch.override_tokenizer_files(config, args.vocab_file, args.merge_file,
-                                       args.tokenizer_model)
-        tokenizer = launch.run_tokenizer(config)
+        device, state, model, config, tokenizer = launch.load_for_inference(args)
         if args.prompt and tokenizer is None:
             raise ValueError("the checkpoint has no tokenizer (mock data); use --prompt-ids")
         prompts = ([tokenizer.tokenize(text) for text in args.prompt] if args.prompt

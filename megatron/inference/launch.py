@@ -55,3 +55,14 @@ def override_tokenizer_files(config, vocab_file=None, merge_file=None, tokenizer
                         ("tokenizer_model", tokenizer_model)):
         if value is not None:
             setattr(config.data, name, value)
+
+
+def load_for_inference(args):
+    """What both tools start from: (device, parallel state, model, config, tokenizer) from their
+    shared flags (``--device``, ``--load``, ``--iteration`` and the tokenizer-file overrides)."""
+    from megatron.inference.loading import load_model
+    device = choose_device(args.device)
+    state = inference_parallel_state(device)
+    model, config = load_model(args.load, state, args.iteration, device)
+    override_tokenizer_files(config, args.vocab_file, args.merge_file, args.tokenizer_model)
+    return device, state, model, config, run_tokenizer(config)
