@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
 from megatron.training.launch_env import LaunchEnvironment, read_launch_environment
 
@@ -140,7 +141,9 @@ def shutdown_distributed(finished: bool) -> None:
         return
     try:
         if finished and dist.get_world_size() > 1:
-            dist.barrier()
+            with awaiting(lambda: "the end-of-training barrier on "
+                                  + describe_group("world", dist.group.WORLD)):
+                dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -29,7 +29,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import GradientReducer, all_reduce_over, all_reduce_world
+from megatron.core.distributed import GradientReducer, all_reduce_over, all_reduce_world, group_size
+from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.distributed import a2sgd
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
@@ -286,6 +287,15 @@ class _LoopContext:
             self.last_saved = self.state.iteration
 
 
+def _describe_rank_groups(parallel_state) -> str:
+    """This rank's tensor-, data- and pipeline-parallel groups (for a timeout's message)."""
+    groups = {"tensor-parallel": parallel_state.tensor_group,
+              "data-parallel": parallel_state.data_group,
+              "pipeline": parallel_state.pipeline_group}
+    return "; ".join(describe_group(name, group) for name, group in groups.items()
+                     if group_size(group) > 1) or "none"
+
+
 def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord, int]:
     """One training iteration at the current (possibly ramping) global batch size."""
     state = loop.state
@@ -293,8 +303,10 @@ def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord
     with loop.timers.time("batch-generator"):
         microbatches = iteration_microbatches(loop.components, train_dataset,
                                               state.consumed_train_samples, batch_size)
-    record = train_step(loop.components, loop.forward_step_func, microbatches, batch_size,
-                        loop.timers)
+    with awaiting(lambda: f"a collective of iteration {state.iteration + 1} on one of this "
+                          f"rank's groups: {_describe_rank_groups(loop.components.parallel_state)}"):
+        record = train_step(loop.components, loop.forward_step_func, microbatches, batch_size,
+                            loop.timers)
     state.iteration += 1
     state.consumed_train_samples += batch_size
     record.iteration = state.iteration
@@ -431,7 +443,9 @@ def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
     if not distributed or parallel_state.rank == 0:
         datasets = datasets_provider(config, parallel_state, num_samples)
     if distributed:
-        dist.barrier()
+        with awaiting(lambda: "the barrier where every rank waits for rank 0 to build the "
+                              "datasets, on " + describe_group("world", dist.group.WORLD)):
+            dist.barrier()
         if parallel_state.rank != 0:
             datasets = datasets_provider(config, parallel_state, num_samples)
     return tuple(datasets)

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.timeouts import awaiting, describe_group
+
 
 def group_size(group: Any) -> int:
     """Number of ranks in ``group``; 1 for ``None`` or when torch.distributed is not running."""
@@ -29,12 +31,14 @@ def all_reduce_over(tensor: torch.Tensor, groups: Iterable[Optional[Any]],
     """
     for group in groups:
         if group_size(group) > 1:
-            dist.all_reduce(tensor, op=op, group=group)
+            with awaiting(lambda: "an all-reduce on " + describe_group("process", group)):
+                dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
 def all_reduce_world(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """All-reduce ``tensor`` in place over every rank (no-op in a single process)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=op)
+        with awaiting(lambda: "an all-reduce on " + describe_group("world", dist.group.WORLD)):
+            dist.all_reduce(tensor, op=op)
     return tensor

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
+from megatron.core.distributed.timeouts import awaiting, describe_group
 
 
 class _Completed:
@@ -170,10 +171,12 @@ class GradientReducer:
         """Complete the reductions (starting them first if nobody did)."""
         if not self._started:
             self.start()
-        for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.wait()
-                bucket.handle = None
+        with awaiting(lambda: "the gradient all-reduce on "
+                      + describe_group("gradient-replica", self.group)):
+            for bucket in self.buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                    bucket.handle = None
         self._started = False
 
     def zero_grad(self) -> None:

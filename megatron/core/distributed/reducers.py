@@ -30,6 +30,7 @@ from megatron.core.distributed.a2sgd import A2SGDSetup
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.gradient_reducer import GradientReducer
 from megatron.core.distributed.sharded_reducer import ShardedGradientReducer
+from megatron.core.distributed.timeouts import awaiting, describe_group
 
 
 class GradientReduction(Protocol):
@@ -88,7 +89,9 @@ class TiedEmbeddingReducer:
         if self._total is None:
             self.start()
         if self._handle is not None:
-            self._handle.wait()
+            with awaiting(lambda: "the tied-embedding gradient all-reduce on "
+                          + describe_group("tied-embedding", self.group)):
+                self._handle.wait()
             self._handle = None
         for param in self.copies:
             if param.grad is None:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
+from megatron.core.distributed.timeouts import awaiting, describe_group
 
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -138,10 +139,12 @@ class ShardedGradientReducer:
         """Complete the reduce-scatter (starting it first if nobody did)."""
         if not self._started:
             self.start()
-        for segment in self.segments:
-            if segment.handle is not None:
-                segment.handle.wait()
-                segment.handle = None
+        with awaiting(lambda: "the gradient reduce-scatter on "
+                      + describe_group("gradient-replica", self.group)):
+            for segment in self.segments:
+                if segment.handle is not None:
+                    segment.handle.wait()
+                    segment.handle = None
         self._started = False
 
     def start_parameter_gather(self) -> list:

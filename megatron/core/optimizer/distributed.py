@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import all_reduce_over
+from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.optimizer.clip_grads import default_owns_grad_norm, squared_grad_norm
 from megatron.core.optimizer.grad_scaler import build_grad_scaler
 from megatron.core.optimizer.optimizer import (MegatronOptimizer, build_param_groups,
@@ -63,8 +64,11 @@ class DistributedOptimizer(MegatronOptimizer):
     def after_update(self) -> None:
         handles = [handle for reducer in self.sharded_reducers
                    for handle in reducer.start_parameter_gather()]
-        for handle in handles:
-            handle.wait()
+        with awaiting(lambda: "the parameter all-gather of the distributed optimizer on "
+                      + ", ".join(describe_group("gradient-replica", reducer.group)
+                                  for reducer in self.sharded_reducers)):
+            for handle in handles:
+                handle.wait()
 
     def zero_grad(self) -> None:
         grads = [p.grad for p in self.model_params + self.shards if p.grad is not None]

@@ -29,6 +29,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.timeouts import awaiting, describe_group
+
 
 @dataclass(frozen=True)
 class OutgoingTensor:
@@ -93,11 +95,13 @@ class _Posted:
     finish: Callable[[], list]
     stats: TransportStats
     outgoing: list  # the sent buffers, alive until the sends complete
+    describe: Callable[[str], str]  # "receive" / "send" -> what is awaited, for timeout errors
 
     def wait_received(self) -> list[torch.Tensor]:
         started = time.perf_counter()
-        for request in self.receive_requests:
-            request.wait()
+        with awaiting(lambda: self.describe("receive")):
+            for request in self.receive_requests:
+                request.wait()
         self.receive_requests = []
         received = self.finish()
         self.stats.seconds += time.perf_counter() - started
@@ -105,8 +109,9 @@ class _Posted:
 
     def wait_sent(self) -> None:
         started = time.perf_counter()
-        for request in self.send_requests:
-            request.wait()
+        with awaiting(lambda: self.describe("send")):
+            for request in self.send_requests:
+                request.wait()
         self.send_requests = []
         self.outgoing = []
         self.stats.seconds += time.perf_counter() - started
@@ -130,8 +135,22 @@ class _PeerTransport:
         return dist.P2POp(operation, tensor, self.global_rank(pipeline_rank),
                           group=self.parallel_state.pipeline_group)
 
-    def _post(self, sends: list, receives: list, finish: Callable[[], list]) -> _Posted:
-        """Issue ``sends`` then ``receives`` (``dist.P2POp`` lists) as one batch."""
+    def describe_wait(self, direction: str, items: Sequence) -> str:
+        """What a wait on ``items`` (OutgoingTensor or ExpectedTensor) is for, naming the peers and
+        the pipeline group; used only when the wait times out."""
+        peers = list(dict.fromkeys(item.peer for item in items))
+        whats = ", ".join(item.what for item in items)
+        towards = "from" if direction == "receive" else "to"
+        pipeline_ranks = ", ".join(f"{peer} (global rank {self.global_rank(peer)})"
+                                   for peer in peers)
+        return (f"the {direction} of {whats or 'nothing'} {towards} pipeline rank {pipeline_ranks} "
+                f"on " + describe_group("pipeline", self.parallel_state.pipeline_group,
+                                        [self.global_rank(peer) for peer in peers]))
+
+    def _post(self, sends: list, receives: list, finish: Callable[[], list],
+              items: tuple[Sequence, Sequence] = ((), ())) -> _Posted:
+        """Issue ``sends`` then ``receives`` (``dist.P2POp`` lists) as one batch; ``items`` are
+        the (OutgoingTensor, ExpectedTensor) lists they carry, named if a wait times out."""
         posting = time.perf_counter()
         self.stats.exchanges += 1
         self.stats.messages += len(sends)
@@ -142,8 +161,11 @@ class _PeerTransport:
         else:  # a backend that coalesces the batch into fewer requests: wait for all of them
             send_requests, receive_requests = [], list(requests)
         self.stats.seconds += time.perf_counter() - posting
+        outgoing_items, expected_items = items
         return _Posted(send_requests, receive_requests, finish, self.stats,
-                       [op.tensor for op in sends])
+                       [op.tensor for op in sends],
+                       lambda direction: self.describe_wait(
+                           direction, outgoing_items if direction == "send" else expected_items))
 
     def exchange(self, sends: Sequence[OutgoingTensor],
                  receives: Sequence[ExpectedTensor]) -> list[torch.Tensor]:
@@ -167,7 +189,7 @@ class TensorTransport(_PeerTransport):
                    for item in receives]
         receive_ops = [self.p2p_op(dist.irecv, buffer, item.peer)
                        for item, buffer in zip(receives, buffers)]
-        return self._post(send_ops, receive_ops, lambda: buffers)
+        return self._post(send_ops, receive_ops, lambda: buffers, (sends, receives))
 
 
 @dataclass
@@ -191,7 +213,7 @@ class PackedTransport(_PeerTransport):
         receive_ops = [self.p2p_op(dist.irecv, buffer, peer)
                        for peer, (buffer, _) in incoming.items()]
         return self._post(send_ops, receive_ops,
-                          lambda: self._unpack_all(incoming, receives))
+                          lambda: self._unpack_all(incoming, receives), (sends, receives))
 
     def _unpack_all(self, incoming: dict, receives: Sequence[ExpectedTensor]) -> list:
         received = {}
