@@ -355,6 +355,24 @@ def _parse_split(split: str) -> list[float]:
     return weights
 
 
+def _check_blend_weights(weights: list) -> None:
+    """--data-path W1 P1 W2 P2 ...: every weight a finite number >= 0, and not all zero (checked
+    with the other flags, before any process group, model or dataset is built)."""
+    values = []
+    for weight in weights:
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--data-path weight {weight!r} is not a finite number >= 0; use "
+                             f"W1 P1 W2 P2 ... with weights such as 0.3 0.7 or 30 70")
+        values.append(value)
+    if sum(values) <= 0:
+        raise ValueError(f"--data-path weights {' '.join(map(str, weights))} are all zero: no "
+                         f"dataset would ever be sampled; give at least one positive weight")
+
+
 def _validate_data(config: MegatronConfig) -> None:
     data, model = config.data, config.model
     if data.mock_data and data.data_path is not None:
@@ -367,13 +385,7 @@ def _validate_data(config: MegatronConfig) -> None:
         if len(pairs) % 2:
             raise ValueError(f"--data-path with several entries needs weight-prefix pairs "
                              f"(W1 P1 W2 P2 ...); got {len(pairs)} entries")
-        for weight in pairs[0::2]:
-            try:
-                if float(weight) < 0:
-                    raise ValueError
-            except ValueError:
-                raise ValueError(f"--data-path weight {weight!r} is not a non-negative number; "
-                                 f"use W1 P1 W2 P2 ... with numeric weights") from None
+        _check_blend_weights(pairs[0::2])
     _parse_split(data.split)
     if data.num_workers < 0:
         raise ValueError(f"--num-workers {data.num_workers} must be >= 0")
