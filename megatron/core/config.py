@@ -193,8 +193,8 @@ class TrainingConfig:
               "data-parallel size.")
     rampup_batch_size: Optional[list[int]] = option(
         None, "Batch-size ramp-up START INCREMENT RAMP_SAMPLES: the global batch grows from START "
-              "by INCREMENT in equal steps over the first RAMP_SAMPLES samples (without pipeline "
-              "parallelism).")
+              "by INCREMENT in equal steps over the first RAMP_SAMPLES samples (every schedule: the "
+              "pipeline is planned per micro-batch count).")
     train_iters: Optional[int] = option(None, "Number of training iterations.")
     train_samples: Optional[int] = option(
         None, "Number of training samples (alternative to --train-iters).")

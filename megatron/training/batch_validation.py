@@ -75,10 +75,6 @@ def _validate_rampup(config: MegatronConfig, per_step: int) -> None:
         raise ValueError(f"--rampup-batch-size START {start} and INCREMENT {increment} must be "
                          f"multiples of --micro-batch-size x data-parallel size = {per_step}, so "
                          f"every batch of the ramp splits into whole micro-batches")
-    if config.parallel.pipeline_model_parallel_size > 1:
-        raise ValueError("--rampup-batch-size is not supported yet with pipeline parallelism "
-                         "(the pipeline schedule is built for one micro-batch count); use "
-                         "--pipeline-model-parallel-size 1 or a fixed --global-batch-size")
 
 
 def validate_precision_and_evaluation(config: MegatronConfig) -> None:

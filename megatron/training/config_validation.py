@@ -283,18 +283,24 @@ def _check_schedule_options(config: MegatronConfig) -> None:
     # module level (it is pure, but keeping the flag parser's import light costs nothing).
     from megatron.core.pipeline_parallel.planning.schedules import (check_schedule_options,
                                                            schedule_from_config)
-    parallel = config.parallel
+    from megatron.training.microbatches import ramp_batch_sizes
+    parallel, training = config.parallel, config.training
     name, options = schedule_from_config(parallel)
-    try:
-        check_schedule_options(name, parallel.pipeline_model_parallel_size,
-                               config.training.num_microbatches,
-                               micro_batch_size=config.training.micro_batch_size, **options)
-    except ValueError as error:
-        raise ValueError(
-            f"--pipeline-schedule {parallel.pipeline_schedule} with --pipeline-model-parallel-size "
-            f"{parallel.pipeline_model_parallel_size} and {config.training.num_microbatches} "
-            f"micro-batches per iteration (--global-batch-size / (--micro-batch-size x "
-            f"data-parallel size)): {error}") from error
+    per_step = training.micro_batch_size * parallel.data_parallel_size
+    for batch_size in ramp_batch_sizes(training):
+        count = batch_size // per_step
+        try:
+            check_schedule_options(name, parallel.pipeline_model_parallel_size, count,
+                                   micro_batch_size=training.micro_batch_size, **options)
+        except ValueError as error:
+            ramp = (f" (global batch size {batch_size} of the --rampup-batch-size ramp; pick a "
+                    f"START and INCREMENT whose every step suits the schedule)"
+                    if batch_size != training.global_batch_size else "")
+            raise ValueError(
+                f"--pipeline-schedule {parallel.pipeline_schedule} with "
+                f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} and "
+                f"{count} micro-batches per iteration (global batch size / (--micro-batch-size x "
+                f"data-parallel size)){ramp}: {error}") from error
 
 
 def _validate_recompute(config: MegatronConfig) -> None:

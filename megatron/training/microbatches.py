@@ -37,6 +37,15 @@ def global_batch_size_at(training_config, consumed_samples: int) -> int:
     return min(full, start + int(consumed_samples / (ramp_samples / increments)) * increment)
 
 
+def ramp_batch_sizes(training_config) -> list[int]:
+    """Every global batch size a run uses: the --rampup-batch-size steps, then the full size."""
+    full = training_config.global_batch_size
+    if not training_config.rampup_batch_size:
+        return [full]
+    start, increment, _ = training_config.rampup_batch_size
+    return list(range(start, full, increment)) + [full]
+
+
 def iterations_for_samples(training_config, train_samples: int) -> int:
     """Iterations that consume ``train_samples`` samples (Megatron's count: the ramp-up phase
     iteration by iteration, then whole full-size batches)."""

@@ -122,8 +122,10 @@ BAD_COMBINATIONS = [
     (TINY + ["--rampup-batch-size", "4", "5", "100"], 1, ["not a multiple of the increment 5"]),
     (TINY + ["--rampup-batch-size", "4", "4"], 1, ["takes three numbers"]),
     (TINY + ["--rampup-batch-size", "4", "4", "100"], 4, ["must be multiples of --micro-batch"]),
-    (TINY + "--rampup-batch-size 4 4 100 --pipeline-model-parallel-size 2".split(), 2,
-     ["--rampup-batch-size is not supported yet with pipeline parallelism"]),
+    (TINY + ("--rampup-batch-size 2 2 100 --pipeline-model-parallel-size 2 "
+             "--num-layers-per-virtual-pipeline-stage 2").split(), 2,
+     ["global batch size 2 of the --rampup-batch-size ramp", "1 micro-batches per iteration",
+      "multiple of --pipeline-model-parallel-size (2)"]),
     (replaced(TINY, "--train-iters", "5") + ["--lr-decay-samples", "10"], 1,
      ["--lr-decay-samples / --lr-warmup-samples belong to samples-based"]),
     (replaced(TINY, "--train-iters", "5") + ["--train-samples", "80", "--lr-warmup-iters", "1"], 1,

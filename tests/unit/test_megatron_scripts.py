@@ -89,15 +89,13 @@ def test_distributed_with_mp_parses_at_its_scale():
 
 def test_gpt3_175b_samples_based_script():
     argv = script_argv(GPT3_175B)
-    # At its own scale only the ramp-up with pipeline parallelism is refused, in one message.
-    with pytest.raises(ValueError) as error:
-        parse_args(argv, world_size=1024)
-    assert error.value.problems == [
-        "--rampup-batch-size is not supported yet with pipeline parallelism (the pipeline "
-        "schedule is built for one micro-batch count); use --pipeline-model-parallel-size 1 or a "
-        "fixed --global-batch-size"]
-    # Without pipelines (TP 8, DP 16) the unchanged remaining flags parse with Megatron's numbers.
-    config = parse_args(with_value(argv, "--pipeline-model-parallel-size", "1"), world_size=128)
+    # At its own scale (TP 8, PP 16, DP 8) the unchanged flags parse with Megatron's numbers,
+    # including the batch-size ramp-up under 1F1B (micro-batch counts 2, 4, ..., 192).
+    config = parse_args(argv, world_size=1024)
+    assert (config.parallel.tensor_model_parallel_size,
+            config.parallel.pipeline_model_parallel_size,
+            config.parallel.data_parallel_size) == (8, 16, 8)
+    assert config.training.rampup_batch_size == [16, 16, 5859375]
     assert config.optimizer.lr_decay_samples == 126953125
     assert config.optimizer.lr_warmup_samples == 183105
     # Megatron's count: ramp-up iterations one by one (batch 16k for 5859375 / 95 samples each,
@@ -114,5 +112,5 @@ def test_gpt3_175b_distributed_script_logs_its_ignored_flag(caplog):
     ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(ignored) == 1 and ignored[0].startswith("--attention-backend")
     assert config.training.rampup_batch_size == [16, 16, 5859375]
-    with pytest.raises(ValueError, match="--rampup-batch-size is not supported yet with pipeline"):
-        parse_args(script_argv(GPT3_175B_DISTRIBUTED), world_size=1024)
+    config = parse_args(script_argv(GPT3_175B_DISTRIBUTED), world_size=1024)
+    assert config.parallel.pipeline_model_parallel_size == 16

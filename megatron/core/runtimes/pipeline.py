@@ -36,7 +36,8 @@ from megatron.core.pipeline_parallel.execution.replica_groups import (grad_norm_
 from megatron.core.pipeline_parallel.execution.stage import check_stage_module
 from megatron.core.pipeline_parallel.execution.timeline import report_memory, write_timeline
 from megatron.core.pipeline_parallel.execution.transport import make_transport
-from megatron.core.pipeline_parallel.planning.plan import layout_from_config, plan_from_config
+from megatron.core.pipeline_parallel.planning.plan import (PipelinePlan, layout_from_config,
+                                                          plan_from_config)
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
 
 
@@ -68,6 +69,9 @@ class PipelineRuntime:
                                      registry=self.registry)
         self.layout = self.plan.layout
         self.lowered = self.plan.lowered
+        # Plans by micro-batch count: the full batch's, and smaller ones while a
+        # --rampup-batch-size ramp runs (each planned once, when first needed).
+        self._plans = {config.training.num_microbatches: self.plan}
         self.transport = make_transport(parallel_state, self.packer, device)
         self.keys: list = []
         self.reducers_by_key: dict = {}
@@ -106,6 +110,14 @@ class PipelineRuntime:
     def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
         return id(param) in self._norm_owners
 
+    def plan_for(self, num_microbatches: int) -> PipelinePlan:
+        """The schedule's plan for ``num_microbatches`` loop micro-batches (cached)."""
+        if num_microbatches not in self._plans:
+            self._plans[num_microbatches] = plan_from_config(
+                self.config, doubled_step_messages=self.packer.enabled, registry=self.registry,
+                num_microbatches=num_microbatches)
+        return self._plans[num_microbatches]
+
     def instruction_microbatches(self, microbatches: Sequence[dict]) -> list[dict]:
         """Instruction micro-batches from the loop's micro-batches (halves for backward halving)."""
         count = self.layout.num_schedule_microbatches(len(microbatches))
@@ -123,6 +135,7 @@ class PipelineRuntime:
                          scale_loss: Callable, gradient_reducers, forward_only: bool,
                          autocast: Callable = contextlib.nullcontext) -> list[dict]:
         instruction_batches = self.instruction_microbatches(microbatches)
+        plan = self.plan_for(len(microbatches))
         if not forward_only:
             self.iterations += 1
         record = (not forward_only and self.config.logging.pipeline_timeline is not None
@@ -138,7 +151,7 @@ class PipelineRuntime:
             forward_only=forward_only, autocast=autocast, record_timeline=record,
             saved_bytes_cache=self.saved_bytes_cache)
         interpreter = Interpreter(context)
-        losses = interpreter.run(self.plan.forward_only if forward_only else self.lowered,
+        losses = interpreter.run(plan.forward_only if forward_only else plan.lowered,
                                  self.parallel_state.pp_rank)
         if not forward_only:
             self.last_interpreter = interpreter
@@ -146,7 +159,7 @@ class PipelineRuntime:
             self.peak_stored = max(self.peak_stored, interpreter.peak_stored)
         if record:
             write_timeline(self.config.logging.pipeline_timeline, self.iterations,
-                           interpreter.timeline, self.parallel_state, self.lowered, self.log)
+                           interpreter.timeline, self.parallel_state, plan.lowered, self.log)
         return losses
 
     def report(self, log) -> None:

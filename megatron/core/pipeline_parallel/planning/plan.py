@@ -106,12 +106,15 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
 
 
 def plan_from_config(config, *, doubled_step_messages: bool = False,
-                     registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> PipelinePlan:
-    """The plan of the configured schedule (``config.parallel``, ``config.training``)."""
+                     registry: ScheduleRegistry = BUILTIN_SCHEDULES,
+                     num_microbatches: Optional[int] = None) -> PipelinePlan:
+    """The plan of the configured schedule (``config.parallel``, ``config.training``), for
+    ``num_microbatches`` micro-batches per iteration (default: the configured full batch's; a
+    batch-size ramp-up runs smaller counts first)."""
     parallel = config.parallel
     name, options = schedule_from_config(parallel, registry)
     return make_plan(name, parallel.pipeline_model_parallel_size,
-                     config.training.num_microbatches, options,
+                     num_microbatches or config.training.num_microbatches, options,
                      grad_sync_policy=parallel.chimera_grad_sync,
                      doubled_step_messages=doubled_step_messages,
                      split_backward=(parallel.split_backward_extra_activations
