@@ -298,8 +298,10 @@ class LoggingConfig:
     log_interval: int = option(100, "Print a log line every this many iterations.")
     log_throughput: bool = option(False, "Include TFLOP/s per GPU in the log line.")
     timing_log_level: int = option(
-        0, "Timers in the block after each log line: 0 forward-backward and optimizer; 1 and 2 "
-           "also batch-generator and all-grads-sync.", choices=(0, 1, 2))
+        0, "Timers in the block after each log line: 0 forward-backward and optimizer; 1 also "
+           "batch-generator and all-grads-sync; 2 also per instruction kind (forward-compute, "
+           "backward-compute or its split halves, p2p-post, p2p-wait, grad-sync-start).",
+        choices=(0, 1, 2))
     timing_log_option: str = option(
         "minmax", "How the timer block summarises ranks.", choices=("max", "minmax", "all"))
     log_params_norm: bool = option(

@@ -4,8 +4,12 @@
         forward-backward ...............................: (1234.56, 1240.03)
         optimizer ......................................: (12.34, 13.01)
 
-``--timing-log-level`` picks which timers run (0: forward-backward and optimizer; 1 and 2: also
-batch-generator and all-grads-sync); ``--timing-log-option`` how ranks are summarised (``max``,
+``--timing-log-level`` picks which timers run (0: forward-backward and optimizer; 1: also
+batch-generator and all-grads-sync; 2: also the per-instruction timers of
+:mod:`megatron.core.pipeline_parallel.execution.instruction_timing`: forward-compute,
+backward-compute, the split-backward halves, p2p-post, p2p-wait, grad-sync-start; timers that
+stayed at zero on every rank, e.g. the split halves without --split-backward, are not printed);
+``--timing-log-option`` how ranks are summarised (``max``,
 ``minmax`` or ``all``). Times are averaged per iteration over the log interval. On CUDA each start
 and stop synchronises the device so the intervals measure the work, not the launch.
 """
@@ -14,14 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-# The level at which each timer starts running (Megatron's levels; per-instruction pipeline timers
-# are not recorded by this loop).
-TIMER_LEVELS = {"forward-backward": 0, "optimizer": 0, "batch-generator": 1, "all-grads-sync": 1}
+from megatron.core.pipeline_parallel.execution.instruction_timing import (INSTRUCTION_TIMERS,
+                                                                          InstructionSeconds)
+
+# The level at which each timer starts running (Megatron's levels).
+TIMER_LEVELS = {"forward-backward": 0, "optimizer": 0, "batch-generator": 1, "all-grads-sync": 1,
+                **{name: 2 for name in INSTRUCTION_TIMERS}}
 
 
 class Timers:
@@ -51,15 +58,23 @@ class Timers:
             self._sync()
             self.elapsed_s[name] = self.elapsed_s.get(name, 0.0) + time.perf_counter() - start
 
+    def instruction_clock(self) -> Optional[InstructionSeconds]:
+        """A per-instruction accumulator for one ``forward_backward`` (None below level 2)."""
+        return InstructionSeconds(self.device) if self.log_level >= 2 else None
+
+    def add(self, seconds_by_name: dict) -> None:
+        """Add intervals measured elsewhere (a runtime's per-instruction timers)."""
+        for name, seconds in seconds_by_name.items():
+            self.elapsed_s[name] = self.elapsed_s.get(name, 0.0) + seconds
+
     def report(self, iterations: int, world_size: int) -> list[str]:
         """The timer block for the last ``iterations`` iterations (ms per iteration), then reset.
 
         A collective when ``world_size > 1``: every rank must call it."""
-        names = [name for name in TIMER_LEVELS if name in self.elapsed_s]
-        if not names:
-            return []
-        mine = torch.tensor([self.elapsed_s[name] * 1000.0 / iterations for name in names],
-                            dtype=torch.float64, device=self.device)
+        # Every rank reports the same names (the ones its level runs), so the gather lines up.
+        names = [name for name, level in TIMER_LEVELS.items() if level <= self.log_level]
+        mine = torch.tensor([self.elapsed_s.get(name, 0.0) * 1000.0 / iterations
+                             for name in names], dtype=torch.float64, device=self.device)
         self.elapsed_s.clear()
         if world_size > 1:
             every = [torch.empty_like(mine) for _ in range(world_size)]
@@ -67,7 +82,10 @@ class Timers:
         else:
             every = [mine]
         table = torch.stack(every).cpu()
-        return self._format(names, table)
+        shown = [column for column in range(len(names)) if table[:, column].any()]
+        if not shown:
+            return []
+        return self._format([names[column] for column in shown], table[:, shown])
 
     def _format(self, names: list[str], table: torch.Tensor) -> list[str]:
         header = {"max": "max time across ranks (ms):",

@@ -168,12 +168,15 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
         chunk.train()
     optimizer.zero_grad()
     learning_rate = optimizer.param_groups[0]["lr"]
+    clock = timers.instruction_clock() if timers is not None else None
     with _timed(timers, "forward-backward"):
         loss_dicts = components.runtime.forward_backward(
             forward_step_func=forward_step_func, model_chunks=components.model_chunks,
             microbatches=microbatches, scale_loss=optimizer.scale_loss,
             gradient_reducers=components.gradient_reducers, forward_only=False,
-            autocast=components.autocast)
+            autocast=components.autocast, instruction_seconds=clock)
+    if clock is not None:
+        timers.add(clock.seconds)
     components.after_compute()
     with _timed(timers, "all-grads-sync"):
         for reducer in components.gradient_reducers:

@@ -65,3 +65,24 @@ def test_memory_report_line_is_megatron_s():
         "[Rank 3] (after 1 iterations) memory (MB) | allocated: 2.0 | max allocated: 3.0 | "
         "reserved: 4.0 | max reserved: 5.0")
     assert memory_report(0, 1, torch.device("cpu")) is None  # no allocator statistics on CPU
+
+
+def _block(lines: list[str], header_index: int) -> dict:
+    """{timer name: (min, max)} of the timer block starting at ``header_index``."""
+    block = {}
+    for line in lines[header_index + 1:]:
+        match = TIMER_LINE.match(line)
+        if not match:
+            break
+        block[match.group(1)] = (float(match.group(2)), float(match.group(3)))
+    return block
+
+
+def test_level_two_adds_forward_and_backward_compute_without_pipelines():
+    lines = _run("--timing-log-level 2")
+    header = lines.index("(min, max) time across ranks (ms):")
+    block = _block(lines, header)
+    assert list(block) == ["forward-backward", "optimizer", "batch-generator", "all-grads-sync",
+                           "forward-compute", "backward-compute"]  # no pipeline: no p2p timers
+    compute = block["forward-compute"][0] + block["backward-compute"][0]
+    assert 0 < compute <= block["forward-backward"][0] + 0.02  # printed to 0.01 ms each

@@ -8,13 +8,14 @@ accumulate), with one data-parallel gradient reduction started after the last ba
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from megatron.core.distributed.a2sgd import A2SGDSetup
 from megatron.core.distributed.reducers import build_gradient_reducers
 from megatron.core.optimizer import default_owns_grad_norm
+from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
 
 from .protocol import ForwardStepFunc
 
@@ -68,37 +69,47 @@ class NoPipelineRuntime:
 
     def forward_backward(self, *, forward_step_func: ForwardStepFunc, model_chunks,
                          microbatches: Sequence[dict], scale_loss: Callable, gradient_reducers,
-                         forward_only: bool, autocast: Callable = contextlib.nullcontext
+                         forward_only: bool, autocast: Callable = contextlib.nullcontext,
+                         instruction_seconds: Optional[InstructionSeconds] = None
                          ) -> list[dict]:
         return forward_backward_no_pipelining(
             forward_step_func=forward_step_func, model=model_chunks[0],
             microbatches=microbatches, scale_loss=scale_loss,
-            gradient_reducers=gradient_reducers, forward_only=forward_only, autocast=autocast)
+            gradient_reducers=gradient_reducers, forward_only=forward_only, autocast=autocast,
+            instruction_seconds=instruction_seconds)
+
+
+def _untimed(name: str):
+    return contextlib.nullcontext()
 
 
 def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, model: torch.nn.Module,
                                    microbatches: Sequence[dict], scale_loss: Callable,
                                    gradient_reducers=(), forward_only: bool = False,
-                                   autocast: Callable = contextlib.nullcontext) -> list[dict]:
+                                   autocast: Callable = contextlib.nullcontext,
+                                   instruction_seconds: Optional[InstructionSeconds] = None
+                                   ) -> list[dict]:
     """Forward and backward each micro-batch in turn, accumulating gradients.
 
     Each micro-batch loss is divided by the number of micro-batches before backward, so the
     accumulated gradient is that of the mean loss. The reducers start after the last backward.
     """
     num_microbatches = len(microbatches)
+    timed = instruction_seconds.time if instruction_seconds is not None else _untimed
     reported = []
     grad_context = torch.no_grad if forward_only else contextlib.nullcontext
     for index, microbatch in enumerate(microbatches):
         if not forward_only and index == num_microbatches - 1:
             for reducer in gradient_reducers:  # overlap: buckets start during this backward
                 reducer.start_when_ready()
-        with grad_context():
+        with timed("forward-compute"), grad_context():
             with autocast():
                 output, loss_func = forward_step_func(microbatch, model)
             loss, loss_dict = loss_func(output)
         reported.append(loss_dict)
         if not forward_only:
-            scale_loss(loss / num_microbatches).backward()
+            with timed("backward-compute"):
+                scale_loss(loss / num_microbatches).backward()
     if not forward_only:
         for reducer in gradient_reducers:
             reducer.start()

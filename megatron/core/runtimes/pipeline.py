@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import RankLayout
+from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
 from megatron.core.pipeline_parallel.execution.interpreter import ExecutionContext, Interpreter
 from megatron.core.pipeline_parallel.execution.model_chunks import build_model_chunks
 from megatron.core.pipeline_parallel.execution.packing import select_packer
@@ -133,7 +134,8 @@ class PipelineRuntime:
 
     def forward_backward(self, *, forward_step_func, model_chunks, microbatches: Sequence[dict],
                          scale_loss: Callable, gradient_reducers, forward_only: bool,
-                         autocast: Callable = contextlib.nullcontext) -> list[dict]:
+                         autocast: Callable = contextlib.nullcontext,
+                         instruction_seconds: Optional[InstructionSeconds] = None) -> list[dict]:
         instruction_batches = self.instruction_microbatches(microbatches)
         plan = self.plan_for(len(microbatches))
         if not forward_only:
@@ -149,7 +151,7 @@ class PipelineRuntime:
             wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
             reducers=self.reducers_by_key, final_reducers=self.final_reducers,
             forward_only=forward_only, autocast=autocast, record_timeline=record,
-            saved_bytes_cache=self.saved_bytes_cache)
+            saved_bytes_cache=self.saved_bytes_cache, instruction_seconds=instruction_seconds)
         interpreter = Interpreter(context)
         losses = interpreter.run(plan.forward_only if forward_only else plan.lowered,
                                  self.parallel_state.pp_rank)

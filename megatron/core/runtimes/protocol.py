@@ -17,11 +17,12 @@ ranks.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from megatron.core.distributed.reducers import GradientReduction
+from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
 
 # forward_step_func(microbatch, model) -> (output_tensor, loss_func); loss_func(output_tensor) ->
 # (scalar loss, {"lm loss": detached scalar, ...}), as in Megatron-LM's pretrain_gpt.py.
@@ -51,9 +52,12 @@ class TrainingRuntime(Protocol):
 
     def forward_backward(self, *, forward_step_func: ForwardStepFunc, model_chunks,
                          microbatches: Sequence[dict], scale_loss: Callable, gradient_reducers,
-                         forward_only: bool, autocast: Callable) -> list[dict]:
+                         forward_only: bool, autocast: Callable,
+                         instruction_seconds: Optional[InstructionSeconds] = None) -> list[dict]:
         """Run the micro-batches; return the loss dicts of the micro-batches whose loss this rank
-        computed. Unless ``forward_only``, every reducer has been started on return."""
+        computed. Unless ``forward_only``, every reducer has been started on return. With
+        ``instruction_seconds`` (``--timing-log-level 2``), add the time of each kind of work to it
+        (:mod:`~megatron.core.pipeline_parallel.execution.instruction_timing`)."""
 
     def describe(self) -> str:
         """Log line(s) naming how this runtime runs a step (printed once at start-up)."""

@@ -40,6 +40,7 @@ from ..planning.grid import format_op_grid
 from ..planning.instructions import Instruction, Kind
 from ..planning.lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup
 from ..planning.schedules import ScheduleLayout
+from .instruction_timing import InstructionSeconds
 from .model_chunks import ModuleKey
 from .split_backward import backward_input, backward_weight
 from .stage import PipelineStageModule
@@ -143,6 +144,19 @@ class ExecutionContext:
     forward_only: bool = False
     autocast: Callable = contextlib.nullcontext
     record_timeline: bool = False
+    instruction_seconds: Optional[InstructionSeconds] = None  # --timing-log-level 2
+
+
+def instruction_timer(op) -> str:
+    """The per-instruction timer an executed op counts towards (see :mod:`.instruction_timing`)."""
+    if isinstance(op, Instruction):
+        return _TIMER_BY_KIND[op.kind]
+    return "p2p-post" if isinstance(op, P2PGroup) else "grad-sync-start"
+
+
+_TIMER_BY_KIND = {Kind.FORWARD: "forward-compute", Kind.BACKWARD: "backward-compute",
+                  Kind.BACKWARD_INPUT: "backward-input-compute",
+                  Kind.BACKWARD_WEIGHT: "backward-weight-compute"}
 
 
 class Interpreter:
@@ -172,14 +186,14 @@ class Interpreter:
         With ``context.forward_only`` the lists must be :func:`forward_only_ops` of the schedule.
         """
         ops = lowered[rank]
-        self._origin = time.perf_counter()
+        self._origin = self._now()
         prefetch = _prefetch_plan(ops)
         for index, op in enumerate(ops):
             try:
                 for group in prefetch.get(index, ()):
                     self._post_receives(group, prefetch=True)
                 # A compute op's record starts once its inputs are in (see _take_received).
-                self._op_start = time.perf_counter()
+                self._op_start = self._now()
                 self._execute(op)
                 if index == len(ops) - 1:
                     self._complete_sends()
@@ -190,8 +204,8 @@ class Interpreter:
                         [[str(o) for o in rank_ops] for rank_ops in lowered], {(rank, index)},
                         title=f"lowered schedule (rank x step), failing step of rank {rank} "
                               f"marked")) from error
-            self._record(str(op), self._op_start, "communication" if isinstance(op, P2PGroup)
-                         else "compute")
+            self._record(op, self._op_start, "communication" if isinstance(op, P2PGroup)
+                         else "compute", instruction_timer(op))
         leftovers = [key for key in (*self.received, *self.produced, *self.stored,
                                      *self.deferred)]
         if leftovers:
@@ -199,10 +213,25 @@ class Interpreter:
                                          f"the lowered list is inconsistent")
         return self.loss_dicts
 
-    def _record(self, name: str, start: float, lane: str) -> None:
+    @property
+    def _measuring(self) -> bool:
+        return self.context.record_timeline or self.context.instruction_seconds is not None
+
+    def _now(self) -> float:
+        clock = self.context.instruction_seconds
+        return clock.now() if clock is not None else time.perf_counter()
+
+    def _record(self, what, start: float, lane: str, timer: str) -> None:
+        """Account the interval from ``start`` to now: as a timeline record named ``str(what)``
+        (with --pipeline-timeline) and towards ``timer`` (with --timing-log-level 2)."""
+        if not self._measuring:
+            return
+        end = self._now()
         if self.context.record_timeline:
-            self.timeline.append(TimelineRecord(name, start - self._origin,
-                                                time.perf_counter() - self._origin, lane))
+            self.timeline.append(TimelineRecord(str(what), start - self._origin,
+                                                end - self._origin, lane))
+        if self.context.instruction_seconds is not None:
+            self.context.instruction_seconds.add(timer, end - start)
 
     def _execute(self, op) -> None:
         if isinstance(op, Instruction):
@@ -359,20 +388,21 @@ class Interpreter:
     def _take_received(self, key) -> torch.Tensor:
         """The received tensor for ``key``, waiting for its message if it is still in flight."""
         posted, index = self.received.pop(key)
-        if posted.tensors is not None or not self.context.record_timeline:
+        if posted.tensors is not None or not self._measuring:
             return posted.tensor(index)
-        start = time.perf_counter()
+        start = self._now()
         tensor = posted.tensor(index)
-        self._record(f"wait {key[0][0]}{key[1]}.{key[2]}.{key[3]}", start, "communication")
-        self._op_start = time.perf_counter()
+        self._record(f"wait {key[0][0]}{key[1]}.{key[2]}.{key[3]}", start, "communication",
+                     "p2p-wait")
+        self._op_start = self._now()
         return tensor
 
     def _complete_sends(self) -> None:
-        start = time.perf_counter()
+        start = self._now() if self._measuring else 0.0
         for pending in self.pending_sends:
             pending.wait_sent()
         if self.pending_sends:
-            self._record("wait sends", start, "communication")
+            self._record("wait sends", start, "communication", "p2p-wait")
         self.pending_sends = []
 
     @staticmethod
