@@ -15,9 +15,12 @@ import pytest
 from megatron.core.pipeline_parallel.execution import build_lock, packing
 
 
-def write_lock(path, pid, host=None, started=None):
-    path.write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(),
-                                "started": time.time() if started is None else started}))
+def write_lock(path, pid, host=None, started=None, pid_namespace=None):
+    path.write_text(json.dumps({
+        "pid": pid, "host": host or socket.gethostname(),
+        "started": time.time() if started is None else started,
+        "pid_namespace": build_lock._this_pid_namespace() if pid_namespace is None
+        else pid_namespace}))
 
 
 def dead_pid() -> int:
@@ -91,6 +94,14 @@ def test_lock_of_a_dead_process_is_reported_with_the_file_to_delete(tmp_path):
     assert time.monotonic() - started < 5
     assert f"rm {lock_path}" in str(error.value) and "stale" in str(error.value)
     assert lock_path.exists()  # reported, never removed behind the user's back
+
+
+def test_dead_pid_in_another_container_is_judged_by_age_only(tmp_path):
+    """Same host name, other pid namespace: the pid means nothing here, so a young lock waits."""
+    lock_path = tmp_path / "build.lock"
+    write_lock(lock_path, dead_pid(), pid_namespace="pid:[1]")
+    with pytest.raises(RuntimeError, match="waited"):
+        build_lock.run_exclusively(lock_path, lambda: "never", timeout_s=0.2, poll_s=0.02)
 
 
 def test_old_lock_from_another_host_is_stale(tmp_path):

@@ -11,11 +11,12 @@ killed mid-way (SIGKILL, out of memory, a preempted job) leaves the file behind,
 process then hangs silently in ``cpp_extension.load``.
 
 :func:`run_exclusively` makes the same idea explicit and bounded. The lock is a file created with
-``O_CREAT | O_EXCL`` (atomic, also on NFS v3+ and Lustre) holding its owner's pid, host and start
-time. A process that finds it held waits, polling, and raises a RuntimeError naming the lock file:
+``O_CREAT | O_EXCL`` (atomic, also on NFS v3+ and Lustre) holding its owner's pid, host, pid
+namespace (containers on one host may share a host name, not their pids) and start time. A process that finds it held waits, polling, and raises a RuntimeError naming the lock file:
 
-- at once when the lock is stale: its owner's pid no longer runs on this host, or the lock is older
-  than ``stale_after_s`` (the only test possible for an owner on another host);
+- at once when the lock is stale: its owner's pid no longer runs on this host (same host name and
+  pid namespace), or the lock is older than ``stale_after_s`` (the only test possible for an owner
+  on another host or in another container);
 - after ``timeout_s`` when a live owner has not finished.
 
 Stale locks are never deleted automatically (two waiters could both delete and both build); the
@@ -48,6 +49,7 @@ class LockOwner:
     pid: int
     host: str
     started: float  # time.time() when the lock was taken
+    pid_namespace: str = ""  # "" where unknown
 
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host}"
@@ -57,12 +59,22 @@ def _this_host() -> str:
     return socket.gethostname()
 
 
+def _this_pid_namespace() -> str:
+    """The pid namespace of this process (Linux), so that a pid is only judged where it means
+    the same process; "" elsewhere."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def read_lock_owner(lock_path: Path) -> Optional[LockOwner]:
     """The owner recorded in ``lock_path``; None when the file is gone or not yet written."""
     try:
         text = Path(lock_path).read_text()
         record = json.loads(text)
-        return LockOwner(int(record["pid"]), str(record["host"]), float(record["started"]))
+        return LockOwner(int(record["pid"]), str(record["host"]), float(record["started"]),
+                         str(record.get("pid_namespace", "")))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -84,7 +96,9 @@ def stale_lock_reason(lock_path: Path, owner: Optional[LockOwner], now: float,
                       stale_after_s: float, host: Optional[str] = None) -> Optional[str]:
     """Why the lock at ``lock_path`` is stale, or None while its owner may still be building."""
     host = _this_host() if host is None else host
-    if owner is not None and owner.host == host and not process_is_running(owner.pid):
+    same_process_table = (owner is not None and owner.host == host
+                          and owner.pid_namespace == _this_pid_namespace())
+    if same_process_table and not process_is_running(owner.pid):
         return f"its owner, {owner.describe()}, is no longer running"
     if owner is not None:
         started = owner.started
@@ -107,7 +121,8 @@ def _try_acquire(lock_path: Path) -> bool:
         descriptor = os.open(lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    record = {"pid": os.getpid(), "host": _this_host(), "started": time.time()}
+    record = {"pid": os.getpid(), "host": _this_host(), "started": time.time(),
+              "pid_namespace": _this_pid_namespace()}
     with os.fdopen(descriptor, "w") as handle:
         json.dump(record, handle)
         handle.flush()
