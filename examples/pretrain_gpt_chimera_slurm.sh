@@ -49,7 +49,11 @@ launch() {
 # bash runs a trap only between commands, so srun runs in the background while the shell waits.
 launch &
 SRUN_PID=$!
-trap 'echo "$(date): SIGTERM received, forwarding it to srun (pid $SRUN_PID)"; kill -TERM "$SRUN_PID"' TERM
+forward_sigterm() {
+    echo "$(date): SIGTERM received, forwarding it to srun (pid $SRUN_PID)"
+    kill -TERM "$SRUN_PID"
+}
+trap forward_sigterm TERM
 status=0
 wait "$SRUN_PID" || status=$?
 if [ "$status" -gt 128 ] && kill -0 "$SRUN_PID" 2>/dev/null; then

@@ -48,7 +48,8 @@ def _tensor_names(value, prefix=""):
     if isinstance(value, torch.Tensor):
         return [prefix]
     if isinstance(value, dict):
-        return [name for key, item in value.items() for name in _tensor_names(item, f"{prefix}/{key}")]
+        return [name for key, item in value.items()
+                for name in _tensor_names(item, f"{prefix}/{key}")]
     if isinstance(value, (list, tuple)):
         return [name for index, item in enumerate(value)
                 for name in _tensor_names(item, f"{prefix}/{index}")]

@@ -12,7 +12,8 @@ process then hangs silently in ``cpp_extension.load``.
 
 :func:`run_exclusively` makes the same idea explicit and bounded. The lock is a file created with
 ``O_CREAT | O_EXCL`` (atomic, also on NFS v3+ and Lustre) holding its owner's pid, host, pid
-namespace (containers on one host may share a host name, not their pids) and start time. A process that finds it held waits, polling, and raises a RuntimeError naming the lock file:
+namespace (containers on one host may share a host name, not their pids) and start time. A
+process that finds it held waits, polling, and raises a RuntimeError naming the lock file:
 
 - at once when the lock is stale: its owner's pid no longer runs on this host (same host name and
   pid namespace), or the lock is older than ``stale_after_s`` (the only test possible for an owner

@@ -59,8 +59,9 @@ def _check_extension(module) -> None:
 
 def jit_build_directory() -> Path:
     """Where torch compiles and caches the JIT extension: ``$TORCH_EXTENSIONS_DIR/NAME``, else
-    ``~/.cache/torch_extensions/py3XX_cpu/NAME`` (torch's choice, so an existing cache is reused;
-    ``_get_build_directory`` is private but unchanged since torch 1.x, and creates the directory)."""
+    ``~/.cache/torch_extensions/py3XX_cpu/NAME`` (torch's choice, so an existing cache is
+    reused; ``_get_build_directory`` is private but unchanged since torch 1.x, and creates the
+    directory)."""
     from torch.utils import cpp_extension
     return Path(cpp_extension._get_build_directory(JIT_MODULE, verbose=False))
 
