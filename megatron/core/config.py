@@ -284,6 +284,12 @@ class CheckpointConfig:
     save_interval: Optional[int] = option(None, "Save every this many iterations.")
     no_load_optim: bool = option(False, "Do not load optimizer state.")
     no_load_rng: bool = option(False, "Do not load RNG state.")
+    no_save_optim: bool = option(
+        False, "Save checkpoints without the optimizer state and learning-rate schedule (as "
+               "Megatron); resuming from one then needs --no-load-optim (or --finetune).")
+    no_save_rng: bool = option(
+        False, "Save checkpoints without the RNG states; resuming from one then needs "
+               "--no-load-rng (or --finetune).")
     finetune: bool = option(
         False, "Load weights only and start at iteration 0.")
     allow_overwrite_checkpoints: bool = option(

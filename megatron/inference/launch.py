@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
+from megatron.training.launch_env import cuda_device_index
 
 
 def inference_parallel_state(device: torch.device) -> ParallelState:
@@ -25,13 +26,15 @@ def inference_parallel_state(device: torch.device) -> ParallelState:
 
 
 def choose_device(name: Optional[str]) -> torch.device:
-    """``--device`` (cpu, cuda), default cuda when available; under torchrun, the local GPU."""
+    """``--device`` (cpu, cuda), default cuda when available; under torchrun, the local GPU
+    (``LOCAL_RANK`` modulo the visible GPUs, as in training)."""
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no GPU is visible; use --device cpu")
-        index = int(os.environ.get("LOCAL_RANK", "0"))
+        index = cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                  torch.cuda.device_count())
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device(name)

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
-from megatron.training.launch_env import LaunchEnvironment, read_launch_environment
+from megatron.training.launch_env import (LaunchEnvironment, cuda_device_index,
+                                          read_launch_environment)
 
 
 def choose_backend(parallel_config, cuda_available: Optional[bool] = None) -> str:
@@ -34,10 +35,15 @@ def choose_backend(parallel_config, cuda_available: Optional[bool] = None) -> st
     return backend
 
 
-def training_device(backend: str, local_rank: int) -> torch.device:
-    """The device this rank computes on: its local GPU with nccl, else the CPU."""
+def training_device(backend: str, local_rank: int,
+                    device_count: Optional[int] = None) -> torch.device:
+    """The device this rank computes on: with nccl, GPU ``local_rank % device_count`` of those
+    visible (``device_count`` defaults to ``torch.cuda.device_count()``; one per task under
+    ``srun --gpus-per-task=1``, see :func:`~megatron.training.launch_env.cuda_device_index`),
+    else the CPU."""
     if backend == "nccl":
-        return torch.device("cuda", local_rank)
+        device_count = torch.cuda.device_count() if device_count is None else device_count
+        return torch.device("cuda", cuda_device_index(local_rank, device_count))
     return torch.device("cpu")
 
 
@@ -94,7 +100,7 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
         torch.set_num_threads(cpu_threads_per_rank(env, _local_world_size(env, launch)))
     backend = choose_backend(parallel)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank_from_environment(config, env))
+        torch.cuda.set_device(training_device(backend, local_rank_from_environment(config, env)))
 
     rank, world_size = launch.rank, launch.world_size
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
@@ -149,6 +155,6 @@ def shutdown_distributed(finished: bool) -> None:
 
 
 def local_rank_from_environment(config, env: Optional[Mapping[str, str]] = None) -> int:
-    """This process's local rank (GPU index on its node)."""
+    """This process's local rank on its node (its GPU: see :func:`training_device`)."""
     launch = read_launch_environment(os.environ if env is None else env)
     return launch.local_rank if launch.launcher != "none" else (config.parallel.local_rank or 0)

@@ -4,7 +4,10 @@ Owns one pure function, :func:`read_launch_environment`, that understands the tw
 users have: ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
 and SLURM's ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, master = first host of
 ``SLURM_JOB_NODELIST``), plus :func:`expand_nodelist` for SLURM's compressed host lists such as
-``node[003-005,010]``. Nothing here touches torch or the real environment unless it is passed in, so
+``node[003-005,010]``, and :func:`cuda_device_index` (the GPU a rank uses among those it sees).
+A ``python pretrain_gpt.py`` started in an sbatch script without ``srun`` (one process where the
+job expects several) is refused at once instead of waiting for the rendezvous to time out.
+Nothing here touches torch or the real environment unless it is passed in, so
 every case is unit-testable.
 """
 
@@ -18,6 +21,15 @@ from typing import Mapping, Optional
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 # torchrun's own default rendezvous port; used when a SLURM job does not set MASTER_PORT.
 DEFAULT_MASTER_PORT = 29500
+
+# SLURM job steps that are not srun task steps. Assumption (sbatch/srun man pages, slurm.h): each
+# srun starts a step whose tasks get SLURM_STEP_ID (and the older SLURM_STEPID) = 0, 1, 2, ...;
+# the batch script itself runs in the "batch" step, where SLURM_STEP_ID is not set (current
+# versions) or, with some versions and plugins, names that step: "batch" / SLURM_BATCH_SCRIPT
+# (0xfffffffe), likewise salloc's "interactive" step (0xfffffffa) and the "extern" step
+# (0xffffffff). The batch script still has SLURM_PROCID=0 and SLURM_NTASKS = the job's task count.
+SLURM_NON_TASK_STEPS = frozenset({"batch", "interactive", "extern",
+                                  "4294967294", "4294967290", "4294967295"})
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,7 @@ def read_launch_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEn
         rank, world_size = _read_int(env, "SLURM_PROCID"), _read_int(env, "SLURM_NTASKS")
         local_rank = _read_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
         _check_rank(rank, world_size, local_rank, "SLURM environment")
+        _check_started_by_srun(env, world_size)
         master_addr = env.get("MASTER_ADDR")
         if master_addr is None:
             nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
@@ -98,6 +111,39 @@ def read_launch_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEn
                                  "slurm")
     return LaunchEnvironment(0, 1, 0, env.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),
                              _read_port(env), "none")
+
+
+def slurm_step_id(env: Mapping[str, str]) -> Optional[str]:
+    """SLURM_STEP_ID (or the older SLURM_STEPID); None outside any step."""
+    return env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+
+
+def _check_started_by_srun(env: Mapping[str, str], world_size: int) -> None:
+    """Several SLURM tasks but no srun task step: the batch script ran ``python`` itself, so this
+    is the only process of a job that expects ``world_size``, and the rendezvous would wait for
+    the others until it timed out."""
+    step = slurm_step_id(env)
+    if world_size > 1 and (step is None or step.strip().lower() in SLURM_NON_TASK_STEPS):
+        where = "SLURM_STEP_ID is not set" if step is None else f"SLURM_STEP_ID={step}"
+        raise ValueError(
+            f"SLURM_NTASKS={world_size} but this process runs in the job's batch script, not in "
+            f"an srun task ({where}): one process was started where the job expects "
+            f"{world_size}, and it would wait for the others until the rendezvous timed out. "
+            f"Launch the tasks with srun (`srun python pretrain_gpt.py ...`, see "
+            f"examples/pretrain_gpt_chimera_slurm.sh), or with torchrun on every node")
+
+
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """The GPU this rank uses among the ``device_count`` it sees: ``local_rank % device_count``.
+
+    With every GPU of the node visible (torchrun, ``srun --gpus-per-node``) that is the local rank;
+    under ``srun --gpus-per-task=1`` or ``--gpu-bind`` each task sees only its own GPU, as device 0.
+    """
+    if device_count < 1:
+        raise ValueError(f"local rank {local_rank} needs a CUDA device but none is visible to "
+                         f"this process; check CUDA_VISIBLE_DEVICES and the job's --gpus options, "
+                         f"or use --distributed-backend gloo")
+    return local_rank % device_count
 
 
 def world_size_from_environment(env: Optional[Mapping[str, str]] = None) -> int:

@@ -182,8 +182,6 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     UnimplementedFlag("--use-checkpoint-opt_param-scheduler",
                       "the schedule always comes from the current flags"),
     UnimplementedFlag("--use-checkpoint-args", "give the model flags on the command line"),
-    UnimplementedFlag("--no-save-optim", "checkpoints always include the optimizer state"),
-    UnimplementedFlag("--no-save-rng", "checkpoints always include the RNG state"),
     UnimplementedFlag("--calculate-per-token-loss", "the loss is averaged per micro-batch"),
     UnimplementedFlag("--yaml-cfg", "give the flags on the command line"),
     UnimplementedFlag("--spec", "there is one layer specification"),

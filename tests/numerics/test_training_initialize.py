@@ -23,7 +23,11 @@ def test_backend_defaults_and_override():
 
 def test_device_follows_backend():
     assert training_device("gloo", 3) == torch.device("cpu")
-    assert training_device("nccl", 3) == torch.device("cuda", 3)
+    assert training_device("nccl", 3, device_count=8) == torch.device("cuda", 3)
+    # srun --gpus-per-task=1: local rank 3 sees one GPU, device 0
+    assert training_device("nccl", 3, device_count=1) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="none is visible"):
+        training_device("nccl", 3, device_count=0)
 
 
 def test_threads_share_the_cores_unless_omp_num_threads_is_set():

@@ -24,6 +24,7 @@ def test_srun_style_environment_trains_with_two_ranks():
     processes = []
     for rank in range(2):
         env = dict(base, SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_STEP_ID="0",  # an srun task step (the batch script has none)
                    SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=REPO)
         processes.append(subprocess.Popen(

@@ -252,6 +252,7 @@ def test_world_size_defaults_to_launcher_environment(monkeypatch):
     assert parse_args(TINY).parallel.world_size == 1
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # an srun task step
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node1")
     assert parse_args(TINY).parallel.data_parallel_size == 2
     monkeypatch.setenv("RANK", "0")

@@ -153,3 +153,90 @@ def test_megatron_written_dataset_trains_with_gpt2_files(tmp_path):
         start = int(train.shuffle_index[index]) * 16
         assert train[index]["text"].tolist() == shuffled_stream[start:start + 17]
     assert tokenizer.detokenize(shuffled_stream).count("<|endoftext|>") == len(documents)
+
+
+def output_files(directory, prefix):
+    return [name for name in os.listdir(directory) if name.startswith(prefix)]
+
+
+def test_gzip_input_is_refused_with_the_fix(tmp_path, capsys):
+    import gzip
+
+    plain = tmp_path / "corpus.jsonl"
+    write_corpus(plain, with_bad_lines=False)
+    compressed = tmp_path / "corpus.jsonl.gz"
+    compressed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert run_tool(tmp_path, compressed, tmp_path / "gz") == 1
+    message = capsys.readouterr().err
+    assert str(compressed) in message and "gzip-compressed" in message
+    assert "decompress it first" in message and f"gunzip -k {compressed}" in message
+    assert not output_files(tmp_path, "gz_")
+
+
+@pytest.mark.parametrize("content,words", [
+    (b"", "is empty"),
+    (b"\n  \n\n", "is empty"),
+    (b"plain text, not json\nmore text\n", "every one of the 2 lines"),
+    (b"\xff\xfe\x00binary\n", "looks binary"),
+    (b'{"body": "a"}\n{"body": "b"}\n', "--json-keys"),
+    (b'{"text": ""}\n', "documents of"),
+])
+def test_input_without_documents_exits_non_zero_naming_the_file(tmp_path, capsys, content, words):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(content)
+    assert run_tool(tmp_path, corpus, tmp_path / "none") == 1
+    message = capsys.readouterr().err
+    assert "error: no document to write" in message and str(corpus) in message and words in message
+    assert not output_files(tmp_path, "none_")
+
+
+def test_glob_input_is_read_in_sorted_order_into_one_output(tmp_path, capsys):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    texts = {"b.jsonl": ["second file"], "a.jsonl": ["first file", "still first"],
+             "c.jsonl": ["third file"]}
+    for name, documents in texts.items():
+        (shards / name).write_text("".join(json.dumps({"text": text}) + "\n"
+                                           for text in documents), encoding="utf-8")
+    (shards / "d.jsonl").write_bytes(b"not json\n")  # a file with no document: only a warning
+    assert run_tool(tmp_path, str(shards / "*.jsonl"), tmp_path / "all") == 0
+    message = capsys.readouterr().err
+    assert f"WARNING: no document from this input file: every one of the 1 lines of " \
+           f"{shards / 'd.jsonl'}" in message
+    assert "read 4 input files" in message
+
+    tokenizer = GPT2BPETokenizer(*gpt2_files(tmp_path))
+    dataset = IndexedDataset(str(tmp_path / "all_text_document"))
+    in_order = texts["a.jsonl"] + texts["b.jsonl"] + texts["c.jsonl"]
+    assert [dataset[i].tolist() for i in range(len(dataset))] == \
+        [tokenizer.tokenize(text) + [tokenizer.eod] for text in in_order]
+
+    # The same files listed one by one (as an unquoted glob expands) give the same output.
+    listed = [str(shards / name) for name in ("a.jsonl", "b.jsonl", "c.jsonl")]
+    assert run_tool(tmp_path, "unused", tmp_path / "listed", "--input", *listed) == 0
+    for extension in (".bin", ".idx"):
+        assert (tmp_path / f"all_text_document{extension}").read_bytes() == \
+            (tmp_path / f"listed_text_document{extension}").read_bytes()
+
+
+def test_glob_matching_nothing_names_the_pattern(tmp_path, capsys):
+    pattern = str(tmp_path / "missing" / "*.jsonl")
+    assert run_tool(tmp_path, pattern, tmp_path / "x") == 1
+    assert f"--input pattern {pattern!r} matches no file" in capsys.readouterr().err
+
+
+def test_megatron_lang_and_keep_sequential_samples_are_accepted(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, with_bad_lines=False)
+    assert run_tool(tmp_path, corpus, tmp_path / "plain") == 0
+    capsys.readouterr()
+    assert run_tool(tmp_path, corpus, tmp_path / "flags", "--lang", "english",
+                    "--keep-sequential-samples", "--workers", "2") == 0
+    assert "--lang english is ignored" in capsys.readouterr().err
+    for extension in (".bin", ".idx"):  # document order is kept either way
+        assert (tmp_path / f"plain_text_document{extension}").read_bytes() == \
+            (tmp_path / f"flags_text_document{extension}").read_bytes()
+    with pytest.raises(SystemExit):
+        load_tool("preprocess_data").main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--keep-sequential-samples" in help_text and "--lang" in help_text

@@ -57,7 +57,8 @@ class Checkpointer:
 
     Args:
         config: the validated MegatronConfig; ``config.checkpoint`` holds ``--save``, ``--load``,
-            ``--no-load-optim``, ``--no-load-rng`` and ``--finetune``.
+            ``--no-save-optim``, ``--no-save-rng``, ``--no-load-optim``, ``--no-load-rng`` and
+            ``--finetune``.
         log: where global rank 0's progress lines go (Megatron prints them on rank 0).
     """
 
@@ -82,6 +83,12 @@ class Checkpointer:
         staging_dir = final_dir + STAGING_SUFFIX
         if is_first:
             self.log(f"saving checkpoint at iteration {state.iteration:7d} to {root}")
+            omitted = [what for what, flag in (("optimizer state and LR schedule",
+                                                self.config.checkpoint.no_save_optim),
+                                               ("RNG states", self.config.checkpoint.no_save_rng))
+                       if flag]
+            if omitted:
+                self.log(f"  without {' and '.join(omitted)} (--no-save-optim / --no-save-rng)")
         started = time.perf_counter()
         self._prepare_staging(components, root, staging_dir)
         files = self._write_all_rank_files(components, state, root, staging_dir)
@@ -109,25 +116,30 @@ class Checkpointer:
 
         Every rank takes part in the RNG gather even if capturing failed (no rank left waiting);
         errors reach every rank through the all-gather, and a failure removes the staging directory.
+        With ``--no-save-rng`` / ``--no-save-optim`` (the same on every rank) the RNG states /
+        the optimizer state, LR schedule and gradient-reducer state are neither gathered nor saved.
         """
         parallel_state = components.parallel_state
-        written, error, rng_state = [], None, None
-        try:
-            rng_state = capture_rng_state()
-        except Exception as caught:
-            error = _describe(caught)
-        rng_states = _gather_rng_states_over_data_parallel(parallel_state, rng_state)
-        reducer_states = _gather_rng_states_over_data_parallel(  # A2SGD error buffers, if any
-            parallel_state, a2sgd.reducer_state(components.gradient_reducers))
+        save_optimizer = not self.config.checkpoint.no_save_optim
+        written, error, rng_state, rng_states, reducer_states = [], None, None, None, None
+        if not self.config.checkpoint.no_save_rng:
+            try:
+                rng_state = capture_rng_state()
+            except Exception as caught:
+                error = _describe(caught)
+            rng_states = _gather_rng_states_over_data_parallel(parallel_state, rng_state)
+        if save_optimizer:
+            reducer_states = _gather_rng_states_over_data_parallel(  # A2SGD error buffers, if any
+                parallel_state, a2sgd.reducer_state(components.gradient_reducers))
         if error is None and parallel_state.dp_rank == 0:
             try:
-                if any(entry is None for entry in rng_states):
+                if rng_states is not None and any(entry is None for entry in rng_states):
                     raise RuntimeError("a data-parallel rank could not capture its RNG state")
                 written.append(self._write_rank_file(components, state, staging_dir, rng_states,
                                                      reducer_states))
             except Exception as caught:
                 error = _describe(caught)
-        if error is None and is_sharded(components.optimizer):
+        if error is None and save_optimizer and is_sharded(components.optimizer):
             try:  # --use-distributed-optimizer: every rank writes its own optimizer shard
                 written.append(write_optimizer_shard(
                     components, _checkpoint_header(components, state), staging_dir))
@@ -157,17 +169,22 @@ class Checkpointer:
         _raise_if_any_failed(components.parallel_state, error,
                              f"publishing checkpoint at iteration {state.iteration} to {root}")
 
-    def _write_rank_file(self, components, state, staging_dir: str, rng_states: list,
+    def _write_rank_file(self, components, state, staging_dir: str, rng_states: Optional[list],
                          reducer_states: Optional[list] = None) -> tuple[str, dict]:
-        """Write this (tp, pp) position's file; return (relative path, {size, crc32})."""
+        """Write this (tp, pp) position's file; return (relative path, {size, crc32}).
+
+        What ``--no-save-optim`` / ``--no-save-rng`` leave out is stored as None (the key stays,
+        so the loader can tell a deliberate omission from a file that is not ours)."""
         parallel_state = components.parallel_state
         relative = os.path.join(rank_dir_name(parallel_state.tp_rank, parallel_state.pp_rank,
                                               parallel_state.pp_size), CHECKPOINT_FILENAME)
+        save_optimizer = not self.config.checkpoint.no_save_optim
         payload = {
             **_checkpoint_header(components, state),
             "config": dataclasses.asdict(components.config),
-            "optimizer": optimizer_state_entry(components.optimizer, parallel_state.dp_size),
-            "opt_param_scheduler": components.lr_scheduler.state_dict(),
+            "optimizer": optimizer_state_entry(components.optimizer, parallel_state.dp_size)
+            if save_optimizer else None,
+            "opt_param_scheduler": components.lr_scheduler.state_dict() if save_optimizer else None,
             "rng_state": rng_states,
         }
         if reducer_states and reducer_states[0] is not None:
@@ -307,6 +324,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint file {path} holds weights only (converted from "
                                   f"another parallel layout by tools/convert_checkpoint.py): it "
                                   f"has no optimizer state; pass --finetune or --no-load-optim")
+        _check_saved_states_are_present(path, payload, self.config.checkpoint)
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             _check_model_state(path, key, payload[key], chunk)
         if not (self.config.checkpoint.finetune or self.config.checkpoint.no_load_optim):
@@ -347,6 +365,22 @@ class Checkpointer:
             consumed_valid_samples=int(payload["consumed_valid_samples"]))
 
 
+
+
+def _check_saved_states_are_present(path: str, payload: dict, checkpoint_config) -> None:
+    """A checkpoint saved with --no-save-optim / --no-save-rng (the entry is None) loads only
+    when this run does not ask for what it lacks; the error names the missing state and the flag."""
+    if checkpoint_config.finetune or payload.get("weights_only"):
+        return  # nothing but the weights is loaded (weights-only files are checked above)
+    if payload["optimizer"] is None and not checkpoint_config.no_load_optim:
+        raise CheckpointError(f"checkpoint file {path} holds no optimizer state (it was saved with "
+                              f"--no-save-optim), so the optimizer and learning-rate schedule "
+                              f"cannot be restored; pass --no-load-optim to start them afresh, "
+                              f"or --finetune to load the weights only")
+    if payload["rng_state"] is None and not checkpoint_config.no_load_rng:
+        raise CheckpointError(f"checkpoint file {path} holds no RNG state (it was saved with "
+                              f"--no-save-rng); pass --no-load-rng to continue with the random "
+                              f"generators as seeded by --seed")
 
 
 def _move_into_place(staging_dir: str, final_dir: str) -> None:

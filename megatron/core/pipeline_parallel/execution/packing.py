@@ -11,7 +11,8 @@ This module owns the public API of point-to-point packing (see docs/packing.md):
   ``name`` and ``reason`` say which implementation is active and why;
 - the pure-Python implementation (in :mod:`.wire_format`, re-exported here), which writes bytes
   identical to the C++ extension in ``megatron/csrc/packing.cpp`` (that file documents the binary
-  format), and the loader of that extension (built by setup.py, else compiled on first use, cached per process by ``lru_cache``);
+  format), and the loader of that extension (built by setup.py, else compiled on first use by one
+  process at a time under the lock of :mod:`.build_lock`, cached per process by ``lru_cache``);
 - ``measure_pack_unpack``: the pack + unpack micro-benchmark used by benchmarks/.
 """
 
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from . import build_lock
 from .wire_format import (  # noqa: F401  (re-exported: packing's public API)
     ALIGNMENT, DTYPES_BY_CODE, DTYPE_CODES, ENTRY_NBYTES, FIXED_HEADER_NBYTES, FORMAT_VERSION,
     PACKING_MODES,
@@ -35,6 +37,9 @@ from .wire_format import (  # noqa: F401  (re-exported: packing's public API)
 EXTENSION_MODULE = "megatron._packing_cpp"
 JIT_MODULE = "megatron_packing_jit"
 SOURCE_PATH = Path(__file__).resolve().parents[3] / "csrc" / "packing.cpp"
+# In the JIT build directory: our lock (owner recorded, see build_lock) and torch's own FileBaton.
+JIT_BUILD_LOCK_NAME = "megatron_build.lock"
+TORCH_BATON_NAME = "lock"
 
 # --------------------------------------------------------------------------------------------
 # The C++ extension: built by setup.py, else compiled on first use
@@ -52,10 +57,36 @@ def _check_extension(module) -> None:
         raise RuntimeError(f"{module.__name__} has different dtype codes; it is a stale build")
 
 
+def jit_build_directory() -> Path:
+    """Where torch compiles and caches the JIT extension: ``$TORCH_EXTENSIONS_DIR/NAME``, else
+    ``~/.cache/torch_extensions/py3XX_cpu/NAME`` (torch's choice, so an existing cache is
+    reused; ``_get_build_directory`` is private but unchanged since torch 1.x, and creates the
+    directory)."""
+    from torch.utils import cpp_extension
+    return Path(cpp_extension._get_build_directory(JIT_MODULE, verbose=False))
+
+
+def _check_no_torch_baton(build_directory: Path) -> None:
+    """torch's own lock must be absent while we hold ours: every process that builds this
+    extension takes our lock first, so a leftover file comes from a build that was killed, and
+    ``cpp_extension.load`` would wait on it forever."""
+    baton = build_directory / TORCH_BATON_NAME
+    if baton.exists():
+        raise RuntimeError(f"torch's build lock {baton} is left over from an interrupted "
+                           f"compilation of {SOURCE_PATH.name} (no process holds "
+                           f"{build_directory / JIT_BUILD_LOCK_NAME}); torch would wait on it "
+                           f"forever: delete it (rm {baton}) and start again")
+
+
 @functools.lru_cache(maxsize=None)
-def load_jit_extension(verbose: bool = False):
+def load_jit_extension(verbose: bool = False,
+                       lock_timeout_s: float = build_lock.DEFAULT_TIMEOUT_S):
     """Compiles packing.cpp with torch.utils.cpp_extension.load (cached on disk by torch, and
-    per process by lru_cache). Raises RuntimeError with the reason when it cannot."""
+    per process by lru_cache). Raises RuntimeError with the reason when it cannot.
+
+    One process at a time builds, holding ``JIT_BUILD_LOCK_NAME`` in the build directory; the
+    others wait (up to ``lock_timeout_s``) and then load the cached build. A stale lock raises a
+    RuntimeError naming the file to delete (see :mod:`.build_lock`)."""
     if not SOURCE_PATH.is_file():
         raise RuntimeError(f"the C++ source {SOURCE_PATH} is missing from this installation")
     from torch.utils import cpp_extension
@@ -63,11 +94,21 @@ def load_jit_extension(verbose: bool = False):
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler}) found to compile {SOURCE_PATH.name}; "
                            f"install g++ or reinstall with `pip install --no-build-isolation -e .`")
-    try:
-        module = cpp_extension.load(name=JIT_MODULE, sources=[str(SOURCE_PATH)],
-                                    extra_cflags=["-O3"], verbose=verbose)
-    except Exception as error:  # compiler errors surface as many exception types
-        raise RuntimeError(f"compiling {SOURCE_PATH.name} failed: {error}") from error
+    build_directory = jit_build_directory()
+
+    def compile_and_load():
+        _check_no_torch_baton(build_directory)
+        try:
+            return cpp_extension.load(name=JIT_MODULE, sources=[str(SOURCE_PATH)],
+                                      extra_cflags=["-O3"], build_directory=str(build_directory),
+                                      verbose=verbose)
+        except Exception as error:  # compiler errors surface as many exception types
+            raise RuntimeError(f"compiling {SOURCE_PATH.name} failed: {error}") from error
+
+    module = build_lock.run_exclusively(
+        build_directory / JIT_BUILD_LOCK_NAME, compile_and_load,
+        what=f"compiling {SOURCE_PATH.name} in {build_directory}", timeout_s=lock_timeout_s,
+        log=lambda message: print(message, flush=True))
     _check_extension(module)
     return module
 
