@@ -159,7 +159,11 @@ class WandbWriter:
         self.run.log({tag: value}, step=step)
 
     def flush(self) -> None:
-        """wandb writes as it goes; finishing the run happens at interpreter exit."""
+        """wandb writes as it goes."""
+
+    def close(self) -> None:
+        """Finish the run (writes its summary; in offline mode the run directory is complete)."""
+        self.run.finish()
 
 
 class ScalarWriters:
@@ -176,6 +180,20 @@ class ScalarWriters:
         for writer in self.writers:
             if hasattr(writer, "flush"):
                 writer.flush()
+
+    def close(self) -> None:
+        for writer in self.writers:
+            close_writer(writer)
+
+
+def close_writer(writer) -> None:
+    """Flush and close a scalar writer at the end of training (None: nothing to do)."""
+    if writer is None:
+        return
+    if hasattr(writer, "flush"):
+        writer.flush()
+    if hasattr(writer, "close"):
+        writer.close()
 
 
 def build_tensorboard_writer(logging_config, is_writer_rank: bool, save_dir: Optional[str] = None,

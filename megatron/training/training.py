@@ -39,7 +39,7 @@ from megatron.training.iteration_health import IterationHealth
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
                                           training_device)
 from megatron.training.logging_utils import (IntervalStats, build_tensorboard_writer,
-                                             check_logging_packages,
+                                             check_logging_packages, close_writer,
                                              format_iteration_line, format_validation_lines,
                                              memory_report,
                                              write_training_scalars, write_validation_scalars)
@@ -515,8 +515,7 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
     if not result.exited_early:
         _final_evaluations(components, forward_step_func, valid_dataset, test_dataset, result,
                            log, tensorboard_writer)
-    if tensorboard_writer is not None and hasattr(tensorboard_writer, "flush"):
-        tensorboard_writer.flush()
+    close_writer(tensorboard_writer)
     return result
 
 

@@ -1,9 +1,9 @@
 """The flag lines of three real Megatron-LM launch scripts parse unchanged (paths replaced).
 
-The scripts could not be downloaded here: their flag lines below are written from knowledge of
-Megatron-LM's repository (examples/pretrain_gpt_distributed_with_mp.sh of 2021,
-examples/pretrain_gpt3_175B.sh, examples/gpt3/train_gpt3_175b_distributed.sh), not copied from a
-checkout, so small differences to a given revision are possible.
+The flag lists below were checked flag by flag against the scripts in NVIDIA/Megatron-LM
+(examples/pretrain_gpt_distributed_with_mp.sh at 090e141, examples/pretrain_gpt3_175B.sh at
+090e141, examples/gpt3/train_gpt3_175b_distributed.sh at 157006d), read through the project's
+public-code reference index; shell variables are kept as placeholders that PATHS replaces.
 """
 
 import logging
@@ -15,12 +15,13 @@ from megatron.training.megatron_flags import UNIMPLEMENTED_FLAGS
 
 PATHS = {"$DATA_PATH": "my-gpt2_text_document", "$VOCAB_FILE": "gpt2-vocab.json",
          "$MERGE_FILE": "gpt2-merges.txt", "$CHECKPOINT_PATH": "checkpoints/gpt",
-         "$TENSORBOARD_LOGS_PATH": "tensorboard/gpt"}
+         "$TENSORBOARD_LOGS_PATH": "tensorboard/gpt", "$DATASET_1": "web_text_document",
+         "$DATASET_2": "books_text_document", "$DATASET_3": "wiki_text_document"}
 
 # examples/pretrain_gpt_distributed_with_mp.sh (torch.distributed.launch, 8 GPUs: TP 2, PP 2)
 DISTRIBUTED_WITH_MP = """
 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 1024
---num-attention-heads 16 --micro-batch-size 2 --global-batch-size 16 --seq-length 1024
+--num-attention-heads 16 --micro-batch-size 4 --global-batch-size 16 --seq-length 1024
 --max-position-embeddings 1024 --train-iters 500000 --lr-decay-iters 320000
 --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --data-path $DATA_PATH --vocab-file $VOCAB_FILE
 --merge-file $MERGE_FILE --data-impl mmap --split 949,50,1 --distributed-backend nccl --lr 0.00015
@@ -36,7 +37,8 @@ GPT3_175B = """
 --micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375
 --train-samples 146484375 --lr-decay-samples 126953125 --lr-warmup-samples 183105 --lr 6.0e-5
 --min-lr 6.0e-6 --lr-decay-style cosine --log-interval 10 --eval-iters 40 --eval-interval 1000
---data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --save-interval 1000
+--data-path 0.2 $DATASET_1 0.3 $DATASET_2 0.5 $DATASET_3 --vocab-file $VOCAB_FILE
+--merge-file $MERGE_FILE --save-interval 1000
 --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --split 98,2,0 --clip-grad 1.0 --weight-decay 0.1
 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006
 --tensorboard-dir $TENSORBOARD_LOGS_PATH --fp16 --checkpoint-activations
@@ -84,7 +86,7 @@ def test_distributed_with_mp_parses_at_its_scale():
     assert (config.parallel.tensor_model_parallel_size, config.parallel.data_parallel_size,
             config.parallel.pipeline_model_parallel_size) == (2, 2, 2)
     assert config.recompute.recompute_granularity == "full"
-    assert config.training.num_microbatches == 4
+    assert config.training.num_microbatches == 2  # 16 / (micro-batch 4 x DP 2)
 
 
 def test_gpt3_175b_samples_based_script():
