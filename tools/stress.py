@@ -64,6 +64,7 @@ class LaunchOutcome:
     finished_training: bool
     met_expectation: bool
     fault_injected: bool = False
+    ended_after_fault_s: Optional[float] = None  # from the signal to the end of the launch
     error_lines: list = field(default_factory=list, repr=False)  # first lines naming an error
     tail: str = field(default="", repr=False)
 
@@ -149,6 +150,8 @@ def run_launch(command: list[str], options, log_path: str) -> LaunchOutcome:
     return LaunchOutcome(returncode=returncode, wall_s=round(wall, 2),
                          aborted_at_exit=ABORT_MARKER in output, finished_training=finished,
                          fault_injected=injected_at is not None,
+                         ended_after_fault_s=(None if ended_after_fault is None
+                                              else round(ended_after_fault, 2)),
                          met_expectation=_expected(options.fault, returncode, finished,
                                                    ended_after_fault, limit),
                          error_lines=[line for line in output.splitlines()
@@ -163,12 +166,20 @@ def summarize(outcomes: list[LaunchOutcome]) -> dict:
         key = "hang" if outcome.returncode is None else str(outcome.returncode)
         statuses[key] = statuses.get(key, 0) + 1
     walls = [outcome.wall_s for outcome in outcomes]
+    after_fault = [outcome.ended_after_fault_s for outcome in outcomes
+                   if outcome.ended_after_fault_s is not None]
     return {"launches": len(outcomes), "exit_statuses": statuses,
             "hangs": sum(outcome.returncode is None for outcome in outcomes),
             "aborted_at_exit": sum(outcome.aborted_at_exit for outcome in outcomes),
             "met_expectation": sum(outcome.met_expectation for outcome in outcomes),
-            "wall_s": {"min": min(walls), "median": statistics.median(walls),
-                       "max": max(walls)} if walls else {}}
+            "wall_s": _spread(walls),
+            "ended_after_fault_s": _spread(after_fault)}
+
+
+def _spread(values: list) -> dict:
+    """min / median / max of ``values`` (empty when there are none)."""
+    return {"min": min(values), "median": statistics.median(values),
+            "max": max(values)} if values else {}
 
 
 def parse_options(argv=None):

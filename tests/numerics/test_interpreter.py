@@ -26,7 +26,9 @@ class RecordingTransport:
 
     def start(self, sends, receives):
         """The Transport seam: post a group; the answer is ready at once."""
-        already_sent = {what.rsplit(".", 1)[1] for what, _ in self.sent if ":a" in what}
+        # a message's text ends with its op in brackets, e.g. "... [>1:a0.0.1]"
+        already_sent = {what.rstrip("]").rsplit(".", 1)[1] for what, _ in self.sent
+                        if ":a" in what}
         self.sent_before.append({key[2]: output.numel() for key, (_, output, _)
                                  in self.interpreter.stored.items()
                                  if str(key[2]) in already_sent})

@@ -55,3 +55,11 @@ def test_report_counts_statuses_hangs_and_aborts():
     assert report["exit_statuses"] == {"0": 2, "1": 1, "hang": 1}
     assert (report["hangs"], report["aborted_at_exit"], report["met_expectation"]) == (1, 1, 2)
     assert report["wall_s"] == {"min": 10, "median": 25.0, "max": 300}
+    assert report["ended_after_fault_s"] == {}  # no fault injected
+
+
+def test_report_gives_the_time_from_the_signal_to_the_end():
+    outcomes = [_outcome(1, 100), _outcome(1, 110)]
+    outcomes[0].ended_after_fault_s, outcomes[1].ended_after_fault_s = 88.5, 92.0
+    assert stress.summarize(outcomes)["ended_after_fault_s"] == {"min": 88.5, "median": 90.25,
+                                                                 "max": 92.0}

@@ -147,6 +147,14 @@ class ExecutionContext:
     instruction_seconds: Optional[InstructionSeconds] = None  # --timing-log-level 2
 
 
+def describe_message(p2p) -> str:
+    """A pipeline message in words, for errors: ``the activation of micro-batch 3 (pipeline 0,
+    stage 1) [<1:a0.1.3]`` (the bracket is the op as the schedule grid prints it)."""
+    message = p2p.message
+    return (f"the {message.kind} of micro-batch {message.microbatch} (pipeline "
+            f"{message.pipeline}, stage {message.stage}) [{p2p}]")
+
+
 def instruction_timer(op) -> str:
     """The per-instruction timer an executed op counts towards (see :mod:`.instruction_timing`)."""
     if isinstance(op, Instruction):
@@ -356,7 +364,7 @@ class Interpreter:
             if message.kind == ACTIVATION and not context.forward_only:
                 sent_outputs.append(tensor)
             sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
-                                        .contiguous(), str(p2p)))
+                                        .contiguous(), describe_message(p2p)))
         if sends:
             self.pending_sends.append(context.transport.start(sends, []))
         for output in sent_outputs:
@@ -380,7 +388,7 @@ class Interpreter:
             message = p2p.message
             keys.append((message.kind, message.pipeline, message.stage, message.microbatch))
             receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
-                                           self.context.wire_dtype, str(p2p)))
+                                           self.context.wire_dtype, describe_message(p2p)))
         if receives:
             posted = _PostedReceives(self.context.transport.start([], receives))
             self.received.update((key, (posted, index)) for index, key in enumerate(keys))
