@@ -150,8 +150,9 @@ def build_gradient_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence[Ha
         if a2sgd is not None:
             reducers.by_module[key] = a2sgd.build(params, key, group_of(key), int(divide_by))
         elif sharded:
-            reducers.by_module[key] = ShardedGradientReducer(params, group_of(key),
-                                                             divide_by=divide_by)
+            reducers.by_module[key] = ShardedGradientReducer(
+                params, group_of(key), divide_by=divide_by,
+                stage_id=getattr(key, "stage", key))  # a (pipeline, stage) key, or a number
         else:
             reducers.by_module[key] = GradientReducer(params, group_of(key), divide_by=divide_by,
                                                       bucket_size=bucket_size, overlap=overlap)

@@ -20,7 +20,7 @@ shards equals updating whole parameters (the numbers match the replicated optimi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,9 @@ class ShardedGradientReducer:
     """Reduce-scatter of a chunk's gradients over its replicas; see the module docstring."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: Any = None,
-                 divide_by: float = 1.0):
+                 divide_by: float = 1.0, stage_id: Hashable = 0):
         self.params = [p for p in params if p.requires_grad]
+        self.stage_id = stage_id  # the same on every replica: names the stage in checkpoints
         self.group = group
         self.divide_by = float(divide_by)
         self.size = group_size(group)
@@ -94,6 +95,11 @@ class ShardedGradientReducer:
         shard.no_weight_decay = _segment_key(reference)[0]
         shard.tensor_model_parallel = _segment_key(reference)[1]
         return _Segment(params, param_buffer, grad_buffer, shard)
+
+    def shard_ranges(self) -> list[tuple[int, int, int]]:
+        """(start, length, unpadded total) of this rank's shard in each segment's flat buffer."""
+        return [(self.rank * segment.shard.numel(), segment.shard.numel(),
+                 sum(p.numel() for p in segment.params)) for segment in self.segments]
 
     @property
     def shards(self) -> list[torch.nn.Parameter]:

@@ -1,8 +1,11 @@
 """Sharded optimizer state (``--use-distributed-optimizer``) in a checkpoint.
 
 The rank file of a (tensor, pipeline) position records only a marker; every data-parallel rank writes
-its shard of the optimizer state to ``distrib_optim_dpNNN.pt`` next to it. Loading needs the same
-setting and data-parallel size (the error says how to load the weights only instead).
+its shard of the optimizer state to ``distrib_optim_dpNNN.pt`` next to it, with the shard layout
+that :mod:`.resharding` needs to cut the state for another data-parallel size. Loading needs the
+same ``--use-distributed-optimizer`` setting (the error says how to load the weights only instead);
+at the saved data-parallel size each rank reads its own shard file, at another size the shards are
+reassembled and cut again.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 from megatron.training.checkpointing.files import (METADATA_FILENAME, CheckpointError,
                                                   _verify_file, file_crc32, load_file,
                                                   rank_dir_name, save_file)
+from megatron.training.checkpointing.resharding import resharded_optimizer_state
 
 
 def is_sharded(optimizer) -> bool:
@@ -38,7 +42,8 @@ def write_optimizer_shard(components, header: dict, staging_dir: str) -> tuple[s
                             optimizer_shard_name(parallel_state.dp_rank))
     path = os.path.join(staging_dir, relative)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    save_file({**header, "optimizer": components.optimizer.state_dict()}, path)
+    save_file({**header, "optimizer": components.optimizer.state_dict(),
+               "shard_layout": components.optimizer.shard_layout()}, path)
     return relative, {"size": os.path.getsize(path), "crc32": file_crc32(path)}
 
 
@@ -55,17 +60,16 @@ def optimizer_state_for_this_rank(path: str, saved: dict, components, iteration_
             f"--no-load-optim (the optimizer state starts afresh)")
     if not saved_sharded:
         return saved
-    if saved["data_parallel_size"] != parallel_state.dp_size:
-        raise CheckpointError(
-            f"checkpoint file {path} holds optimizer shards of {saved['data_parallel_size']} "
-            f"data-parallel ranks and this run has {parallel_state.dp_size}; resume with the same "
-            f"data-parallel size or pass --no-load-optim")
+    same_size = saved["data_parallel_size"] == parallel_state.dp_size
     relative = os.path.join(os.path.relpath(os.path.dirname(path), iteration_dir),
-                            optimizer_shard_name(parallel_state.dp_rank))
+                            optimizer_shard_name(parallel_state.dp_rank if same_size else 0))
     recorded = metadata["files"].get(relative)
     if recorded is None:
         raise CheckpointError(f"{os.path.join(iteration_dir, METADATA_FILENAME)} lists no "
                               f"{relative}; the checkpoint is incomplete")
     shard_path = os.path.join(iteration_dir, relative)
     _verify_file(shard_path, recorded)
-    return load_file(shard_path)["optimizer"]
+    if same_size:
+        return load_file(shard_path)["optimizer"]
+    return resharded_optimizer_state(shard_path, iteration_dir, metadata, parallel_state.tp_rank,
+                                     components.optimizer.shard_layout())
