@@ -59,3 +59,15 @@ def test_fit_moves_a_perturbed_constant_back(reproduce, monkeypatch):
     hardware, error = reproduce.fit_constants(perturbed, rounds=1)
     assert hardware.global_bandwidth_fraction == 0.25
     assert error < reproduce.fit_error(perturbed)
+
+
+def test_report_reads_a_profile_and_marks_the_in_sample_rows(reproduce, tmp_path, capsys):
+    from megatron.performance_model import save_profile
+    path = tmp_path / "p100.json"
+    save_profile(str(path), P100_ARIES, source="shipped")
+    assert reproduce.main(["--profile", str(path)]) == 0
+    output = capsys.readouterr().out
+    assert "FITTED on: 512-node sweep" in output
+    rows = {line.split()[0] + line.split()[1]: line.split()[-1] for line in output.splitlines()
+            if line.startswith(("W=", "Chimera D=32 ", "GPipe D=8 "))}
+    assert rows["W=8D=64"] == "in" and rows["ChimeraD=32"] == "in" and rows["GPipeD=8"] == "out"
