@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh                    # results and logs in ${OUT:-./gpu_check_out}
 #   GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh   # CPU dry mode: tiny sizes, no GPU needed
 #
-# Steps, each under its own `timeout` (worst case about 8 minutes in all, normally 2-4):
+# Steps, each under its own `timeout`; the whole script stops starting steps at TOTAL_BUDGET seconds
+# (default 540) and cuts a step's timeout to what is left, so it ends within 10 minutes (normally 2-4):
 #   0. setup   : torch and this project importable (pip install -e . if `import megatron` fails,
 #                pip install torch==${TORCH_VERSION:-2.13.0} if torch is missing)
 #   a. stage   : one GPT-2 1.3B-like stage (h=2048, 16 heads, 4 layers, s=1024; our GPTModel) forward
@@ -16,7 +17,7 @@
 #   d. measure : tools/performance_model.py --measure writes a hardware profile for this device,
 #                and the planner reads it back with --profile
 # Environment: PYTHON (default python3), OUT, GPU_CHECK_DEVICE (cuda | cpu), GPU_PEAK_TFLOPS (MFU of
-# an unlisted GPU), STEP_TIMEOUT_SCALE (multiplies every timeout; default 1).
+# an unlisted GPU), STEP_TIMEOUT_SCALE (multiplies every timeout; default 1), TOTAL_BUDGET.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +27,7 @@ OUT="${OUT:-./gpu_check_out}"
 DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 SCALE="${STEP_TIMEOUT_SCALE:-1}"
 RTOL="${LOSS_RTOL:-1e-3}"
+BUDGET="${TOTAL_BUDGET:-540}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 SUMMARY="$OUT/summary.txt"
@@ -37,9 +39,15 @@ limit() { echo $(( $1 * SCALE )); }
 
 # Run one step: NAME SECONDS COMMAND...; its output goes to $OUT/NAME.log and the terminal.
 step() {
-    local name="$1" seconds
+    local name="$1" seconds left
     seconds="$(limit "$2")"
     shift 2
+    left=$(( BUDGET - SECONDS ))
+    if [ "$left" -lt 15 ]; then
+        note "[SKIPPED] $name: the ${BUDGET}s budget is spent"
+        return 125
+    fi
+    [ "$seconds" -gt "$left" ] && seconds="$left"
     echo "=== $name (timeout ${seconds}s): $*"
     local start=$SECONDS
     timeout --kill-after=10 "$seconds" "$@" > "$OUT/$name.log" 2>&1
@@ -74,10 +82,10 @@ note "gpu_check: device mode '$DEVICE', results in $OUT, python $PY"
 
 # ---- 0. setup --------------------------------------------------------------------------------
 if ! "$PY" -c "import torch" > /dev/null 2>&1; then
-    step setup-torch 240 "$PY" -m pip install "torch==${TORCH_VERSION:-2.13.0}"
+    step setup-torch 120 "$PY" -m pip install "torch==${TORCH_VERSION:-2.13.0}"
 fi
 if ! (cd "$OUT" && "$PY" -c "import megatron.core.models.gpt") > /dev/null 2>&1; then
-    step setup-project 180 "$PY" -m pip install --no-build-isolation -e "$ROOT" || \
+    step setup-project 90 "$PY" -m pip install --no-build-isolation -e "$ROOT" || \
         note "         (the steps below still run from the repository root, where megatron imports)"
 fi
 "$PY" - <<'EOF' 2>&1 | tee -a "$SUMMARY"
@@ -93,11 +101,11 @@ if [ "$DEVICE" != "cpu" ] && [ "$GPUS" -lt 1 ]; then
 fi
 
 # ---- a. one GPT-2 1.3B-like stage, bf16 ------------------------------------------------------
-step stage 120 "$PY" benchmarks/gpu_check.py stage "$OUT/stage.json"
+step stage 90 "$PY" benchmarks/gpu_check.py stage "$OUT/stage.json"
 grep -h "^stage " "$OUT/stage.log" >> "$SUMMARY" 2>/dev/null
 
 # ---- b. NCCL p2p bandwidth -------------------------------------------------------------------
-step p2p 90 "$PY" benchmarks/gpu_check.py p2p "$OUT/p2p.json"
+step p2p 60 "$PY" benchmarks/gpu_check.py p2p "$OUT/p2p.json"
 grep -h "^p2p" "$OUT/p2p.log" >> "$SUMMARY" 2>/dev/null
 
 # ---- c. training smoke run: CUDA vs CPU losses -----------------------------------------------
@@ -109,28 +117,28 @@ else
     NPROC=$(( GPUS >= 2 ? 2 : 1 )); FIRST_BACKEND=""; FIRST_NAME=smoke-cuda
 fi
 # shellcheck disable=SC2086  # the flag strings are meant to split
-step "$FIRST_NAME" 100 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+step "$FIRST_NAME" 80 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     pretrain_gpt.py $SMOKE_FLAGS $FIRST_BACKEND
 # shellcheck disable=SC2086
-step smoke-cpu 100 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+step smoke-cpu 80 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
     pretrain_gpt.py $SMOKE_FLAGS --distributed-backend gloo
-step smoke-compare 30 "$PY" benchmarks/gpu_check.py compare-losses \
+step smoke-compare 20 "$PY" benchmarks/gpu_check.py compare-losses \
     "$OUT/$FIRST_NAME.log" "$OUT/smoke-cpu.log" "$OUT/smoke.json" --rtol "$RTOL"
 grep -h "^loss comparison" "$OUT/smoke-compare.log" >> "$SUMMARY" 2>/dev/null
 
 # ---- d. calibration: --measure writes a profile, --profile reads it --------------------------
 # shellcheck disable=SC2086
-step measure 150 "$PY" tools/performance_model.py $MODEL_FLAGS $MEASURE_FLAGS \
+step measure 100 "$PY" tools/performance_model.py $MODEL_FLAGS $MEASURE_FLAGS \
     --out "$OUT/profile.json"
 grep -h "sustained\|note:" "$OUT/measure.log" >> "$SUMMARY" 2>/dev/null
 # shellcheck disable=SC2086
-step plan-with-profile 60 "$PY" tools/performance_model.py $MODEL_FLAGS --profile "$OUT/profile.json" \
+step plan-with-profile 30 "$PY" tools/performance_model.py $MODEL_FLAGS --profile "$OUT/profile.json" \
     --world-size 8 --global-batch-size 64 --schemes chimera-direct,1f1b --top 5
 
 echo
 echo "=================== gpu_check summary ($OUT/summary.txt) ==================="
 cat "$SUMMARY"
-if grep -q "^\[FAILED\]\|^\[TIMEOUT\]" "$SUMMARY"; then
+if grep -q "^\[FAILED\]\|^\[TIMEOUT\]\|^\[SKIPPED\]" "$SUMMARY"; then
     exit 1
 fi
 exit 0
