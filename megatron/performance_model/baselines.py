@@ -34,13 +34,23 @@ def pipedream_time(num_stages: int, num_microbatches: int, costs: StageCosts) ->
     return num_microbatches * per_microbatch
 
 
-def pipedream_2bw_time(num_stages: int, num_microbatches: int, costs: StageCosts) -> float:
+def pipedream_2bw_time(num_stages: int, num_microbatches: int, costs: StageCosts,
+                       drains_each_step: bool = False) -> float:
     """PipeDream-2BW (1F1B without flush, two weight versions, gradients accumulated over the
     N micro-batches): no bubble; the once-per-iteration all-reduce overlaps the next
-    iteration's N(F + Bk) (the update is applied one step late), so only its excess shows."""
-    compute = num_microbatches * (costs.forward + costs.backward + 2 * costs.p2p)
-    return compute + max(0.0, max(costs.allreduce) - num_microbatches *
-                         (costs.forward + costs.backward))
+    iteration's N(F + Bk) (the update is applied one step late), so only its excess shows.
+    The overlapped compute is not free: with no bubble to absorb it, every second of compute
+    under the sync costs σ more (``costs.overlap_slowdown``, the term that makes eager sync
+    lose to eager-sync-opt in the paper).
+
+    ``drains_each_step``: a diagnostic, not Table 2's scheme: an implementation whose training
+    step runs a complete schedule (fill and drain, as a step-bounded pipeline engine does) pays
+    1F1B's (N + D − 1) slots per step while keeping 2BW's delayed, overlapped sync."""
+    slots = num_microbatches + (num_stages - 1 if drains_each_step else 0)
+    work = num_microbatches * (costs.forward + costs.backward)
+    compute = slots * (costs.forward + costs.backward + 2 * costs.p2p)
+    sync = max(costs.allreduce)
+    return compute + max(0.0, sync - work) + costs.overlap_slowdown * min(sync, work)
 
 
 def baseline_memory(model: ModelSpec, hardware: HardwareSpec, scheme: str, num_stages: int,

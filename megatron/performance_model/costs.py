@@ -21,6 +21,7 @@ class StageCosts:
     p2p: float  # Cp2p
     allreduce: tuple  # all-reduce time of each stage
     gradient_bytes: tuple  # gradient bytes of each stage
+    overlap_slowdown: float = 0.0  # σ: compute runs 1 + σ slower while a sync is in flight
 
 
 def check_split(model: ModelSpec, num_stages: int) -> None:
@@ -146,18 +147,43 @@ def p2p_time(hardware: HardwareSpec, message_bytes: float) -> float:
     return hardware.alpha + hardware.beta * message_bytes
 
 
-def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: float) -> float:
-    """Rabenseifner all-reduce of L bytes over r ranks: 2·log2(r)·α + 2(r−1)/r·β·L; 0 for r = 1.
+def cross_group_fraction(hardware: HardwareSpec, num_nodes: int) -> float:
+    """Share of a node's collective traffic that leaves its dragonfly group: 1 − G/P for a job
+    of P nodes filling P/G groups of G nodes, with a collective's peers spread evenly over the
+    job (stage replicas are D ranks apart, so they span the whole job); 0 when the job fits in
+    one group or the network is flat (``nodes_per_group`` 0)."""
+    group = hardware.nodes_per_group
+    if group <= 0 or num_nodes <= group:
+        return 0.0
+    return 1.0 - group / num_nodes
 
-    (log2 of a non-power of two is used as is: the formula is the model, not an algorithm.)
-    This is the time alone on the link; :func:`shared_link_finish_times` shares the link.
+
+def network_contention(hardware: HardwareSpec, num_nodes: int) -> float:
+    """Slowdown of the bandwidth term of gradient all-reduces when all P nodes of the job sync
+    at once: max(1, c(P)/γ), c = :func:`cross_group_fraction`, γ =
+    ``global_bandwidth_fraction``. A node's bytes flow through its injection link and, for the
+    share c that leaves the group, through the tapered global links where it gets γ of its
+    injection bandwidth; the slower of the two pipelined resources sets the rate."""
+    return max(1.0, cross_group_fraction(hardware, num_nodes) / hardware.global_bandwidth_fraction)
+
+
+def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: float,
+                   contention: float = 1.0) -> float:
+    """Rabenseifner all-reduce of L bytes over r ranks: 2·log2(r)·α + 2(r−1)/r·β·L·κ; 0 for r = 1.
+
+    κ = ``contention`` (:func:`network_contention`, 1 = the link alone). (log2 of a non-power
+    of two is used as is: the formula is the model, not an algorithm.) This is the time alone
+    on the rank's link; :func:`shared_link_finish_times` shares the link.
     """
     if num_replicas < 1:
         raise ValueError(f"an all-reduce needs at least one rank (got {num_replicas})")
+    if contention < 1:
+        raise ValueError(f"network contention is a slowdown >= 1 (got {contention})")
     if num_replicas == 1:
         return 0.0
     r = num_replicas
-    return 2 * math.log2(r) * hardware.alpha + 2 * (r - 1) / r * hardware.beta * message_bytes
+    return (2 * math.log2(r) * hardware.alpha
+            + 2 * (r - 1) / r * hardware.beta * message_bytes * contention)
 
 
 def shared_link_finish_times(jobs) -> list:
@@ -188,3 +214,33 @@ def shared_link_finish_times(jobs) -> list:
                 finish[i] = now + step
         now += step
     return finish
+
+
+def overlap_delay(compute_intervals, sync_windows, slowdown: float) -> float:
+    """Delay one rank adds to the iteration when its compute is slowed by in-flight syncs.
+
+    ``compute_intervals``: (start, end) of the rank's compute ops; ``sync_windows``: (start,
+    end) while one of its gradient syncs progresses. Compute inside a window runs 1 + σ slower,
+    i.e. costs σ × overlap extra; idle gaps between the rank's compute ops after the first
+    window's start absorb it (a stretched op pushes into the gap before the next op, which
+    was waiting for an input anyway); the rest delays the iteration: the rank's last op feeds
+    a neighbour's last backward or its own sync, so no later slack is counted. Eager sync on a rank with no
+    idle time after the launch (the middle workers of Chimera) pays it in full; that is the
+    paper's reason for eager-sync-opt (chimera.md §5).
+    """
+    windows = sorted((start, end) for start, end in sync_windows if end > start)
+    if slowdown <= 0 or not windows:
+        return 0.0
+    merged = [list(windows[0])]
+    for start, end in windows[1:]:
+        if start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    overlap = sum(max(0.0, min(end, w_end) - max(start, w_start))
+                  for start, end in compute_intervals for w_start, w_end in merged)
+    first = merged[0][0]
+    last = max((end for _, end in compute_intervals), default=first)
+    busy_after = sum(max(0.0, end - max(start, first)) for start, end in compute_intervals)
+    slack = max(0.0, last - first - busy_after)
+    return max(0.0, slowdown * overlap - slack)

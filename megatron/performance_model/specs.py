@@ -53,6 +53,15 @@ class HardwareSpec:
     replicas by the distributed optimizer. ``op_overhead_seconds``: fixed time per forward or
     backward op of a stage (framework dispatch, launches, the host side of the p2p calls); it
     does not shrink with the stage, so it penalises deep pipelines of thin stages.
+
+    Network contention (:func:`~megatron.performance_model.costs.network_contention`):
+    ``nodes_per_group`` is the size of one dragonfly group (all-to-all electrical links inside;
+    384 nodes on a Cray XC/Aries system), 0 = a flat network without contention.
+    ``global_bandwidth_fraction`` (γ) is the inter-group bandwidth one node gets when every node
+    of the job sends across groups at once, as a fraction of its injection bandwidth (global
+    links are tapered). ``overlap_slowdown`` (σ): while a gradient sync is in flight on a rank,
+    its compute runs 1 + σ times slower (the host-side all-reduce of gloo competes with the
+    compute for the CPU and memory bandwidth); 0 = free overlap.
     """
 
     flops_per_second: float
@@ -64,6 +73,19 @@ class HardwareSpec:
     framework_overhead_bytes: float = 0.0
     optimizer_bytes_per_parameter: int = 8
     op_overhead_seconds: float = 0.0
+    nodes_per_group: int = 0
+    global_bandwidth_fraction: float = 1.0
+    overlap_slowdown: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.nodes_per_group < 0:
+            raise ValueError(f"nodes_per_group must be >= 0 (0 = flat network), got "
+                             f"{self.nodes_per_group}")
+        if not self.global_bandwidth_fraction > 0:
+            raise ValueError(f"global_bandwidth_fraction must be > 0, got "
+                             f"{self.global_bandwidth_fraction}")
+        if self.overlap_slowdown < 0:
+            raise ValueError(f"overlap_slowdown must be >= 0, got {self.overlap_slowdown}")
 
     def sustained_rate(self, tokens: float) -> float:
         """FLOP/s on a micro-batch of ``tokens`` tokens (B·s)."""
@@ -85,16 +107,21 @@ def recompute_mode(recompute) -> str:
 
 
 # The paper's machine (Piz Daint, §5): one P100 16 GB per node, Cray Aries, gloo, fp32. Stated:
-# peak 9.3 TFLOP/s, 16 GB, alpha 20 us. FITTED by `benchmarks/reproduce_paper.py --fit` on the
-# four points of the paper's 512-node sweep (nothing else): sustained 40% of peak, no
-# micro-batch-size dependence (half-efficiency 0 tokens; only B = 1 points were fitted), 10 ms
-# per-op overhead (the edge of the grid), 5 GB/s per link. FITTED on the paper's recomputation
-# decisions (Chimera D=32 ran without, Chimera D=16/D=8 and 1F1B D=16 needed it): framework
-# overhead 5.5 GB (allowed range 5.1-6.1 GB), i.e. this model's activation count misses about a
-# third of what the paper's fp32 implementation held.
-P100_ARIES = HardwareSpec(flops_per_second=9.3e12 * 0.40, alpha=20e-6, beta=1 / 5e9,
+# peak 9.3 TFLOP/s, 16 GB, alpha 20 us, dragonfly groups of 384 nodes (two XC cabinets).
+# FITTED by `benchmarks/reproduce_paper.py --fit` (coordinate descent, largest relative error)
+# on the four points of the 512-node sweep, Chimera's weak scaling at 1,024 and 2,048 nodes and
+# the eager-opt/eager ratio at 32 nodes (nothing else): sustained 35% of peak, 7.5 ms per-op
+# overhead, 8 GB/s per link, a node gets 25% of its injection bandwidth across groups when the
+# whole job syncs at once, compute runs 1.75x slower under an in-flight sync. No micro-batch
+# size dependence (half-efficiency 0 tokens: the paper's runs used B = 1). FITTED on the
+# paper's recomputation decisions (Chimera D=32 ran without, Chimera D=16/D=8 and 1F1B D=16
+# needed it): framework overhead 5.5 GB (allowed range 5.1-6.1 GB), i.e. this model's
+# activation count misses about a third of what the paper's fp32 implementation held.
+P100_ARIES = HardwareSpec(flops_per_second=9.3e12 * 0.35, alpha=20e-6, beta=1 / 8e9,
                           device_memory_bytes=16e9, half_efficiency_tokens=0.0,
-                          framework_overhead_bytes=5.5e9, op_overhead_seconds=0.010)
+                          framework_overhead_bytes=5.5e9, op_overhead_seconds=0.0075,
+                          nodes_per_group=384, global_bandwidth_fraction=0.25,
+                          overlap_slowdown=0.75)
 
 GPT2_PAPER = ModelSpec(num_layers=64, hidden_size=1280, num_attention_heads=20, seq_length=632,
                        vocab_size=50257, ffn_hidden_size=5120, max_position_embeddings=1024)

@@ -3,11 +3,12 @@ lowered schedule, both with all-reduces that share each rank's link."""
 
 from __future__ import annotations
 
+from megatron.core.pipeline_parallel.planning.instructions import Instruction
 from megatron.core.pipeline_parallel.planning.lowering import GradSyncStart, GradSyncWait
 from megatron.core.pipeline_parallel.planning.simulator import simulate
 from megatron.performance_model.costs import (
-    StageCosts, allreduce_time, compute_times, p2p_time, shared_link_finish_times,
-    stage_parameters)
+    StageCosts, allreduce_time, compute_times, network_contention, overlap_delay,
+    p2p_time, shared_link_finish_times, stage_parameters)
 from megatron.performance_model.schemes import (
     is_chimera, lowered_schedule, num_pipelines, num_replicas, schedule_of)
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
@@ -16,17 +17,20 @@ from megatron.performance_model.specs import HardwareSpec, ModelSpec
 def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_parallel: int,
                 num_stages: int, micro_batch_size: int, recompute,
                 stage_balance: str = "balanced") -> StageCosts:
-    """F, Bk (:func:`compute_times`), Cp2p of one activation message and each stage's
-    all-reduce time over the scheme's replicas."""
+    """F, Bk (:func:`compute_times`), Cp2p of one activation message, each stage's all-reduce
+    time over the scheme's replicas (slowed by the contention of the job's W·D nodes syncing
+    at once, :func:`network_contention`) and the hardware's overlap slowdown σ."""
     forward, backward = compute_times(model, hardware, num_stages, micro_batch_size, recompute,
                                       stage_balance)
     message = micro_batch_size * model.seq_length * model.hidden_size * model.bytes_per_value
     replicas = num_replicas(scheme, data_parallel)
     gradient_bytes = tuple(stage_parameters(model, num_stages, stage) * model.bytes_per_value
                            for stage in range(num_stages))
-    allreduce = tuple(allreduce_time(hardware, replicas, size) for size in gradient_bytes)
+    contention = network_contention(hardware, data_parallel * num_stages)
+    allreduce = tuple(allreduce_time(hardware, replicas, size, contention)
+                      for size in gradient_bytes)
     return StageCosts(forward, backward, p2p_time(hardware, message) if num_stages > 1 else 0.0,
-                      allreduce, gradient_bytes)
+                      allreduce, gradient_bytes, hardware.overlap_slowdown)
 
 
 def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int):
@@ -62,7 +66,9 @@ def exposed_allreduce(scheme: str, num_stages: int, costs: StageCosts,
     stage's starts a = D/2 − e backwards earlier and runs alone for a·Bk (idle gaps ignored:
     conservative); what is left of it then shares the link with the early stage's sync, so the
     two finish after their sum (:func:`shared_link_finish_times`). eager-opt does not start it
-    early on the two middle workers (a = 1), ``end`` on none. Other schemes and 2f > 2
+    early on the two middle workers (a = 1), ``end`` on none. The backwards under an eager
+    sync run σ slower (``costs.overlap_slowdown``; idle gaps that would absorb it are ignored
+    here too). Other schemes and 2f > 2
     pipelines: every stage a worker hosts syncs at the end, sharing the link.
     """
     d = num_stages
@@ -76,7 +82,9 @@ def exposed_allreduce(scheme: str, num_stages: int, costs: StageCosts,
         remaining = d // 2 - early
         eager = grad_sync_policy == "eager" or (grad_sync_policy == "eager-opt" and remaining > 1)
         hidden = remaining * costs.backward if eager else 0.0
-        exposed.append(costs.allreduce[early] + max(0.0, costs.allreduce[d - 1 - early] - hidden))
+        late = costs.allreduce[d - 1 - early]
+        exposed.append(costs.allreduce[early] + max(0.0, late - hidden)
+                       + costs.overlap_slowdown * min(late, hidden))
     return exposed
 
 
@@ -99,7 +107,9 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
     The simulator runs with all-reduce cost 0. A stage's sync can progress once its last
     replica has started it; on each rank the syncs of the stages it hosts share the link
     (:func:`shared_link_finish_times`); a stage's sync ends when it has on all its ranks, and a
-    worker ends when its compute and its syncs have.
+    worker ends when its compute and its syncs have. Compute overlapped by a rank's in-flight
+    syncs is slowed by σ (:func:`overlap_delay`); the largest delay that a rank's idle time
+    cannot absorb is added (the stretched ops are in the coupled tail of the schedule).
     """
     _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy)
     result = simulate([list(ops) for ops in lowered], costs.forward, costs.backward, costs.p2p, 0)
@@ -114,10 +124,15 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
                 end = max(end, entry.end)
         compute_end.append(end)
         hosted.append(stages)
-    stage_end = {}
+    stage_end, windows = {}, []
     for stages in hosted:
         finishes = shared_link_finish_times([(ready[s], costs.allreduce[s]) for s in stages])
+        windows.append([(ready[s], finish) for s, finish in zip(stages, finishes)])
         for stage, finish in zip(stages, finishes):
             stage_end[stage] = max(stage_end.get(stage, 0.0), finish)
-    return max(max([end] + [stage_end[s] for s in stages])
-               for end, stages in zip(compute_end, hosted))
+    makespan = max(max([end] + [stage_end[s] for s in stages])
+                   for end, stages in zip(compute_end, hosted))
+    delays = [overlap_delay([(e.start, e.end) for e in timeline if isinstance(e.op, Instruction)],
+                            rank_windows, costs.overlap_slowdown)
+              for timeline, rank_windows in zip(result.timelines, windows)]
+    return makespan + max(delays, default=0.0)
