@@ -22,10 +22,14 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 class _RecordingRun:
     def __init__(self, **kwargs):
-        self.init_kwargs, self.logged = kwargs, []
+        self.init_kwargs, self.logged, self.finished = kwargs, [], False
 
     def log(self, values, step):
+        assert not self.finished, "logged after finish()"
         self.logged.append((step, values))
+
+    def finish(self):
+        self.finished = True
 
 
 def test_scalars_go_to_the_wandb_run(monkeypatch, tmp_path):
@@ -48,6 +52,7 @@ def test_scalars_go_to_the_wandb_run(monkeypatch, tmp_path):
     assert sorted(tags_by_step) == [1, 2]
     assert tags_by_step[1] == {"learning-rate", "batch-size", "lm loss", "loss-scale",
                                "grad-norm"}
+    assert run.finished  # the run is finished at the end of training
 
 
 def test_missing_wandb_fails_before_any_process_group(monkeypatch):
