@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -200,6 +201,9 @@ def parse_options(argv=None):
     parser.add_argument("--launch-timeout", type=float, default=300.0,
                         help="seconds after which a launch counts as a hang and is killed")
     parser.add_argument("--json", help="also write the report (and each launch) here")
+    parser.add_argument("--keep-failed-logs", metavar="DIR",
+                        help="copy the whole output of every launch that did not meet the "
+                             "expectation into DIR (launchK.log)")
     parser.add_argument("extra", nargs="*", help="further pretrain_gpt.py flags (after --)")
     options = parser.parse_args(argv)
     if options.launches < 1 or options.nproc < 1:
@@ -234,6 +238,10 @@ def main(argv=None) -> int:
                   f"{'' if outcome.met_expectation else ', UNEXPECTED'}", flush=True)
             if not outcome.met_expectation:
                 print(outcome.tail, flush=True)
+                if options.keep_failed_logs:
+                    os.makedirs(options.keep_failed_logs, exist_ok=True)
+                    shutil.copy(os.path.join(logs, f"launch{index}.log"),
+                                options.keep_failed_logs)
     report = {"preset": options.preset, "fault": options.fault, "nproc": options.nproc,
               **summarize(outcomes)}
     print(json.dumps(report, indent=2), flush=True)
