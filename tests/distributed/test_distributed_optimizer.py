@@ -132,40 +132,29 @@ def test_sharded_checkpoint_refuses_a_replicated_optimizer_with_the_fix(tmp_path
     run_distributed(_load, 2, RESUME + " --no-load-optim", str(tmp_path / "ckpt"), timeout=240)
 
 
-def _straight_and_saved(rank, world_size, argv, save_dir):
-    """The uninterrupted run, and the same run saved at iteration 2 (exit there)."""
+def _checkpointed_run(flags: str, world_size: int):
+    """One run with a Checkpointer: its (loss, grad norm) records and its full parameters."""
     from megatron.training.checkpointing import Checkpointer
-
-    def run(flags):
-        config = parse_args(flags.split(), world_size=world_size)
-        result = pretrain(config, float64_model, pretrain_gpt.datasets_provider,
-                          pretrain_gpt.forward_step, checkpointing=Checkpointer(
-                              config, log=lambda _: None), log=lambda _: None)
-        components = result.components
-        params = {}
-        for chunk in components.model_chunks:
-            for name, value in gather_full_state(chunk, components.parallel_state).items():
-                params[name] = value.numpy().copy()
-        return [(r.losses["lm loss"], r.grad_norm) for r in result.history], params
-
-    straight = run(argv)
-    run(f"{argv} --save {save_dir} --exit-interval 2")
-    return straight
-
-
-def _resume_only(rank, world_size, argv, save_dir):
-    from megatron.training.checkpointing import Checkpointer
-    config = parse_args(f"{argv} --load {save_dir}".split(), world_size=world_size)
+    config = parse_args(flags.split(), world_size=world_size)
     state = ParallelState.single_process() if world_size == 1 else None
     result = pretrain(config, float64_model, pretrain_gpt.datasets_provider,
                       pretrain_gpt.forward_step, parallel_state=state,
                       checkpointing=Checkpointer(config, log=lambda _: None), log=lambda _: None)
     components = result.components
-    params = {}
-    for chunk in components.model_chunks:
-        for name, value in gather_full_state(chunk, components.parallel_state).items():
-            params[name] = value.numpy().copy()
+    params = {name: value.numpy().copy() for chunk in components.model_chunks
+              for name, value in gather_full_state(chunk, components.parallel_state).items()}
     return [(r.losses["lm loss"], r.grad_norm) for r in result.history], params
+
+
+def _straight_and_saved(rank, world_size, argv, save_dir):
+    """The uninterrupted run, and the same run saved at iteration 2 (exit there)."""
+    straight = _checkpointed_run(argv, world_size)
+    _checkpointed_run(f"{argv} --save {save_dir} --exit-interval 2", world_size)
+    return straight
+
+
+def _resume_only(rank, world_size, argv, save_dir):
+    return _checkpointed_run(f"{argv} --load {save_dir}", world_size)
 
 
 @pytest.mark.parametrize("layout,saved_world,resumed_world", [
