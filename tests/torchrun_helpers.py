@@ -21,9 +21,12 @@ def free_port() -> int:
 
 
 def launch(nproc: int, arguments: list[str]) -> subprocess.Popen:
-    """Start ``torchrun --nproc-per-node nproc pretrain_gpt.py arguments`` (one thread per rank)."""
+    """Start ``torchrun --nproc-per-node nproc pretrain_gpt.py arguments`` (one thread per rank).
+
+    The rendezvous endpoint's port 0 lets torchrun bind a free port itself (a port picked here
+    and bound later can be taken by another launch in between)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
                os.path.join(REPO, "pretrain_gpt.py"), *arguments]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
