@@ -52,6 +52,7 @@ PRESETS = {
        for depth in (2, 4) for sync in ("eager-opt", "eager", "end")},
 }
 ABORT_MARKER = "terminate called"
+ERROR_MARKERS = ("Error", "CommunicationTimeout", ABORT_MARKER)  # lines kept in the report
 FIRST_ITERATION = " iteration        1/"
 
 
@@ -156,7 +157,7 @@ def run_launch(command: list[str], options, log_path: str) -> LaunchOutcome:
                          met_expectation=_expected(options.fault, returncode, finished,
                                                    ended_after_fault, limit),
                          error_lines=[line for line in output.splitlines()
-                                      if "Error" in line or ABORT_MARKER in line][:6],
+                                      if any(marker in line for marker in ERROR_MARKERS)][:6],
                          tail=output[-1500:])
 
 
