@@ -52,7 +52,8 @@ class ModelConfig:
                "semantics). Hidden dropout is layout-invariant either way.")
     init_method_std: float = option(
         0.02, "Standard deviation of the normal weight initialisation.")
-    layernorm_epsilon: float = option(1e-5, "Epsilon of the normalisation layers.")
+    layernorm_epsilon: float = option(1e-5, "Epsilon of the normalisation layers.",
+                                      aliases=("--norm-epsilon",))
     make_vocab_size_divisible_by: int = option(
         128, "Pad the vocabulary to a multiple of this value times the tensor-parallel size.")
     untie_embeddings_and_output_weights: bool = option(

@@ -168,9 +168,10 @@ def _add_compatibility_flags(parser: argparse.ArgumentParser) -> None:
         if flag.choices:
             compat.add_argument(flag.flag, dest=flag.dest, choices=flag.choices,
                                 default=argparse.SUPPRESS, help=help_text)
-        elif flag.takes_value:
+        elif flag.takes_value or flag.takes_list:
             compat.add_argument(flag.flag, dest=flag.dest, default=argparse.SUPPRESS,
-                                metavar="VALUE", help=help_text)
+                                nargs="+" if flag.takes_list else None, metavar="VALUE",
+                                help=help_text)
         else:
             compat.add_argument(flag.flag, dest=flag.dest, action="store_true",
                                 default=argparse.SUPPRESS, help=help_text)
@@ -383,9 +384,7 @@ def flags_markdown() -> str:
     lines += ["", "### accepted for compatibility, ignored (logged)", "",
               "| flag | why it changes nothing |", "|---|---|"]
     for flag in COMPATIBILITY_FLAGS:
-        shown = flag.flag + (" {" + ",".join(flag.choices) + "}" if flag.choices else
-                             " VALUE" if flag.takes_value else "")
-        lines.append(f"| `{shown}` | {_markdown_cell(flag.reason)} |")
+        lines.append(f"| `{flag.shown}` | {_markdown_cell(flag.reason)} |")
     lines += ["", "### rejected: not supported yet", "", "| flag (value) | what to do instead |",
               "|---|---|"]
     for feature in NOT_SUPPORTED_YET:

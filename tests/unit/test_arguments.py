@@ -228,7 +228,8 @@ def test_nothing_is_logged_as_ignored_without_such_flags(caplog):
 def test_every_compatibility_flag_parses_and_is_reported():
     for flag in COMPATIBILITY_FLAGS:
         argv = [flag.flag] + ([flag.choices[0]] if flag.choices else
-                              ["7"] if flag.takes_value else [])
+                              ["7"] if flag.takes_value else
+                              ["0", "1"] if flag.takes_list else [])
         _, messages = parse_args_unvalidated(TINY + argv)
         assert len(messages) == 1 and flag.flag in messages[0] and "ignored" in messages[0]
 
