@@ -285,6 +285,9 @@ class CheckpointConfig:
     save_interval: Optional[int] = option(None, "Save every this many iterations.")
     no_load_optim: bool = option(False, "Do not load optimizer state.")
     no_load_rng: bool = option(False, "Do not load RNG state.")
+    exit_on_missing_checkpoint: bool = option(
+        False, "With --load: stop with an error when the directory holds no checkpoint, instead "
+               "of starting from scratch.")
     no_save_optim: bool = option(
         False, "Save checkpoints without the optimizer state and learning-rate schedule (as "
                "Megatron); resuming from one then needs --no-load-optim (or --finetune).")

@@ -356,9 +356,6 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     UnimplementedFlag("--ckpt-step",
                       "--load always resumes from the iteration named in its "
                       "latest_checkpointed_iteration.txt"),
-    UnimplementedFlag("--exit-on-missing-checkpoint",
-                      "a --load directory without a checkpoint starts training from scratch "
-                      "(logged); exiting instead is not implemented"),
     UnimplementedFlag("--skip-train", "evaluation-only runs are not implemented"),
     UnimplementedFlag("--yaml-cfg", "give the flags on the command line"),
     UnimplementedFlag("--spec", "there is one layer specification"),

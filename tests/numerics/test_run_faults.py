@@ -74,3 +74,10 @@ def test_empty_train_split_says_there_is_no_training_data(tmp_path):
                                          f"--split 0,1,0 leaves the train split empty"):
         pretrain_gpt.main(flags + ["--data-path", prefix, "--split", "0,1,0",
                                "--tokenizer-type", "NullTokenizer"])
+
+
+def test_exit_on_missing_checkpoint_stops_instead_of_starting_afresh(tmp_path):
+    from megatron.training.checkpointing import CheckpointError
+    with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint: --load .* holds no "
+                                              "checkpoint"):
+        _main("--load", tmp_path / "empty", "--exit-on-missing-checkpoint")

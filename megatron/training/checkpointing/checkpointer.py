@@ -246,6 +246,10 @@ class Checkpointer:
                                f"({sorted({value for _, value in gathered}, key=str)}); every "
                                f"rank must see the same (shared) checkpoint directory")
         if iteration is None:
+            if self.config.checkpoint.exit_on_missing_checkpoint:
+                raise CheckpointError(f"--exit-on-missing-checkpoint: --load {root} holds no "
+                                      f"checkpoint (no {TRACKER_FILENAME}); fix the path, or drop "
+                                      f"the flag to start from scratch")
             if is_first:
                 self.log(f"{NO_CHECKPOINT_MESSAGE} (no {TRACKER_FILENAME} in {root})")
             return None
