@@ -52,7 +52,9 @@ PRESETS = {
        for depth in (2, 4) for sync in ("eager-opt", "eager", "end")},
 }
 ABORT_MARKER = "terminate called"
-ERROR_MARKERS = ("Error", "CommunicationTimeout", ABORT_MARKER)  # lines kept in the report
+# Lines kept in the report: exception messages ("...Error: ...", "...CommunicationTimeout: ...",
+# not the source lines of a traceback) and aborts.
+ERROR_MARKERS = ("Error: ", "Exception: ", "Timeout: ", ABORT_MARKER)
 FIRST_ITERATION = " iteration        1/"
 
 
@@ -157,7 +159,7 @@ def run_launch(command: list[str], options, log_path: str) -> LaunchOutcome:
                          met_expectation=_expected(options.fault, returncode, finished,
                                                    ended_after_fault, limit),
                          error_lines=[line for line in output.splitlines()
-                                      if any(marker in line for marker in ERROR_MARKERS)][:6],
+                                      if any(marker in line for marker in ERROR_MARKERS)][:10],
                          tail=output[-1500:])
 
 

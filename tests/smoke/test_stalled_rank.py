@@ -27,6 +27,6 @@ def test_a_stopped_rank_ends_the_run_with_a_named_timeout(tmp_path):
     (launch,) = json.loads(report_path.read_text())["outcomes"]
     assert launch["fault_injected"] and launch["returncode"] not in (0, None)
     assert launch["ended_after_fault_s"] <= 6 + 50
-    named = [line for line in launch["error_lines"] if "CommunicationTimeout" in line]
+    named = [line for line in launch["error_lines"] if "CommunicationTimeout: " in line]
     assert named, launch["error_lines"]
     assert "timed out waiting for" in named[0] and "waiting for global rank(s) [1]" in named[0]
