@@ -32,7 +32,7 @@ from megatron.training.config_validation import (DEFAULT_MOCK_VOCAB_SIZE, NOT_SU
                                                  ConfigurationError, pad_vocab_size,
                                                  set_padded_vocab_size, validate_config)
 from megatron.training.megatron_flags import (COMPATIBILITY_FLAGS, UNIMPLEMENTED_FLAGS,
-                                              CompatibilityFlag)
+                                              CompatibilityFlag, invalid_choice_problem)
 from megatron.training.launch_env import world_size_from_environment
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,24 @@ def problems_message(problems: Sequence[str]) -> str:
     return f"unsupported by Megatron-Chimera, {len(problems)} problems:\n{lines}\n({DOCS_HINT})"
 
 
+def _choices_metavar(choices) -> str:
+    return "{" + ",".join(str(choice) for choice in choices) + "}"
+
+
+def _invalid_choices(given: dict) -> list[str]:
+    """Problems for values outside a flag's choices; such values are removed from ``given`` (the
+    field keeps its default, so the remaining flags can still be validated)."""
+    checked = [(spec.flag, spec.dest, spec.field.metadata.get("choices"))
+               for spec in config_fields()]
+    checked += [(flag.flag, flag.dest, flag.choices) for flag in COMPATIBILITY_FLAGS]
+    problems = []
+    for flag, dest, choices in checked:
+        if choices and dest in given and given[dest] is not None and \
+                given[dest] not in choices:
+            problems.append(invalid_choice_problem(flag, given.pop(dest), choices))
+    return problems
+
+
 def _add_compatibility_flags(parser: argparse.ArgumentParser) -> None:
     compat = parser.add_argument_group(
         "accepted for compatibility, ignored",
@@ -166,7 +184,7 @@ def _add_compatibility_flags(parser: argparse.ArgumentParser) -> None:
     for flag in COMPATIBILITY_FLAGS:
         help_text = f"Ignored: {flag.reason}."
         if flag.choices:
-            compat.add_argument(flag.flag, dest=flag.dest, choices=flag.choices,
+            compat.add_argument(flag.flag, dest=flag.dest, metavar=_choices_metavar(flag.choices),
                                 default=argparse.SUPPRESS, help=help_text)
         elif flag.takes_value or flag.takes_list:
             compat.add_argument(flag.flag, dest=flag.dest, default=argparse.SUPPRESS,
@@ -211,9 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
             groups[spec.section].add_argument(*names, nargs="+", type=spec.element_type,
                                               metavar=spec.name.upper(), **common)
         else:
-            groups[spec.section].add_argument(*names, type=spec.value_type, choices=choices,
-                                              metavar=None if choices else spec.name.upper(),
-                                              **common)
+            # Choices are checked after parsing (parse_command_line), so that a value outside
+            # them is reported together with every other problem instead of stopping argparse.
+            groups[spec.section].add_argument(*names, type=spec.value_type,
+                                              metavar=_choices_metavar(choices) if choices
+                                              else spec.name.upper(), **common)
     _add_compatibility_flags(parser)
     return parser
 
@@ -249,6 +269,7 @@ def parse_command_line(argv: Optional[Sequence[str]] = None) -> ParsedCommandLin
     problems = [f"{flag.flag} is not implemented: {flag.reason}"
                 for flag in UNIMPLEMENTED_FLAGS if flag.dest in given]
     problems += parser.unknown_flag_problems(unknown)
+    problems += _invalid_choices(given)
     section_values: dict[str, dict[str, Any]] = {}
     for spec in config_fields():
         if spec.dest in given:

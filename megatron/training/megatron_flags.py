@@ -364,3 +364,36 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     UnimplementedFlag("--warmup", _removed("--lr-warmup-iters or --lr-warmup-fraction")),
     UnimplementedFlag("--model-parallel-size", _removed("--tensor-model-parallel-size")),
 )
+
+
+# Values of flags we do implement, for features we do not: reported as "not implemented" with the
+# reason (together with every other problem of the command line), not as argparse's "invalid
+# choice", which would stop at the first one.
+_TOKENIZERS = ("only the GPT2BPETokenizer, SentencePieceTokenizer and NullTokenizer tokenizers are "
+               "implemented")
+_LR_DECAY = "only constant, linear and cosine learning-rate decay are implemented"
+VALUES_NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
+    "--lr-decay-style": {"inverse-square-root": _LR_DECAY, "WSD": _LR_DECAY},
+    "--dataloader-type": {
+        "cyclic": "samples are read in Megatron's 'single' order only; a cyclic loader would "
+                  "visit them in another order",
+        "external": "an external data loader cannot be plugged in"},
+    "--tokenizer-type": {name: _TOKENIZERS for name in (
+        "BertWordPieceLowerCase", "BertWordPieceCase", "GPTSentencePieceTokenizer",
+        "HuggingFaceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer", "MistralTokenizer",
+        "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer")},
+    "--position-embedding-type": {
+        "none": "a GPT without position embeddings is not implemented",
+        "relative": "relative position embeddings are not implemented"},
+    "--distributed-backend": {"ccl": "only the nccl and gloo backends are supported"},
+}
+
+
+def invalid_choice_problem(flag: str, value, choices) -> str:
+    """The problem line of a value outside ``choices``: "not implemented" with the reason for a
+    Megatron value of a feature we lack, else "not a valid choice" with the choices."""
+    reason = VALUES_NOT_IMPLEMENTED.get(flag, {}).get(str(value))
+    if reason is not None:
+        return f"{flag} {value} is not implemented: {reason}"
+    return (f"{flag} {value}: not a valid choice; choose from "
+            f"{', '.join(str(choice) for choice in choices)}")

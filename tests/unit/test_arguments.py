@@ -199,6 +199,28 @@ def test_every_problem_is_reported_in_one_message(capsys):
         assert expected in message, expected
 
 
+def test_values_outside_the_choices_are_reported_with_the_other_problems(capsys):
+    """A Megatron value of a feature we lack says "not implemented" with the reason; any other
+    value outside the choices lists them; neither stops the parser before the other problems."""
+    argv = TINY + ["--lr-decay-style", "inverse-square-root", "--tokenizer-type",
+                   "HuggingFaceTokenizer", "--dataloader-type", "cyclic", "--timing-log-level",
+                   "5", "--num-experts", "8", "--bogus"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv, world_size=1)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "6 problems" in message, message
+    for expected in ("--lr-decay-style inverse-square-root is not implemented: only constant, "
+                     "linear and cosine", "--tokenizer-type HuggingFaceTokenizer is not "
+                     "implemented", "--dataloader-type cyclic is not implemented",
+                     "--timing-log-level 5: not a valid choice; choose from 0, 1, 2",
+                     "--num-experts is not implemented", "unknown flag --bogus"):
+        assert expected in message, expected
+    config = parse_args(TINY + ["--lr-decay-style", "linear", "--dataloader-type", "single"],
+                        world_size=1)
+    assert config.optimizer.lr_decay_style == "linear"
+
+
 def test_validation_problems_alone_are_one_value_error():
     argv = [item for item in TINY if item not in ("--lr", "1e-3")] + ["--fp16", "--bf16"]
     with pytest.raises(ValueError) as error:
