@@ -60,16 +60,16 @@ def optimizer_state_for_this_rank(path: str, saved: dict, components, iteration_
             f"--no-load-optim (the optimizer state starts afresh)")
     if not saved_sharded:
         return saved
-    same_size = saved["data_parallel_size"] == parallel_state.dp_size
-    relative = os.path.join(os.path.relpath(os.path.dirname(path), iteration_dir),
-                            optimizer_shard_name(parallel_state.dp_rank if same_size else 0))
+    position_dir = os.path.relpath(os.path.dirname(path), iteration_dir)
+    if saved["data_parallel_size"] != parallel_state.dp_size:
+        return resharded_optimizer_state(os.path.join(position_dir, optimizer_shard_name(0)),
+                                         iteration_dir, metadata, parallel_state.tp_rank,
+                                         components.optimizer.shard_layout())
+    relative = os.path.join(position_dir, optimizer_shard_name(parallel_state.dp_rank))
     recorded = metadata["files"].get(relative)
     if recorded is None:
         raise CheckpointError(f"{os.path.join(iteration_dir, METADATA_FILENAME)} lists no "
                               f"{relative}; the checkpoint is incomplete")
     shard_path = os.path.join(iteration_dir, relative)
     _verify_file(shard_path, recorded)
-    if same_size:
-        return load_file(shard_path)["optimizer"]
-    return resharded_optimizer_state(shard_path, iteration_dir, metadata, parallel_state.tp_rank,
-                                     components.optimizer.shard_layout())
+    return load_file(shard_path)["optimizer"]

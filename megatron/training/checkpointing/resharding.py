@@ -22,7 +22,8 @@ import re
 
 import torch
 
-from megatron.training.checkpointing.files import CheckpointError, _verify_file, load_file
+from megatron.training.checkpointing.files import (METADATA_FILENAME, CheckpointError,
+                                                  _verify_file, load_file)
 
 _SHARD_FILE = re.compile(r"^(mp_rank_(\d+)(?:_\d+)?)/distrib_optim_dp\d+\.pt$")
 
@@ -37,9 +38,10 @@ def tensor_parallel_shard_files(metadata: dict, tp_rank: int) -> list[str]:
     return found
 
 
-def _load_pieces(iteration_dir: str, metadata: dict, relatives: list[str]) -> list[tuple]:
-    """(shard layout, optimizer state dict) of each listed file, verified against the metadata."""
-    pieces = []
+def _load_pieces(iteration_dir: str, metadata: dict, relatives: list[str]) -> dict:
+    """{relative path: (shard layout, optimizer state dict)} of each listed file, each read once
+    and verified against the metadata."""
+    pieces = {}
     for relative in relatives:
         path = os.path.join(iteration_dir, relative)
         _verify_file(path, metadata["files"][relative])
@@ -47,12 +49,13 @@ def _load_pieces(iteration_dir: str, metadata: dict, relatives: list[str]) -> li
         if "shard_layout" not in payload:
             raise CheckpointError(f"checkpoint file {path} predates resharding (no shard layout); "
                                   f"resume with its data-parallel size or pass --no-load-optim")
-        pieces.append((payload["shard_layout"], payload["optimizer"]))
+        pieces[relative] = (payload["shard_layout"], payload["optimizer"])
     return pieces
 
 
-def _whole_segments(pieces: list[tuple]) -> dict:
-    """{(stage, segment): (total, {state key: whole tensor or scalar})} from every saved shard."""
+def _whole_segments(pieces) -> dict:
+    """{(stage, segment): (total, {state key: whole tensor or scalar}, covered ranges)} from every
+    saved shard; the padding past a segment's ``total`` elements is dropped."""
     whole: dict = {}
     for layout, optimizer_state in pieces:
         states = optimizer_state["optimizer"]["state"]
@@ -60,16 +63,14 @@ def _whole_segments(pieces: list[tuple]) -> dict:
             if entry[0] != "shard" or index not in states:
                 continue
             _, stage, segment, start, length, total = entry
-            total_, tensors, covered = whole.setdefault((stage, segment), (total, {}, []))
-            covered.append((start, start + length))
+            _, tensors, covered = whole.setdefault((stage, segment), (total, {}, []))
+            end = min(start + length, total)
+            covered.append((start, end))
             for key, value in states[index].items():
                 if torch.is_tensor(value) and value.numel() == length and length > 1:
-                    buffer = tensors.setdefault(key, torch.zeros(
-                        max(total, start + length), dtype=value.dtype))
-                    if buffer.numel() < start + length:
-                        buffer = tensors[key] = torch.cat(
-                            [buffer, buffer.new_zeros(start + length - buffer.numel())])
-                    buffer[start:start + length] = value.reshape(-1)
+                    buffer = tensors.setdefault(key, value.new_zeros(total))
+                    if end > start:
+                        buffer[start:end] = value.reshape(-1)[:end - start]
                 else:
                     tensors.setdefault(key, value)
     for (stage, segment), (total, _, covered) in whole.items():
@@ -109,15 +110,18 @@ def _cut(entry: tuple, whole: dict) -> dict:
     return state
 
 
-def resharded_optimizer_state(own_path: str, iteration_dir: str, metadata: dict,
+def resharded_optimizer_state(own_relative: str, iteration_dir: str, metadata: dict,
                               tp_rank: int, current_layout: list[tuple]) -> dict:
     """This rank's optimizer state dict for ``current_layout``, assembled from every saved shard
     of its tensor-parallel rank; whole (replicated) parameters and the scalar state come from
-    ``own_path`` (a shard file of this rank's pipeline position)."""
-    pieces = _load_pieces(iteration_dir, metadata, tensor_parallel_shard_files(metadata, tp_rank))
-    whole = _whole_segments(pieces)
-    own = load_file(own_path)
-    own_layout, own_state = own["shard_layout"], own["optimizer"]
+    ``own_relative`` (a shard file of this rank's pipeline position, relative to the iteration)."""
+    relatives = tensor_parallel_shard_files(metadata, tp_rank)
+    if own_relative not in relatives:
+        raise CheckpointError(f"{os.path.join(iteration_dir, METADATA_FILENAME)} lists no "
+                              f"{own_relative}; the checkpoint is incomplete")
+    pieces = _load_pieces(iteration_dir, metadata, relatives)
+    whole = _whole_segments(pieces.values())
+    own_layout, own_state = pieces[own_relative]
     replicated = {entry[1]: own_state["optimizer"]["state"].get(index)
                   for index, entry in enumerate(own_layout) if entry[0] == "replicated"}
     state = {}
