@@ -69,7 +69,6 @@ class PipelineRuntime:
         self.plan = plan_from_config(config, doubled_step_messages=self.packer.enabled,
                                      registry=self.registry)
         self.layout = self.plan.layout
-        self.lowered = self.plan.lowered
         # Plans by micro-batch count: the full batch's, and smaller ones while a
         # --rampup-batch-size ramp runs (each planned once, when first needed).
         self._plans = {config.training.num_microbatches: self.plan}

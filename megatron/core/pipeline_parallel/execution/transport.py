@@ -148,7 +148,7 @@ class _PeerTransport:
                                         [self.global_rank(peer) for peer in peers]))
 
     def _post(self, sends: list, receives: list, finish: Callable[[], list],
-              items: tuple[Sequence, Sequence] = ((), ())) -> _Posted:
+              items: tuple[Sequence, Sequence]) -> _Posted:
         """Issue ``sends`` then ``receives`` (``dist.P2POp`` lists) as one batch; ``items`` are
         the (OutgoingTensor, ExpectedTensor) lists they carry, named if a wait times out."""
         posting = time.perf_counter()
