@@ -17,14 +17,14 @@ and stop synchronises the device so the intervals measure the work, not the laun
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.execution.instruction_timing import (INSTRUCTION_TIMERS,
-                                                                          InstructionSeconds)
+                                                                          InstructionSeconds,
+                                                                          synchronized_clock)
 
 # The level at which each timer starts running (Megatron's levels).
 TIMER_LEVELS = {"forward-backward": 0, "optimizer": 0, "batch-generator": 1, "all-grads-sync": 1,
@@ -40,23 +40,18 @@ class Timers:
         self.device = device
         self.elapsed_s: dict[str, float] = {}
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     @contextlib.contextmanager
     def time(self, name: str) -> Iterator[None]:
         """Time the body under ``name`` when the timer's level is active."""
         if TIMER_LEVELS.get(name, 2) > self.log_level:
             yield
             return
-        self._sync()
-        start = time.perf_counter()
+        start = synchronized_clock(self.device)
         try:
             yield
         finally:
-            self._sync()
-            self.elapsed_s[name] = self.elapsed_s.get(name, 0.0) + time.perf_counter() - start
+            self.elapsed_s[name] = (self.elapsed_s.get(name, 0.0)
+                                    + synchronized_clock(self.device) - start)
 
     def instruction_clock(self) -> Optional[InstructionSeconds]:
         """A per-instruction accumulator for one ``forward_backward`` (None below level 2)."""

@@ -23,6 +23,14 @@ INSTRUCTION_TIMERS = ("forward-compute", "backward-compute", "backward-input-com
                       "backward-weight-compute", "p2p-post", "p2p-wait", "grad-sync-start")
 
 
+def synchronized_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` after ``device`` finished the work queued so far (on CUDA kernels
+    run asynchronously; without the synchronisation an interval would measure their launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @dataclass
 class InstructionSeconds:
     """Seconds per timer name, accumulated over one ``forward_backward`` call."""
@@ -31,10 +39,7 @@ class InstructionSeconds:
     seconds: dict = field(default_factory=dict)
 
     def now(self) -> float:
-        """The clock, after the device finished the work queued so far."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return synchronized_clock(self.device)
 
     def add(self, name: str, seconds: float) -> None:
         if name not in INSTRUCTION_TIMERS:
