@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from megatron.core.pipeline_parallel.execution.instruction_timing import synchronized_clock
 from megatron.performance_model.costs import layer_forward_flops
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
 
@@ -43,11 +44,6 @@ def resolve_device(name: str = "auto") -> torch.device:
         raise ValueError("--measure-device cuda asked for, but torch sees no CUDA device; "
                          "use --measure-device cpu")
     return torch.device(name)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_stage(model: ModelSpec, num_layers: int, device: torch.device, dtype: torch.dtype):
@@ -80,14 +76,11 @@ def time_stage(stage, model: ModelSpec, micro_batch_size: int, device: torch.dev
     forwards, backwards = [], []
     for step in range(warmup + repeats):
         inputs = hidden.detach().requires_grad_(True)
-        synchronize(device)
-        start = time.perf_counter()
+        start = synchronized_clock(device)
         output = stage(inputs)
-        synchronize(device)
-        middle = time.perf_counter()
+        middle = synchronized_clock(device)
         output.backward(grad)
-        synchronize(device)
-        end = time.perf_counter()
+        end = synchronized_clock(device)
         stage.zero_grad(set_to_none=True)
         if step >= warmup:
             forwards.append(middle - start)
@@ -183,25 +176,21 @@ def _collective_worker(rank: int, world_size: int, store_path: str, backend: str
             times = []
             for _ in range(repeats + 1):
                 dist.barrier()
-                synchronize(device)
-                start = time.perf_counter()
+                start = synchronized_clock(device)
                 if rank == 0:  # ping-pong: half the round trip is one message
                     dist.send(buffer, 1)
                     dist.recv(buffer, 1)
                 else:
                     dist.recv(buffer, 0)
                     dist.send(buffer, 0)
-                synchronize(device)
-                times.append((time.perf_counter() - start) / 2)
+                times.append((synchronized_clock(device) - start) / 2)
             p2p.append({"bytes": buffer.numel() * 4, "seconds": min(times[1:])})
             times = []
             for _ in range(repeats + 1):
                 dist.barrier()
-                synchronize(device)
-                start = time.perf_counter()
+                start = synchronized_clock(device)
                 dist.all_reduce(buffer)
-                synchronize(device)
-                times.append(time.perf_counter() - start)
+                times.append(synchronized_clock(device) - start)
             allreduce.append({"bytes": buffer.numel() * 4, "ranks": world_size,
                               "seconds": min(times[1:])})
         dist.destroy_process_group()
