@@ -134,7 +134,7 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = option(
         None, "Pipeline schedule (default 1f1b, or interleaved-1f1b when "
               "--num-layers-per-virtual-pipeline-stage is given).",
-        choices=("1f1b",) + tuple(name for name in BUILTIN_SCHEDULES.names if name != "1f1b"))
+        choices=BUILTIN_SCHEDULES.choices)  # parse_args(registry=...) lists that registry's
     chimera_pipelines: int = option(
         2, "Number of Chimera pipelines 2f (f down, f up); f must divide D/2.")
     chimera_variant: str = option(

@@ -5,7 +5,8 @@ Owns the thin skin between a Megatron launch script and :class:`MegatronConfig`:
 - :func:`build_parser`: one ``--flag`` per config field (``num_layers`` -> ``--num-layers``), help text,
   choices and aliases from the field metadata, one ``--help`` group per config section. Fields marked
   ``derived`` never become flags.
-- :func:`parse_args`: parse, log the flags that are accepted for compatibility but ignored (the
+- :func:`parse_args`: parse (``--pipeline-schedule``'s choices are the families of the schedule
+  registry passed, default ``BUILTIN_SCHEDULES``), log the flags that are accepted for compatibility but ignored (the
   tables are in :mod:`megatron.training.megatron_flags`), validate
   (:func:`megatron.training.config_validation.validate_config`), and report every problem at once:
   unknown flags, known-but-unimplemented ones and invalid combinations in one message.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from megatron.core.config import MegatronConfig
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.training.config_validation import (DEFAULT_MOCK_VOCAB_SIZE, NOT_SUPPORTED_YET,
                                                  ConfigurationError, pad_vocab_size,
                                                  set_padded_vocab_size, validate_config)
@@ -53,6 +55,10 @@ IGNORED_FIELDS: dict[str, str] = {
     "num_workers": "samples are read in the training process from memory-mapped files "
                    "(no data-loader workers)",
 }
+
+
+# The config field whose choices are the schedule registry's families (section, field).
+SCHEDULE_FIELD = ("parallel", "pipeline_schedule")
 
 
 def _flag_for(name: str) -> str:
@@ -116,6 +122,14 @@ def config_fields() -> Iterator[_ConfigField]:
                                optional)
 
 
+def field_choices(spec: _ConfigField, registry: ScheduleRegistry = BUILTIN_SCHEDULES):
+    """The allowed values of ``spec``'s flag: the registry's family names for
+    ``--pipeline-schedule``, the field's own ``choices`` otherwise (None: any value)."""
+    if (spec.section, spec.name) == SCHEDULE_FIELD:
+        return registry.choices
+    return spec.field.metadata.get("choices")
+
+
 def _help_text(spec: _ConfigField) -> str:
     text = spec.field.metadata.get("help", "")
     default = spec.default()
@@ -163,10 +177,10 @@ def _choices_metavar(choices) -> str:
     return "{" + ",".join(str(choice) for choice in choices) + "}"
 
 
-def _invalid_choices(given: dict) -> list[str]:
+def _invalid_choices(given: dict, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> list[str]:
     """Problems for values outside a flag's choices; such values are removed from ``given`` (the
     field keeps its default, so the remaining flags can still be validated)."""
-    checked = [(spec.flag, spec.dest, spec.field.metadata.get("choices"))
+    checked = [(spec.flag, spec.dest, field_choices(spec, registry))
                for spec in config_fields()]
     checked += [(flag.flag, flag.dest, flag.choices) for flag in COMPATIBILITY_FLAGS]
     problems = []
@@ -202,8 +216,9 @@ def _add_compatibility_flags(parser: argparse.ArgumentParser) -> None:
                                    help=f"Not implemented: {flag.reason}.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser generated from the config dataclasses (plus the compatibility flags)."""
+def build_parser(registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> argparse.ArgumentParser:
+    """The argparse parser generated from the config dataclasses (plus the compatibility flags);
+    ``--pipeline-schedule`` lists the families of ``registry``."""
     parser = _MegatronArgumentParser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         # A short usage line keeps error messages readable; --help lists every flag.
@@ -224,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
             assert spec.default() is False, f"bool field {spec.name} must default to False"
             groups[spec.section].add_argument(*names, action="store_true", **common)
             continue
-        choices = spec.field.metadata.get("choices")
+        choices = field_choices(spec, registry)
         if spec.value_type is list:
             groups[spec.section].add_argument(*names, nargs="+", type=spec.element_type,
                                               metavar=spec.name.upper(), **common)
@@ -261,15 +276,16 @@ class ParsedCommandLine:
     problems: list[str]
 
 
-def parse_command_line(argv: Optional[Sequence[str]] = None) -> ParsedCommandLine:
+def parse_command_line(argv: Optional[Sequence[str]] = None,
+                       registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> ParsedCommandLine:
     """Parse without stopping at problems: every unknown or unimplemented flag is collected."""
-    parser = build_parser()
+    parser = build_parser(registry)
     namespace, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     given = vars(namespace)
     problems = [f"{flag.flag} is not implemented: {flag.reason}"
                 for flag in UNIMPLEMENTED_FLAGS if flag.dest in given]
     problems += parser.unknown_flag_problems(unknown)
-    problems += _invalid_choices(given)
+    problems += _invalid_choices(given, registry)
     section_values: dict[str, dict[str, Any]] = {}
     for spec in config_fields():
         if spec.dest in given:
@@ -281,43 +297,46 @@ def parse_command_line(argv: Optional[Sequence[str]] = None) -> ParsedCommandLin
     return ParsedCommandLine(config, _ignored_messages(namespace, config), problems)
 
 
-def parse_args_unvalidated(argv: Optional[Sequence[str]] = None
+def parse_args_unvalidated(argv: Optional[Sequence[str]] = None,
+                           registry: ScheduleRegistry = BUILTIN_SCHEDULES
                            ) -> tuple[MegatronConfig, list[str]]:
     """Parse flags into a config without validation or derived fields.
 
     Returns the config and the "ignored" messages for the compatibility flags given. Unknown and
     unimplemented flags exit through argparse (status 2) with one message naming all of them.
     """
-    parsed = parse_command_line(argv)
+    parsed = parse_command_line(argv, registry)
     if parsed.problems:
-        build_parser().error(problems_message(parsed.problems))
+        build_parser(registry).error(problems_message(parsed.problems))
     return parsed.config, parsed.ignored
 
 
-def parse_args(argv: Optional[Sequence[str]] = None,
-               world_size: Optional[int] = None) -> MegatronConfig:
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+               registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> MegatronConfig:
     """Parse Megatron flags into a validated :class:`MegatronConfig` with derived fields filled.
 
     ``argv`` defaults to ``sys.argv[1:]``; ``world_size`` to the launcher's (``WORLD_SIZE`` from
-    torchrun, else ``SLURM_NTASKS``, else 1). Accepted-but-ignored flags are logged once each as
+    torchrun, else ``SLURM_NTASKS``, else 1); ``registry`` holds the schedule families
+    ``--pipeline-schedule`` may name (pass ``BUILTIN_SCHEDULES.with_family(...)`` for a family of
+    your own; the same registry goes to ``pretrain``). Accepted-but-ignored flags are logged once each as
     warnings on the ``megatron.training.arguments`` logger. Every problem is reported at once:
     when any flag is unknown or not implemented, argparse exits with status 2 and one message
     listing those together with the validation problems of the other flags; otherwise invalid
     combinations raise :class:`ConfigurationError` (a ``ValueError``) listing all of them.
     """
-    parsed = parse_command_line(argv)
+    parsed = parse_command_line(argv, registry)
     for message in parsed.ignored:
         logger.warning(message)
     if world_size is None:
         world_size = world_size_from_environment()
     try:
-        config = validate_config(parsed.config, world_size)
+        config = validate_config(parsed.config, world_size, registry)
     except ConfigurationError as error:
         if not parsed.problems:
             raise
         parsed.problems.extend(error.problems)
     if parsed.problems:
-        build_parser().error(problems_message(parsed.problems))
+        build_parser(registry).error(problems_message(parsed.problems))
     return config
 
 
@@ -390,7 +409,7 @@ def flags_markdown() -> str:
                       "|---|---|---|"]
         flags = ", ".join(f"`{name}`" for name in [spec.flag,
                                                    *spec.field.metadata.get("aliases", ())])
-        choices = spec.field.metadata.get("choices")
+        choices = field_choices(spec)
         meaning = spec.field.metadata.get("help", "")
         if choices:
             meaning += " Choices: " + ", ".join(f"`{choice}`" for choice in choices) + "."

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
-from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, schedule_layout
+from megatron.core.pipeline_parallel.planning.schedules import (BUILTIN_SCHEDULES, ScheduleRegistry,
+                                                               schedule_layout)
 from megatron.training.batch_validation import (require_positive, validate_batch,
                                                validate_iterations_schedule,
                                                validate_precision_and_evaluation,
@@ -163,7 +164,8 @@ def _validate_model(config: MegatronConfig) -> None:
         raise ValueError(f"--init-method-std {model.init_method_std} must be > 0")
 
 
-def _validate_parallel(config: MegatronConfig, world_size: int) -> None:
+def _validate_parallel(config: MegatronConfig, world_size: int,
+                       registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> None:
     parallel, model = config.parallel, config.model
     require_positive(parallel, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -186,48 +188,23 @@ def _validate_parallel(config: MegatronConfig, world_size: int) -> None:
     if parallel.distributed_timeout_minutes <= 0:
         raise ValueError(f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes} "
                          f"must be > 0")
-    _resolve_pipeline_schedule(config)
+    _resolve_pipeline_schedule(config, registry)
 
 
-def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
-    """Default schedule, layer split per stage and the Chimera-only flags."""
+def _resolve_pipeline_schedule(config: MegatronConfig,
+                               registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> None:
+    """The schedule the flags select, the family's own config rules (its ``derive_config``) and
+    the flags of other families."""
     parallel, num_layers = config.parallel, config.model.num_layers
     pp = parallel.pipeline_model_parallel_size
-    layers_per_virtual_stage = parallel.num_layers_per_virtual_pipeline_stage
-    if layers_per_virtual_stage is not None:
-        if parallel.pipeline_schedule not in (None, "interleaved-1f1b"):
-            raise ValueError(
-                f"--num-layers-per-virtual-pipeline-stage selects the interleaved-1f1b schedule "
-                f"and conflicts with --pipeline-schedule {parallel.pipeline_schedule}; drop one")
-        parallel.pipeline_schedule = "interleaved-1f1b"
-    elif parallel.pipeline_schedule is None:
-        parallel.pipeline_schedule = "1f1b"
-    schedule = parallel.pipeline_schedule
-
-    if schedule == "interleaved-1f1b":
-        if layers_per_virtual_stage is None:
-            raise ValueError("--pipeline-schedule interleaved-1f1b needs "
-                             "--num-layers-per-virtual-pipeline-stage (layers per model chunk)")
-        if layers_per_virtual_stage < 1:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
-        if pp < 2:
-            raise ValueError("the interleaved-1f1b schedule needs --pipeline-model-parallel-size "
-                             ">= 2; drop --num-layers-per-virtual-pipeline-stage or raise it")
-        if num_layers % (pp * layers_per_virtual_stage):
-            raise ValueError(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                f"{pp} x --num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}; "
-                f"every model chunk needs the same number of layers")
-        parallel.virtual_pipeline_model_parallel_size = num_layers // (
-            pp * layers_per_virtual_stage)
-    elif num_layers % pp:
-        raise ValueError(f"--num-layers {num_layers} is not divisible by "
-                         f"--pipeline-model-parallel-size {pp}; every stage needs the same number "
-                         f"of layers")
+    parallel.pipeline_schedule = registry.select(parallel)
+    family = registry.family(parallel.pipeline_schedule)
+    for field_name, value in family.derive_config(parallel, num_layers).items():
+        setattr(parallel, field_name, value)
 
     # The family's own check (planning/schedules) rules on depth, pipelines, variant and N (see
     # _check_schedule_options); here only flags that belong to another family are refused.
-    _refuse_other_families_flags(config)
+    _refuse_other_families_flags(config, registry)
     if parallel.split_backward and pp < 2:
         raise ValueError("--split-backward reorders the backward passes of a pipeline schedule; it "
                          "needs --pipeline-model-parallel-size >= 2 (drop it without a pipeline)")
@@ -245,15 +222,16 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
                        "--chimera-grad-sync)")
 
 
-def _refuse_other_families_flags(config: MegatronConfig) -> None:
+def _refuse_other_families_flags(config: MegatronConfig,
+                                 registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> None:
     """A schedule option flag given for a family that does not take it is a mistake, and so is a
     gradient-sync policy for a schedule whose stages have no replicas. Logs the family's note on
     stored activations when recomputation is off."""
     parallel = config.parallel
     defaults = type(parallel)()
-    family = BUILTIN_SCHEDULES.family(parallel.pipeline_schedule)
+    family = registry.family(parallel.pipeline_schedule)
     own_fields = {option.config_field for option in family.options}
-    for other in BUILTIN_SCHEDULES.families:
+    for other in registry.families:
         for field_name in (option.config_field for option in other.options):
             if field_name not in own_fields and \
                     getattr(parallel, field_name) != getattr(defaults, field_name):
@@ -265,7 +243,7 @@ def _refuse_other_families_flags(config: MegatronConfig) -> None:
     if parallel.chimera_grad_sync != defaults.chimera_grad_sync:
         try:
             replicated = schedule_layout(family.name, parallel.pipeline_model_parallel_size,
-                                         **options).has_stage_replicas
+                                         registry, **options).has_stage_replicas
         except ValueError:
             replicated = True  # the schedule's own check reports this configuration
         if not replicated:
@@ -277,7 +255,8 @@ def _refuse_other_families_flags(config: MegatronConfig) -> None:
         logger.warning(note)
 
 
-def _check_schedule_options(config: MegatronConfig) -> None:
+def _check_schedule_options(config: MegatronConfig,
+                            registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> None:
     """Ask the schedule builders whether they accept this depth and micro-batch count."""
     # Imported here: the schedules package owns these rules, and validation must not import it at
     # module level (it is pure, but keeping the flag parser's import light costs nothing).
@@ -285,13 +264,14 @@ def _check_schedule_options(config: MegatronConfig) -> None:
                                                            schedule_from_config)
     from megatron.training.microbatches import ramp_batch_sizes
     parallel, training = config.parallel, config.training
-    name, options = schedule_from_config(parallel)
+    name, options = schedule_from_config(parallel, registry)
     per_step = training.micro_batch_size * parallel.data_parallel_size
     for batch_size in ramp_batch_sizes(training):
         count = batch_size // per_step
         try:
             check_schedule_options(name, parallel.pipeline_model_parallel_size, count,
-                                   micro_batch_size=training.micro_batch_size, **options)
+                                   micro_batch_size=training.micro_batch_size,
+                                   registry=registry, **options)
         except ValueError as error:
             ramp = (f" (global batch size {batch_size} of the --rampup-batch-size ramp; pick a "
                     f"START and INCREMENT whose every step suits the schedule)"
@@ -442,11 +422,14 @@ def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
                        config.checkpoint.save_interval)
 
 
-def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
+def validate_config(config: MegatronConfig, world_size: int,
+                    registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> MegatronConfig:
     """Check every cross-flag rule and return a copy with the derived fields filled in.
 
     Raises ``ValueError`` naming the offending flags and the fix. ``world_size`` is the number of
-    processes of the run (``TP x PP x DP``). The input config is not modified.
+    processes of the run (``TP x PP x DP``). ``registry`` holds the schedule families
+    ``--pipeline-schedule`` may name; each family rules on its own flags (its ``derive_config``
+    and ``check``). The input config is not modified.
     """
     config = copy.deepcopy(config)
     problems = not_supported_problems(config)
@@ -456,7 +439,7 @@ def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
             failed.add(name)  # its inputs are invalid: its own verdict would mislead
             continue
         try:
-            step(config, world_size)
+            step(config, world_size, registry)
         except ConfigurationError as error:
             problems.extend(error.problems)
             failed.add(name)
@@ -468,17 +451,18 @@ def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
     return config
 
 
-# (name, step, names of the steps whose derived fields it reads). Independent steps all run, so one
-# run reports every problem; a step whose inputs failed is skipped.
+# (name, step(config, world_size, registry), names of the steps whose derived fields it reads).
+# Independent steps all run, so one run reports every problem; a step whose inputs failed is
+# skipped.
 _VALIDATION_STEPS: tuple = (
-    ("legacy", lambda config, world_size: _translate_legacy_recompute(config), ()),
-    ("model", lambda config, world_size: _validate_model(config), ()),
+    ("legacy", lambda config, *_: _translate_legacy_recompute(config), ()),
+    ("model", lambda config, *_: _validate_model(config), ()),
     ("parallel", _validate_parallel, ("model",)),
-    ("batch", lambda config, world_size: validate_batch(config), ("parallel",)),
-    ("precision", lambda config, world_size: validate_precision_and_evaluation(config), ()),
-    ("schedule", lambda config, world_size: _check_schedule_options(config), ("batch",)),
-    ("recompute", lambda config, world_size: _validate_recompute(config), ("parallel", "legacy")),
-    ("optimizer", lambda config, world_size: _validate_optimizer(config), ("batch",)),
-    ("data", lambda config, world_size: _validate_data(config), ("parallel",)),
-    ("logging", lambda config, world_size: _validate_logging_and_checkpoints(config), ()),
+    ("batch", lambda config, *_: validate_batch(config), ("parallel",)),
+    ("precision", lambda config, *_: validate_precision_and_evaluation(config), ()),
+    ("schedule", lambda config, _, registry: _check_schedule_options(config, registry), ("batch",)),
+    ("recompute", lambda config, *_: _validate_recompute(config), ("parallel", "legacy")),
+    ("optimizer", lambda config, *_: _validate_optimizer(config), ("batch",)),
+    ("data", lambda config, *_: _validate_data(config), ("parallel",)),
+    ("logging", lambda config, *_: _validate_logging_and_checkpoints(config), ()),
 )

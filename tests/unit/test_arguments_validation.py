@@ -230,7 +230,10 @@ def recording_schedule_check(monkeypatch):
     """Stand-in for megatron.core.pipeline_parallel.planning.schedules.check_schedule_options."""
     calls = []
 
+    from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
+
     def check_schedule_options(name, pipeline_size, num_microbatches, **options):
+        assert options.pop("registry") is BUILTIN_SCHEDULES  # parse_args' default registry
         calls.append((name, pipeline_size, num_microbatches, options))
         if num_microbatches == 3:
             raise ValueError("3 micro-batches do not fill the schedule; use a multiple of 2")

@@ -78,7 +78,7 @@ def family_options(name: str, registry: ScheduleRegistry = BUILTIN_SCHEDULES,
 def schedule_from_config(parallel_config,
                          registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> tuple[str, dict]:
     """The schedule name and builder options that ``config.parallel`` (Megatron's flags) selects."""
-    name = parallel_config.pipeline_schedule or "1f1b"
+    name = parallel_config.pipeline_schedule or registry.default_name
     return name, registry.family(name).options_from_config(parallel_config)
 
 

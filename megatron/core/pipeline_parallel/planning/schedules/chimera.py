@@ -195,6 +195,25 @@ def chimera_layout(pipeline_size: int, num_pipelines: int = 2,
                           doubling_unit)
 
 
+def chimera_critical_path(pipeline_size: int, num_microbatches: int, num_pipelines: int = 2,
+                          variant: str = "direct"):
+    """(Cf, Cb) forwards and backwards on the critical path, or None where no closed form is known.
+
+    Direct (2 pipelines), N = K D: Cf = 2K + D - 2, Cb = K (2D - 2), the exact
+    zero-communication makespan for Bk >= F (chimera.md §4); forward doubling with N = D is the
+    same basic unit. 2f pipelines, N = D: Cf = D, Cb = D + D/f - 2. Otherwise None.
+    """
+    d, n = pipeline_size, num_microbatches
+    if num_pipelines > 2:
+        f = num_pipelines // 2
+        return (d, d + d // f - 2) if n == d else None
+    basic = variant == "direct" or n == d
+    if not basic or n % d:
+        return None
+    k = n // d
+    return 2 * k + d - 2, k * (2 * d - 2)
+
+
 def chimera_op_label(op: Instruction, options: dict) -> str:
     """'v' for a down pipeline, '^' for an up one, then the pair index when 2f > 2."""
     label = "v" if op.pipeline % 2 == 0 else "^"
@@ -213,6 +232,12 @@ CHIMERA = ScheduleFamily(
                        choices=VARIANTS, help="How Chimera schedules N > D micro-batches."),
     ),
     checkpoint_options=("num_pipelines",),
+    critical_path=chimera_critical_path,
+    model_variants=(("-direct", {"variant": "direct"}),
+                    ("-forward-doubling", {"variant": "forward-doubling"}),
+                    ("-backward-halving", {"variant": "backward-halving"}),
+                    ("-direct-4p", {"variant": "direct", "num_pipelines": 4}),
+                    ("-direct-8p", {"variant": "direct", "num_pipelines": 8})),
     memory_note=lambda options: (
         "--chimera-variant forward-doubling doubles the stored activations; it is meant to be "
         "combined with --recompute-granularity full" if options.get("variant") == "forward-doubling"

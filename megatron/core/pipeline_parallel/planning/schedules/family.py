@@ -59,6 +59,22 @@ def _no_label(op: Instruction, options: dict) -> str:
     return ""
 
 
+def even_stage_config(parallel_config, num_layers: int) -> dict:
+    """Config rule of a family whose ranks hold equal stages of ``num_layers / D`` layers each
+    (the default ``derive_config``): the layers must split evenly; nothing is derived."""
+    pp = parallel_config.pipeline_model_parallel_size
+    if num_layers % pp:
+        raise ValueError(f"--num-layers {num_layers} is not divisible by "
+                         f"--pipeline-model-parallel-size {pp}; every stage needs the same number "
+                         f"of layers")
+    return {}
+
+
+def one_op_per_slot(pipeline_size: int, num_microbatches: int, **options) -> None:
+    """No closed-form critical path is known (the performance model simulates the plan)."""
+    return None
+
+
 @dataclass(frozen=True)
 class ScheduleFamily:
     """Everything about one schedule family (see the module docstring).
@@ -77,6 +93,19 @@ class ScheduleFamily:
             files hold (recorded in and compared against a checkpoint's layout).
         memory_note: ``memory_note(options)`` -> a warning to log when activation recomputation
             is off, or None.
+        selected_by: ``config.parallel`` fields whose value selects this family when
+            ``--pipeline-schedule`` is not given (interleaved 1F1B:
+            ``num_layers_per_virtual_pipeline_stage``); the same field with another
+            ``--pipeline-schedule`` is refused as a conflict.
+        derive_config: ``derive_config(parallel_config, num_layers)`` -> ``{field: value}`` of the
+            derived ``config.parallel`` fields; raises ValueError naming the flags for a config
+            the family cannot run (validation calls it; default :func:`even_stage_config`).
+        critical_path: ``critical_path(pipeline_size, num_microbatches, **options)`` -> (Cf, Cb),
+            the forwards and backwards of one model stage on the critical path (the performance
+            model's closed form T = (F + Cp2p) Cf + (Bk + Cp2p) Cb + exposed all-reduce), or None
+            where no closed form is known (then only the simulated plan is used).
+        model_variants: ``(scheme suffix, options)`` pairs the performance model compares as
+            schemes ``name`` + suffix (default: the family with its default options).
     """
 
     name: str
@@ -88,6 +117,10 @@ class ScheduleFamily:
     op_label: Callable[[Instruction, dict], str] = _no_label
     checkpoint_options: tuple[str, ...] = ()
     memory_note: Callable[[dict], Optional[str]] = lambda options: None
+    selected_by: tuple[str, ...] = ()
+    derive_config: Callable[[Any, int], dict] = even_stage_config
+    critical_path: Callable[..., Optional[tuple[int, int]]] = one_op_per_slot
+    model_variants: tuple[tuple[str, dict], ...] = (("", {}),)
 
     def option(self, name: str) -> ScheduleOption:
         for option in self.options:
@@ -110,12 +143,41 @@ class ScheduleRegistry:
     """An immutable, ordered collection of schedule families."""
 
     families: tuple[ScheduleFamily, ...] = field(default_factory=tuple)
+    default: Optional[str] = None  # the family used when no flag selects one (None: the first)
 
     def __post_init__(self) -> None:
         names = [family.name for family in self.families]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"schedule families registered twice: {', '.join(duplicates)}")
+        if self.default is not None and self.default not in names:
+            raise ValueError(f"default schedule {self.default!r} is not registered; allowed: "
+                             f"{', '.join(names)}")
+
+    @property
+    def default_name(self) -> str:
+        return self.default if self.default is not None else self.families[0].name
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """The ``--pipeline-schedule`` choices: the default first, then registration order."""
+        return (self.default_name,) + tuple(name for name in self.names
+                                            if name != self.default_name)
+
+    def select(self, parallel_config) -> str:
+        """The family ``config.parallel`` selects: ``--pipeline-schedule``, else the family whose
+        ``selected_by`` flag is given, else the default. Raises ValueError for a conflict."""
+        chosen = parallel_config.pipeline_schedule
+        for family in self.families:
+            for field_name in family.selected_by:
+                if getattr(parallel_config, field_name, None) is None:
+                    continue
+                if chosen not in (None, family.name):
+                    raise ValueError(
+                        f"--{field_name.replace('_', '-')} selects the {family.name} schedule "
+                        f"and conflicts with --pipeline-schedule {chosen}; drop one")
+                chosen = family.name
+        return chosen if chosen is not None else self.default_name
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -123,7 +185,7 @@ class ScheduleRegistry:
 
     def with_family(self, family: ScheduleFamily) -> "ScheduleRegistry":
         """A new registry with ``family`` added (this one is unchanged)."""
-        return ScheduleRegistry(self.families + (family,))
+        return ScheduleRegistry(self.families + (family,), self.default)
 
     def family(self, name: str) -> ScheduleFamily:
         for family in self.families:

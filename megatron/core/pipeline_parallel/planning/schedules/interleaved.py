@@ -6,7 +6,9 @@ micro-batches advance through the chunks in groups of D, a rank runs
 ``min(2 (D - 1 - r) + (v - 1) D, N v)`` warm-up forwards (all N v when N == D), then one
 forward / one backward pairs, then the remaining backwards.
 
-Constraints (as in Megatron): v >= 2, D >= 2 and N a multiple of D.
+Constraints (as in Megatron): v >= 2, D >= 2 and N a multiple of D. On the command line the
+family is selected by --num-layers-per-virtual-pipeline-stage (layers per chunk), from which
+:func:`derive_interleaved_config` derives v = num_layers / (D x layers per chunk).
 """
 
 from __future__ import annotations
@@ -30,6 +32,35 @@ def check_interleaved(pipeline_size: int, num_microbatches: int, num_model_chunk
             f"interleaved-1f1b needs the number of micro-batches ({num_microbatches}) to be a "
             f"multiple of --pipeline-model-parallel-size ({pipeline_size}); allowed: "
             f"{pipeline_size}, {2 * pipeline_size}, {3 * pipeline_size}, ...")
+
+
+def derive_interleaved_config(parallel_config, num_layers: int) -> dict:
+    """Megatron's config rules of the virtual pipeline; returns the derived
+    ``virtual_pipeline_model_parallel_size`` (v, the model chunks per rank)."""
+    layers_per_chunk = parallel_config.num_layers_per_virtual_pipeline_stage
+    pp = parallel_config.pipeline_model_parallel_size
+    if layers_per_chunk is None:
+        raise ValueError("--pipeline-schedule interleaved-1f1b needs "
+                         "--num-layers-per-virtual-pipeline-stage (layers per model chunk)")
+    if layers_per_chunk < 1:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+    if pp < 2:
+        raise ValueError("the interleaved-1f1b schedule needs --pipeline-model-parallel-size "
+                         ">= 2; drop --num-layers-per-virtual-pipeline-stage or raise it")
+    if num_layers % (pp * layers_per_chunk):
+        raise ValueError(
+            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp} x --num-layers-per-virtual-pipeline-stage {layers_per_chunk}; "
+            f"every model chunk needs the same number of layers")
+    return {"virtual_pipeline_model_parallel_size": num_layers // (pp * layers_per_chunk)}
+
+
+def interleaved_critical_path(pipeline_size: int, num_microbatches: int,
+                              num_model_chunks: int) -> tuple[int, int]:
+    """(Cf, Cb) in ops of one model chunk: N v + D - 1 each (Megatron's bubble (D - 1)/v of a
+    whole-stage forward and backward, Narayanan et al. 2021)."""
+    count = num_microbatches * num_model_chunks + pipeline_size - 1
+    return count, count
 
 
 def _virtual_op(virtual_index: int, pipeline_size: int, num_model_chunks: int, rank: int,
@@ -83,4 +114,8 @@ INTERLEAVED_1F1B = ScheduleFamily(
     options=(ScheduleOption(
         "num_model_chunks", None, "virtual_pipeline_model_parallel_size", "--num-model-chunks",
         int, help="Model chunks per rank for interleaved-1f1b (v >= 2).", tool_default=2),),
-    op_label=lambda op, options: f"c{op.chunk}")
+    op_label=lambda op, options: f"c{op.chunk}",
+    selected_by=("num_layers_per_virtual_pipeline_stage",),
+    derive_config=derive_interleaved_config,
+    critical_path=interleaved_critical_path,
+    model_variants=(("", {"num_model_chunks": 2}),))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..instructions import Instruction, backward, forward
 from .family import ScheduleFamily
+from .gpipe import fill_and_drain_critical_path
 from .layout import single_pipeline_layout
 
 
@@ -30,4 +31,5 @@ def build_one_f_one_b(pipeline_size: int, num_microbatches: int) -> list[list[In
 ONE_F_ONE_B = ScheduleFamily(
     name="1f1b", description="one forward, one backward (PipeDream-flush / DAPPLE / Megatron)",
     build=build_one_f_one_b,
-    layout=lambda pipeline_size: single_pipeline_layout("1f1b", pipeline_size))
+    layout=lambda pipeline_size: single_pipeline_layout("1f1b", pipeline_size),
+    critical_path=fill_and_drain_critical_path)

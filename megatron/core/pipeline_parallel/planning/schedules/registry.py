@@ -8,4 +8,5 @@ from .gpipe import GPIPE
 from .interleaved import INTERLEAVED_1F1B
 from .one_f_one_b import ONE_F_ONE_B
 
-BUILTIN_SCHEDULES = ScheduleRegistry((GPIPE, ONE_F_ONE_B, INTERLEAVED_1F1B, CHIMERA))
+BUILTIN_SCHEDULES = ScheduleRegistry((GPIPE, ONE_F_ONE_B, INTERLEAVED_1F1B, CHIMERA),
+                                     default="1f1b")
