@@ -34,6 +34,7 @@ from megatron.core.config import MegatronConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.execution.model_chunks import stage_layer_range
 from megatron.core.pipeline_parallel.planning.plan import layout_from_config
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.core.tensor_parallel.utils import shard_of
 from megatron.training.checkpointing import (
     CHECKPOINT_FILENAME, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
@@ -90,7 +91,8 @@ def config_from_dict(values: dict) -> MegatronConfig:
     return MegatronConfig(**sections)
 
 
-def target_config(source: MegatronConfig, target: TargetLayout) -> MegatronConfig:
+def target_config(source: MegatronConfig, target: TargetLayout,
+                  registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> MegatronConfig:
     """The source run's config with the target layout's parallel flags, validated by
     ``parse_args`` for a world of TP x PP processes (data-parallel size 1: it does not change the
     weights). Raises ConversionError when the target layout is invalid for the model."""
@@ -108,7 +110,7 @@ def target_config(source: MegatronConfig, target: TargetLayout) -> MegatronConfi
             setattr(config.checkpoint, name, None)
     world_size = target.tensor_model_parallel_size * target.pipeline_model_parallel_size
     try:
-        validated = parse_args(config_to_argv(config), world_size=world_size)
+        validated = parse_args(config_to_argv(config), world_size=world_size, registry=registry)
     except (ValueError, SystemExit) as error:
         raise ConversionError(f"the target layout [TP={target.tensor_model_parallel_size}, "
                               f"PP={target.pipeline_model_parallel_size}, schedule="
@@ -140,9 +142,9 @@ def target_config(source: MegatronConfig, target: TargetLayout) -> MegatronConfi
 # Which parameters each chunk holds (meta-device templates)
 # ----------------------------------------------------------------------------------------------
 
-def chunk_specs(config: MegatronConfig) -> dict:
+def chunk_specs(config: MegatronConfig, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:
     """``{pp_rank: [(pre_process, post_process, layer_range), ...]}`` in hosted (file) order."""
-    layout = layout_from_config(config)
+    layout = layout_from_config(config, registry)
     num_stages = layout.num_stages
     specs = {}
     for pp_rank in range(config.parallel.pipeline_model_parallel_size):
@@ -172,10 +174,10 @@ def template_parameters(config: MegatronConfig, pre_process: bool, post_process:
     return result
 
 
-def _templates(config: MegatronConfig) -> dict:
+def _templates(config: MegatronConfig, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:
     """``{pp_rank: [template of each hosted chunk]}`` (each distinct chunk built once)."""
     cache, result = {}, {}
-    for pp_rank, specs in chunk_specs(config).items():
+    for pp_rank, specs in chunk_specs(config, registry).items():
         result[pp_rank] = []
         for spec in specs:
             key = (spec[0], spec[1], spec[2].start, spec[2].stop)
@@ -234,7 +236,8 @@ def read_checkpoint(root: str, iteration: Optional[int] = None) -> SourceCheckpo
     return SourceCheckpoint(root, iteration, metadata, config, payloads)
 
 
-def merge_full_state(source: SourceCheckpoint) -> dict:
+def merge_full_state(source: SourceCheckpoint,
+                     registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:
     """``{name: full tensor}`` of every parameter of the source checkpoint.
 
     TP shards are concatenated along ``partition_dim``; replicated parameters must agree over TP
@@ -245,7 +248,7 @@ def merge_full_state(source: SourceCheckpoint) -> dict:
     tp_size = layout["tensor_model_parallel_size"]
     pp_size = layout["pipeline_model_parallel_size"]
     keys = model_keys(layout["model_chunks_per_rank"])
-    templates = _templates(source.config)
+    templates = _templates(source.config, registry)
     full: dict = {}
     where: dict = {}
     for pp_rank in range(pp_size):
@@ -296,11 +299,12 @@ def merge_full_state(source: SourceCheckpoint) -> dict:
 # Splitting and writing
 # ----------------------------------------------------------------------------------------------
 
-def split_for_layout(full: dict, config: MegatronConfig) -> dict:
+def split_for_layout(full: dict, config: MegatronConfig,
+                     registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:
     """``{(tp_rank, pp_rank): [state dict of each hosted chunk]}`` of the layout of ``config``."""
     tp_size = config.parallel.tensor_model_parallel_size
     result = {}
-    for pp_rank, templates in _templates(config).items():
+    for pp_rank, templates in _templates(config, registry).items():
         for tp_rank in range(tp_size):
             chunks = []
             for template in templates:
@@ -322,7 +326,8 @@ def split_for_layout(full: dict, config: MegatronConfig) -> dict:
 
 
 def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, chunks: dict,
-                             progress: dict, note: str = "") -> str:
+                             progress: dict, note: str = "",
+                             registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> str:
     """Write ``chunks`` (from :func:`split_for_layout`) as a weights-only checkpoint of the
     layout of ``config`` into ``root``: rank files, metadata with CRCs, then the tracker.
     Returns the iteration directory. Refuses to overwrite an existing iteration directory."""
@@ -333,7 +338,7 @@ def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, 
     os.makedirs(root, exist_ok=True)
     shutil.rmtree(staging_dir, ignore_errors=True)
     num_chunks = len(next(iter(chunks.values())))
-    layout = parallel_layout(config, num_chunks)
+    layout = parallel_layout(config, num_chunks, registry)
     header = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION,
               "iteration": iteration,
               "consumed_train_samples": int(progress.get("consumed_train_samples", 0)),
@@ -365,8 +370,11 @@ def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, 
 
 
 def convert_checkpoint(load: str, save: str, target: TargetLayout,
-                       iteration: Optional[int] = None, log=print) -> str:
+                       iteration: Optional[int] = None, log=print,
+                       registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> str:
     """Convert ``load``'s iteration (default: the tracker's) to ``target``; write it to ``save``.
+    ``registry`` holds the schedule families of both layouts (pass your own for a family of
+    yours).
 
     Returns the written iteration directory. Raises ConversionError (a ValueError) naming the
     problem and the fix for a missing iteration, corrupt files, diverged replicas, a model that
@@ -374,14 +382,15 @@ def convert_checkpoint(load: str, save: str, target: TargetLayout,
     """
     source = read_checkpoint(load, iteration)
     source_layout = describe_layout(source.metadata["layout"])
-    config = target_config(source.config, target)
+    config = target_config(source.config, target, registry)
     log(f"converting {load} iteration {source.iteration} [{source_layout}]")
-    full = merge_full_state(source)
-    chunks = split_for_layout(full, config)
-    target_layout = describe_layout(parallel_layout(config, len(next(iter(chunks.values())))))
+    full = merge_full_state(source, registry)
+    chunks = split_for_layout(full, config, registry)
+    target_layout = describe_layout(parallel_layout(config, len(next(iter(chunks.values()))),
+                                                    registry))
     first = source.payloads[(0, 0)]
     written = write_weights_checkpoint(save, source.iteration, config, chunks, first,
-                                       note=source_layout)
+                                       note=source_layout, registry=registry)
     log(f"  wrote {written} [{target_layout}]: {len(full)} parameters, weights only (load it "
         f"with --finetune or --no-load-optim)")
     return written

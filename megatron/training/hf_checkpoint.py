@@ -15,6 +15,7 @@ import os
 import shutil
 from typing import Optional
 
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.training.checkpoint_conversion import (
     ConversionError, TargetLayout, merge_full_state, read_checkpoint, split_for_layout,
     write_weights_checkpoint)
@@ -45,14 +46,20 @@ def vocabulary_size(config) -> int:
     return model.vocab_size or model.padded_vocab_size
 
 
-def layout_flags(target: TargetLayout) -> list[str]:
-    """The parallel-layout flags of ``target``."""
+def layout_flags(target: TargetLayout,
+                 registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> list[str]:
+    """The parallel-layout flags of ``target``: sizes, schedule and the options the family's
+    record names as deciding what a checkpoint holds (``checkpoint_options``)."""
     flags = ["--tensor-model-parallel-size", str(target.tensor_model_parallel_size),
              "--pipeline-model-parallel-size", str(target.pipeline_model_parallel_size)]
     if target.pipeline_schedule is not None:
         flags += ["--pipeline-schedule", target.pipeline_schedule]
-        if target.pipeline_schedule == "chimera":
-            flags += ["--chimera-pipelines", str(target.chimera_pipelines)]
+        family = registry.family(target.pipeline_schedule)
+        for name in family.checkpoint_options:
+            field_name = family.option(name).config_field
+            value = getattr(target, field_name, None)
+            if value is not None:
+                flags += ["--" + field_name.replace("_", "-"), str(value)]
     if target.num_layers_per_virtual_pipeline_stage is not None:
         flags += ["--num-layers-per-virtual-pipeline-stage",
                   str(target.num_layers_per_virtual_pipeline_stage)]
@@ -69,10 +76,12 @@ def _tokenizer_files(config) -> list[tuple[str, str]]:
     return list(zip(sources, HF_TOKENIZER_FILES))
 
 
-def export_to_hf(load: str, save: str, iteration: Optional[int] = None, log=print) -> str:
-    """Write ``load``'s iteration (default: the tracker's) as a Hugging Face GPT-2 into ``save``."""
+def export_to_hf(load: str, save: str, iteration: Optional[int] = None, log=print,
+                 registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> str:
+    """Write ``load``'s iteration (default: the tracker's) as a Hugging Face GPT-2 into ``save``
+    (``registry``: the schedule families the checkpoint's layout may name)."""
     source = read_checkpoint(load, iteration)
-    full = merge_full_state(source)
+    full = merge_full_state(source, registry)
     vocab = vocabulary_size(source.config)
     try:
         hf_state = ours_to_hf_state(full, source.config.model, vocab)
@@ -88,7 +97,8 @@ def export_to_hf(load: str, save: str, iteration: Optional[int] = None, log=prin
 
 
 def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout,
-                   seq_length: Optional[int], divisible_by: int):
+                   seq_length: Optional[int], divisible_by: int,
+                   registry: ScheduleRegistry = BUILTIN_SCHEDULES):
     """(our validated config in ``target``'s layout, the model / data flags to train it with)."""
     from megatron.training.arguments import parse_args
     from megatron.training.config_validation import set_padded_vocab_size
@@ -108,9 +118,9 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
     else:
         flags += ["--mock-data", "--vocab-size", str(hf_config["vocab_size"])]
     try:
-        config = parse_args(flags + PLACEHOLDER_TRAINING_FLAGS + layout_flags(target),
+        config = parse_args(flags + PLACEHOLDER_TRAINING_FLAGS + layout_flags(target, registry),
                             world_size=target.tensor_model_parallel_size
-                            * target.pipeline_model_parallel_size)
+                            * target.pipeline_model_parallel_size, registry=registry)
     except (ValueError, SystemExit) as error:
         raise ConversionError(f"the Hugging Face config gives invalid flags {flags}: {error}"
                               ) from None
@@ -126,18 +136,19 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
 
 def import_from_hf(hf_dir: str, save: str, target: TargetLayout, *,
                    seq_length: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
-                   log=print) -> str:
+                   log=print, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> str:
     """Write the Hugging Face GPT-2 in ``hf_dir`` as a weights-only checkpoint (iteration 0) of
     ``target``'s layout into ``save``. Returns the iteration directory."""
     try:
         hf_config, hf_state = read_hf_directory(hf_dir)
         config, train_flags = _import_config(hf_config, hf_dir, save, target, seq_length,
-                                make_vocab_size_divisible_by)
+                                             make_vocab_size_divisible_by, registry)
         full = hf_to_ours_state(hf_state, config.model)
     except HFConversionError as error:
         raise ConversionError(str(error)) from None
-    chunks = split_for_layout(full, config)
-    written = write_weights_checkpoint(save, 0, config, chunks, {}, note=f"hf:{hf_dir}")
+    chunks = split_for_layout(full, config, registry)
+    written = write_weights_checkpoint(save, 0, config, chunks, {}, note=f"hf:{hf_dir}",
+                                       registry=registry)
     log(f"imported {hf_dir} into {written}; train on with --load {save} --finetune "
         f"{' '.join(train_flags)}")
     return written

@@ -455,7 +455,7 @@ def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
 
 
 def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
-             parallel_state=None, runtime_class=None, checkpointing=None,
+             parallel_state=None, runtime_class=None, registry=None, checkpointing=None,
              log: Callable = print, tensorboard_writer=None,
              after_compute: Optional[Callable[[], None]] = None) -> TrainingResult:
     """Train a model as Megatron-LM's ``pretrain`` does.
@@ -469,6 +469,8 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
         forward_step_func: ``(microbatch, model) -> (output, loss_func)``.
         parallel_state: an existing handle (tests); default: :func:`initialize_megatron`.
         runtime_class: default no-pipeline or pipeline runtime by the config.
+        registry: the schedule families the pipeline runtime plans with (the one given to
+            ``parse_args``; default the built-in ones); ignored when ``runtime_class`` is given.
         checkpointing: hook object with ``load(components)`` and ``save(components, state)``;
             required when ``--save`` or ``--load`` is given.
         log: where the last rank's log lines go.
@@ -481,7 +483,7 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
     if checkpointing is None and (config.checkpoint.save or config.checkpoint.load):
         raise ValueError("--save/--load need a checkpointing hook, and this entry point has none; "
                          "drop --save/--load or use a pretrain_gpt.py with checkpoint support")
-    runtime_class = runtime_class or select_runtime_class(config)
+    runtime_class = runtime_class or select_runtime_class(config, registry)
     if tensorboard_writer is None:
         check_logging_packages(config.logging)  # before any process group exists
     if parallel_state is None:

@@ -1,7 +1,8 @@
 """Runtimes: how a training step runs its forward and backward passes (see :mod:`.protocol`).
 
-``select_runtime_class(config)`` returns :class:`NoPipelineRuntime` without pipeline parallelism
-and :class:`PipelineRuntime` (any schedule family of its registry) otherwise.
+``select_runtime_class(config, registry)`` returns :class:`NoPipelineRuntime` without pipeline
+parallelism and :class:`PipelineRuntime` (any schedule family of its registry; a subclass holding
+``registry`` when one other than the built-in is given) otherwise.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ __all__ = ["ForwardStepFunc", "NoPipelineRuntime", "PipelineRuntime", "TrainingR
            "select_runtime_class"]
 
 
-def select_runtime_class(config) -> type:
-    """The runtime for the config: no pipeline, or the pipeline runtime for PP > 1."""
+def select_runtime_class(config, registry=None) -> type:
+    """The runtime for the config: no pipeline, or the pipeline runtime for PP > 1 planning with
+    ``registry`` (None: the built-in schedule families)."""
     if config.parallel.pipeline_model_parallel_size == 1:
         return NoPipelineRuntime
-    return PipelineRuntime
+    if registry is None or registry is PipelineRuntime.registry:
+        return PipelineRuntime
+    return type("PipelineRuntime", (PipelineRuntime,),
+                {"registry": registry, "__doc__": PipelineRuntime.__doc__,
+                 "__module__": PipelineRuntime.__module__})

@@ -31,7 +31,8 @@ from megatron.training.checkpointing.optimizer_shards import (is_sharded, optimi
 from megatron.training.checkpointing.state import (_check_model_flags, _check_model_state,
                                                   _check_optimizer_groups, _load_optimizer_state,
                                                   capture_rng_state, describe_layout,
-                                                  parallel_layout, restore_rng_state)
+                                                  parallel_layout, restore_rng_state,
+                                                  runtime_registry)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ def _checkpoint_header(components, state) -> dict:
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "layout": parallel_layout(components.config, len(components.model_chunks)),
+        "layout": parallel_layout(components.config, len(components.model_chunks),
+                                  runtime_registry(components)),
         "data_parallel_size": components.parallel_state.dp_size,
     }
 
@@ -289,7 +291,8 @@ class Checkpointer:
             raise CheckpointError(f"{os.path.join(root, TRACKER_FILENAME)} names iteration "
                                   f"{iteration}, but {iteration_dir} does not exist{hint}")
         metadata = _read_metadata(os.path.join(iteration_dir, METADATA_FILENAME))
-        expected = parallel_layout(components.config, len(components.model_chunks))
+        expected = parallel_layout(components.config, len(components.model_chunks),
+                                   runtime_registry(components))
         if metadata["layout"] != expected:
             raise CheckpointError(
                 f"checkpoint {iteration_dir} was saved with parallel layout "

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import torch
 
-from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.training.checkpointing.files import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -20,8 +20,10 @@ logger = logging.getLogger(__name__)
 # Parallel layout
 # ----------------------------------------------------------------------------------------------
 
-def parallel_layout(config, num_chunks: int) -> dict:
-    """What a checkpoint's files depend on: TP and PP sizes, schedule and chunks per rank.
+def parallel_layout(config, num_chunks: int,
+                    registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:
+    """What a checkpoint's files depend on: TP and PP sizes, schedule and chunks per rank, and the
+    schedule family's ``checkpoint_options`` (its record in ``registry`` says which).
 
     The data-parallel size is not part of it (weights and optimizer state are replicated over
     data-parallel ranks, so a checkpoint loads with any DP size).
@@ -31,14 +33,19 @@ def parallel_layout(config, num_chunks: int) -> dict:
     schedule = parallel.pipeline_schedule if pipeline > 1 else "none"
     layout = {"tensor_model_parallel_size": parallel.tensor_model_parallel_size,
               "pipeline_model_parallel_size": pipeline,
-              "pipeline_schedule": schedule or "1f1b",
+              "pipeline_schedule": schedule or registry.default_name,
               "model_chunks_per_rank": num_chunks}
     if pipeline > 1:  # options that change which weights a rank's files hold (e.g. 2f pipelines)
-        family = BUILTIN_SCHEDULES.family(layout["pipeline_schedule"])
+        family = registry.family(layout["pipeline_schedule"])
         for name in family.checkpoint_options:
             field_name = family.option(name).config_field
             layout[field_name] = getattr(parallel, field_name)
     return layout
+
+
+def runtime_registry(components) -> ScheduleRegistry:
+    """The schedule registry the run's runtime plans with (the built-in one without a pipeline)."""
+    return getattr(getattr(components, "runtime", None), "registry", BUILTIN_SCHEDULES)
 
 
 def describe_layout(layout: dict) -> str:
