@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.core.pipeline_parallel.planning.simulator import peak_activations
 from megatron.performance_model.costs import (
     activation_bytes, activation_bytes_per_layer, stage_parameters)
@@ -13,9 +14,11 @@ from megatron.performance_model.specs import HardwareSpec, ModelSpec, recompute_
 
 
 @lru_cache(maxsize=256)
-def peak_stored_microbatches(scheme: str, num_stages: int, num_microbatches: int) -> tuple:
-    """Most micro-batch activations stored at once on each pipeline rank (all hosted stages)."""
-    _, lowered = lowered_schedule(scheme, num_stages, num_microbatches)
+def peak_stored_microbatches(scheme: str, num_stages: int, num_microbatches: int,
+                             registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> tuple:
+    """Most micro-batch activations of one model stage stored at once on each pipeline rank
+    (all hosted stages)."""
+    _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, registry=registry)
     return tuple(peak_activations(ops) for ops in lowered)
 
 
@@ -51,20 +54,23 @@ def working_bytes(model: ModelSpec, num_stages: int, micro_batch_size: int, reco
 
 def memory_per_worker(model: ModelSpec, hardware: HardwareSpec, scheme: str, num_stages: int,
                       num_microbatches: int, micro_batch_size: int, recompute,
-                      data_parallel: int = 1, distributed_optimizer: bool = False) -> list:
-    """Bytes each pipeline rank needs: state of its hosted stages (2 for 2-pipeline Chimera, the
-    paper's 2·Mθ) + peak stored micro-batches (from the lowered schedule) × one stage's
-    activations + working set + ``framework_overhead_bytes``."""
-    layout, _ = lowered_schedule(scheme, num_stages, num_microbatches)
-    peaks = peak_stored_microbatches(scheme, num_stages, num_microbatches)
-    stored = activation_bytes(model, micro_batch_size, num_stages, recompute)
-    replicas = num_replicas(scheme, data_parallel)
+                      data_parallel: int = 1, distributed_optimizer: bool = False,
+                      registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> list:
+    """Bytes each pipeline rank needs: state of its hosted model stages (2 for 2-pipeline
+    Chimera, the paper's 2·Mθ; v chunks for interleaved 1F1B) + peak stored micro-batches (from
+    the lowered schedule) × one model stage's activations + working set +
+    ``framework_overhead_bytes``."""
+    layout, _ = lowered_schedule(scheme, num_stages, num_microbatches, registry=registry)
+    peaks = peak_stored_microbatches(scheme, num_stages, num_microbatches, registry)
+    model_stages = layout.num_stages
+    stored = activation_bytes(model, micro_batch_size, model_stages, recompute)
+    replicas = num_replicas(scheme, data_parallel, num_stages, registry)
     memory = []
     for rank in range(num_stages):
         stages = [stage for _, stage in layout.hosted(rank)]
         memory.append(
-            state_bytes(model, hardware, num_stages, stages, replicas, distributed_optimizer)
+            state_bytes(model, hardware, model_stages, stages, replicas, distributed_optimizer)
             + peaks[rank] * stored + hardware.framework_overhead_bytes
-            + working_bytes(model, num_stages, micro_batch_size, recompute,
-                            num_stages - 1 in stages))
+            + working_bytes(model, model_stages, micro_batch_size, recompute,
+                            model_stages - 1 in stages))
     return memory

@@ -9,23 +9,29 @@ from megatron.core.pipeline_parallel.planning.simulator import simulate
 from megatron.performance_model.costs import (
     StageCosts, allreduce_time, compute_times, network_contention, overlap_delay,
     p2p_time, shared_link_finish_times, stage_parameters)
+from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.performance_model.schemes import (
-    is_chimera, lowered_schedule, num_pipelines, num_replicas, schedule_of)
+    ANALYTIC_SCHEMES, critical_path, lowered_schedule, model_stages, num_replicas, scheme_layout)
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
 
 
 def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_parallel: int,
                 num_stages: int, micro_batch_size: int, recompute,
-                stage_balance: str = "balanced") -> StageCosts:
-    """F, Bk (:func:`compute_times`), Cp2p of one activation message, each stage's all-reduce
-    time over the scheme's replicas (slowed by the contention of the job's W·D nodes syncing
-    at once, :func:`network_contention`) and the hardware's overlap slowdown σ."""
-    forward, backward = compute_times(model, hardware, num_stages, micro_batch_size, recompute,
+                stage_balance: str = "balanced",
+                registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> StageCosts:
+    """F, Bk (:func:`compute_times`) of one model stage, Cp2p of one activation message, each
+    model stage's all-reduce time over the scheme's replicas (slowed by the contention of the
+    job's W·D nodes syncing at once, :func:`network_contention`) and the hardware's overlap
+    slowdown σ. Model stages: D, or D x chunks per rank (interleaved 1F1B: each op runs one
+    chunk of L / (D v) layers)."""
+    stages = model_stages(scheme, num_stages, registry)
+    forward, backward = compute_times(model, hardware, stages, micro_batch_size, recompute,
                                       stage_balance)
     message = micro_batch_size * model.seq_length * model.hidden_size * model.bytes_per_value
-    replicas = num_replicas(scheme, data_parallel)
-    gradient_bytes = tuple(stage_parameters(model, num_stages, stage) * model.bytes_per_value
-                           for stage in range(num_stages))
+    replicas = num_replicas(scheme, data_parallel,
+                            None if scheme in ANALYTIC_SCHEMES else num_stages, registry)
+    gradient_bytes = tuple(stage_parameters(model, stages, stage) * model.bytes_per_value
+                           for stage in range(stages))
     contention = network_contention(hardware, data_parallel * num_stages)
     allreduce = tuple(allreduce_time(hardware, replicas, size, contention)
                       for size in gradient_bytes)
@@ -33,49 +39,42 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
                       allreduce, gradient_bytes, hardware.overlap_slowdown)
 
 
-def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int):
-    """(Cf, Cb): forwards and backwards on the critical path, or None where no closed form is
-    known here.
+def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int,
+                         registry: ScheduleRegistry = BUILTIN_SCHEDULES):
+    """(Cf, Cb): forwards and backwards of one model stage on the critical path, or None where
+    no closed form is known here: the family record's ``critical_path`` hook.
 
-    Chimera direct (2 pipelines), N = K·D: Cf = 2K + D − 2, Cb = K(2D − 2), the exact
-    zero-communication makespan for Bk >= F (chimera.md §4); forward doubling with N = D is
-    the same basic unit. 2f pipelines, N = D: Cf = D, Cb = D + D/f − 2. 1F1B and GPipe:
-    Cf = Cb = N + D − 1. Otherwise None (use the simulator).
+    Chimera direct (2 pipelines), N = K·D: Cf = 2K + D − 2, Cb = K(2D − 2) (chimera.md §4);
+    2f pipelines, N = D: Cf = D, Cb = D + D/f − 2. 1F1B and GPipe: Cf = Cb = N + D − 1.
+    Interleaved 1F1B with v chunks: N v + D − 1 chunk ops each. Otherwise None (simulate).
     """
-    name, options = schedule_of(scheme)
-    d, n = num_stages, num_microbatches
-    if name != "chimera":
-        return n + d - 1, n + d - 1
-    pipelines = options.get("num_pipelines", 2)
-    if pipelines > 2:
-        f = pipelines // 2
-        return (d, d + d // f - 2) if n == d else None
-    basic = options["variant"] == "direct" or n == d
-    if not basic or n % d:
-        return None
-    k = n // d
-    return 2 * k + d - 2, k * (2 * d - 2)
+    return critical_path(scheme, num_stages, num_microbatches, registry)
 
 
 def exposed_allreduce(scheme: str, num_stages: int, costs: StageCosts,
-                      grad_sync_policy: str = "eager-opt") -> list:
-    """Closed-form all-reduce time each worker cannot hide (list over pipeline ranks).
+                      grad_sync_policy: str = "eager-opt",
+                      registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> list:
+    """Closed-form all-reduce time each worker cannot hide (list over pipeline ranks), from the
+    scheme's layout.
 
-    2-pipeline Chimera: worker r hosts its early stage e = min(r, D−1−r) and its late stage
-    D−1−e. The early stage's sync starts after the last backward. With eager sync the late
-    stage's starts a = D/2 − e backwards earlier and runs alone for a·Bk (idle gaps ignored:
-    conservative); what is left of it then shares the link with the early stage's sync, so the
-    two finish after their sum (:func:`shared_link_finish_times`). eager-opt does not start it
-    early on the two middle workers (a = 1), ``end`` on none. The backwards under an eager
-    sync run σ slower (``costs.overlap_slowdown``; idle gaps that would absorb it are ignored
-    here too). Other schemes and 2f > 2
-    pipelines: every stage a worker hosts syncs at the end, sharing the link.
+    Two mirrored pipelines (2-pipeline Chimera): worker r hosts its early stage
+    e = min(r, D−1−r) and its late stage D−1−e. The early stage's sync starts after the last
+    backward. With eager sync the late stage's starts a = D/2 − e backwards earlier and runs
+    alone for a·Bk (idle gaps ignored: conservative); what is left of it then shares the link
+    with the early stage's sync, so the two finish after their sum
+    (:func:`shared_link_finish_times`). eager-opt does not start it early on the two middle
+    workers (a = 1), ``end`` on none. The backwards under an eager sync run σ slower
+    (``costs.overlap_slowdown``; idle gaps that would absorb it are ignored here too).
+    One pipeline: every stage a worker hosts (v chunks for interleaved 1F1B) syncs at the end,
+    sharing the link. More pipelines (2f > 2): the largest sync times the pipelines.
     """
     d = num_stages
-    if not (is_chimera(scheme) and num_pipelines(scheme) == 2):
-        if not is_chimera(scheme):
-            return list(costs.allreduce)
-        return [max(costs.allreduce) * num_pipelines(scheme)] * d
+    layout = scheme_layout(scheme, num_stages, registry)
+    if layout.num_pipelines == 1:
+        return [sum(costs.allreduce[stage] for _, stage in layout.hosted(rank))
+                for rank in range(d)]
+    if layout.num_pipelines > 2:
+        return [max(costs.allreduce) * layout.num_pipelines] * d
     exposed = []
     for rank in range(d):
         early = min(rank, d - 1 - rank)
@@ -89,19 +88,21 @@ def exposed_allreduce(scheme: str, num_stages: int, costs: StageCosts,
 
 
 def closed_form_iteration_time(scheme: str, num_stages: int, num_microbatches: int,
-                               costs: StageCosts, grad_sync_policy: str = "eager-opt"):
+                               costs: StageCosts, grad_sync_policy: str = "eager-opt",
+                               registry: ScheduleRegistry = BUILTIN_SCHEDULES):
     """T = (F + Cp2p)·Cf + (Bk + Cp2p)·Cb + max_r exposed all-reduce, or None (no counts)."""
-    counts = critical_path_counts(scheme, num_stages, num_microbatches)
+    counts = critical_path_counts(scheme, num_stages, num_microbatches, registry)
     if counts is None:
         return None
     forward_count, backward_count = counts
     return ((costs.forward + costs.p2p) * forward_count
             + (costs.backward + costs.p2p) * backward_count
-            + max(exposed_allreduce(scheme, num_stages, costs, grad_sync_policy)))
+            + max(exposed_allreduce(scheme, num_stages, costs, grad_sync_policy, registry)))
 
 
 def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int,
-                             costs: StageCosts, grad_sync_policy: str = "eager-opt") -> float:
+                             costs: StageCosts, grad_sync_policy: str = "eager-opt",
+                             registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> float:
     """Makespan of the lowered schedule with F, Bk, Cp2p and the stages' all-reduces.
 
     The simulator runs with all-reduce cost 0. A stage's sync can progress once its last
@@ -111,7 +112,8 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
     syncs is slowed by σ (:func:`overlap_delay`); the largest delay that a rank's idle time
     cannot absorb is added (the stretched ops are in the coupled tail of the schedule).
     """
-    _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy)
+    _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy,
+                                  registry)
     result = simulate([list(ops) for ops in lowered], costs.forward, costs.backward, costs.p2p, 0)
     ready, compute_end, hosted = {}, [], []
     for timeline in result.timelines:

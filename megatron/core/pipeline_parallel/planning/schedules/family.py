@@ -70,6 +70,16 @@ def even_stage_config(parallel_config, num_layers: int) -> dict:
     return {}
 
 
+def option_flags(family: "ScheduleFamily", options: dict, num_layers: int,
+                 pipeline_size: int) -> list[str]:
+    """Command-line flags that select ``options``: each option's config field as a flag."""
+    flags = []
+    for option in family.options:
+        if options.get(option.name) is not None:
+            flags += ["--" + option.config_field.replace("_", "-"), str(options[option.name])]
+    return flags
+
+
 def one_op_per_slot(pipeline_size: int, num_microbatches: int, **options) -> None:
     """No closed-form critical path is known (the performance model simulates the plan)."""
     return None
@@ -106,6 +116,9 @@ class ScheduleFamily:
             where no closed form is known (then only the simulated plan is used).
         model_variants: ``(scheme suffix, options)`` pairs the performance model compares as
             schemes ``name`` + suffix (default: the family with its default options).
+        config_flags: ``config_flags(family, options, num_layers, pipeline_size)`` -> the
+            ``pretrain_gpt.py`` flags that select ``options`` (the inverse of ``derive_config``;
+            default :func:`option_flags`, each option's config field as a flag).
     """
 
     name: str
@@ -121,6 +134,7 @@ class ScheduleFamily:
     derive_config: Callable[[Any, int], dict] = even_stage_config
     critical_path: Callable[..., Optional[tuple[int, int]]] = one_op_per_slot
     model_variants: tuple[tuple[str, dict], ...] = (("", {}),)
+    config_flags: Callable[..., list[str]] = option_flags
 
     def option(self, name: str) -> ScheduleOption:
         for option in self.options:
@@ -138,9 +152,10 @@ class ScheduleFamily:
         return {name: value for name, value in values.items() if value is not None}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScheduleRegistry:
-    """An immutable, ordered collection of schedule families."""
+    """An immutable, ordered collection of schedule families (compared and hashed by identity,
+    so caches can key on it)."""
 
     families: tuple[ScheduleFamily, ...] = field(default_factory=tuple)
     default: Optional[str] = None  # the family used when no flag selects one (None: the first)

@@ -55,6 +55,12 @@ def derive_interleaved_config(parallel_config, num_layers: int) -> dict:
     return {"virtual_pipeline_model_parallel_size": num_layers // (pp * layers_per_chunk)}
 
 
+def interleaved_flags(family, options: dict, num_layers: int, pipeline_size: int) -> list[str]:
+    """v chunks per rank as Megatron's flag: layers per virtual stage = L / (D v)."""
+    return ["--num-layers-per-virtual-pipeline-stage",
+            str(num_layers // (pipeline_size * options["num_model_chunks"]))]
+
+
 def interleaved_critical_path(pipeline_size: int, num_microbatches: int,
                               num_model_chunks: int) -> tuple[int, int]:
     """(Cf, Cb) in ops of one model chunk: N v + D - 1 each (Megatron's bubble (D - 1)/v of a
@@ -118,4 +124,5 @@ INTERLEAVED_1F1B = ScheduleFamily(
     selected_by=("num_layers_per_virtual_pipeline_stage",),
     derive_config=derive_interleaved_config,
     critical_path=interleaved_critical_path,
-    model_variants=(("", {"num_model_chunks": 2}),))
+    model_variants=(("", {"num_model_chunks": 2}),),
+    config_flags=interleaved_flags)
