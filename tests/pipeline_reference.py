@@ -37,13 +37,15 @@ def test_model_provider(config, parallel_state, *, pre_process=True, post_proces
 
 
 def train_one_step(rank: int, world_size: int, argv: list[str], runtime_class=None,
-                   pipeline_schedule: str | None = None) -> dict:
-    """``runtime_class`` and ``pipeline_schedule`` (set after parsing) let a test run a schedule
-    family the flag parser does not know, through a runtime with its own registry."""
-    config = parse_args(MODEL_FLAGS + list(argv), world_size=world_size)
+                   pipeline_schedule: str | None = None, registry=None) -> dict:
+    """``registry`` (a schedule registry with families of the test's own) goes to the flag parser
+    and the runtime, so ``--pipeline-schedule NAME`` can name such a family. ``runtime_class`` and
+    ``pipeline_schedule`` (set after parsing) let a test run a runtime subclass of its own."""
+    config = parse_args(MODEL_FLAGS + list(argv), world_size=world_size,
+                        **({} if registry is None else {"registry": registry}))
     if pipeline_schedule is not None:
         config.parallel.pipeline_schedule = pipeline_schedule
-    runtime_class = runtime_class or select_runtime_class(config)
+    runtime_class = runtime_class or select_runtime_class(config, registry)
     if world_size == 1:
         parallel_state = ParallelState.single_process()
     else:

@@ -2,10 +2,13 @@
 
 1. A toy schedule family (GPipe run on each half of the micro-batches in turn; the validator
    requires micro-batch order within a stage, so a reversed GPipe is refused) is registered from inside
-   this test with ``BUILTIN_SCHEDULES.with_family`` and goes through planning (validation and
-   lowering), simulation, the viewer and the distributed runtime on 2 ranks, where one GPT training
-   step matches the single-process model (1e-9 relative, float64), without any project file
-   knowing the family.
+   this test with ``BUILTIN_SCHEDULES.with_family`` and, passed as ``registry=``, is chosen with
+   ``--pipeline-schedule two-wave-gpipe`` by ``parse_args``, goes through planning (validation and
+   lowering), simulation, the viewer, the performance model (closed form from its record equal to
+   the simulated plan; launch flags that parse), the distributed runtime on 2 ranks, where one GPT
+   training step matches the single-process model (1e-9 relative, float64), and ``pretrain`` with
+   checkpointing: a run saved and resumed equals the straight run bitwise, and the checkpoint
+   converts to one stage. No project file knows the family.
 2. A model that is not a GPT (linear + GeLU blocks with a squared-error loss of its own) implements
    the stage contract and runs under 1F1B and Chimera on 2 ranks; every gradient of every copy
    equals its single-process gradient (1e-12 relative, float64: only summation order differs).
@@ -14,12 +17,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 
 import pytest
 import torch
 
+import pretrain_gpt
 from dist_harness import run_distributed
 from pipeline_reference import merge_copies, train_one_step
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
@@ -29,7 +34,11 @@ from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
 from megatron.core.pipeline_parallel.planning.schedules.layout import single_pipeline_layout
 from megatron.core.pipeline_parallel.planning.simulator import simulate_plan
 from megatron.core.runtimes import PipelineRuntime
+from megatron.performance_model import HardwareSpec, ModelSpec, evaluate, launch_flags
 from megatron.training.arguments import parse_args
+from megatron.training.checkpoint_conversion import TargetLayout, convert_checkpoint
+from megatron.training.checkpointing import METADATA_FILENAME, Checkpointer, read_tracker
+from megatron.training.training import pretrain
 
 BATCH_N4 = "--micro-batch-size 2 --global-batch-size 8"
 
@@ -43,15 +52,54 @@ def build_two_wave_gpipe(pipeline_size: int, num_microbatches: int):
             for rank in range(pipeline_size)]
 
 
+def check_two_wave_gpipe(pipeline_size: int, num_microbatches: int) -> None:
+    if num_microbatches < 2:
+        raise ValueError(f"two-wave-gpipe needs at least 2 micro-batches (one per wave), got "
+                         f"{num_microbatches}")
+
+
 TWO_WAVE_GPIPE = ScheduleFamily(
     name="two-wave-gpipe", description="GPipe on each half of the micro-batches (test only)",
-    build=build_two_wave_gpipe,
-    layout=lambda pipeline_size: single_pipeline_layout("two-wave-gpipe", pipeline_size))
+    build=build_two_wave_gpipe, check=check_two_wave_gpipe,
+    layout=lambda pipeline_size: single_pipeline_layout("two-wave-gpipe", pipeline_size),
+    # Two GPipe waves of ceil(N/2) and floor(N/2): each fills and drains D - 1 slots.
+    critical_path=lambda pipeline_size, num_microbatches: (
+        (num_microbatches + 2 * (pipeline_size - 1),) * 2))
 REGISTRY = BUILTIN_SCHEDULES.with_family(TWO_WAVE_GPIPE)
 
+GPT_FLAGS = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+             "--max-position-embeddings 16 --vocab-size 64 --mock-data --lr 1e-3 "
+             "--micro-batch-size 1 --global-batch-size 4 --eval-iters 0")
 
-class TwoWaveGPipeRuntime(PipelineRuntime):
-    registry = REGISTRY
+
+def test_toy_family_is_a_command_line_choice():
+    argv = (GPT_FLAGS + " --train-iters 1 --pipeline-model-parallel-size 2 "
+            "--pipeline-schedule two-wave-gpipe").split()
+    config = parse_args(argv, world_size=2, registry=REGISTRY)
+    assert config.parallel.pipeline_schedule == "two-wave-gpipe"
+    with pytest.raises(SystemExit):  # the built-in registry does not know it
+        parse_args(argv, world_size=2)
+    # The family's own check runs in validation (1 micro-batch: one wave would be empty).
+    with pytest.raises(ValueError, match="two-wave-gpipe needs at least 2 micro-batches"):
+        parse_args(argv + ["--global-batch-size", "1"], world_size=2, registry=REGISTRY)
+
+
+def test_toy_family_is_modelled():
+    model = ModelSpec(8, 64, 4, 32, 512)
+    free_links = HardwareSpec(1e12, 0.0, 0.0, 16e9)
+    estimate = evaluate(model, free_links, "two-wave-gpipe", 1, 4, 1, 6, "none",
+                        registry=REGISTRY)
+    work = estimate.costs.forward + estimate.costs.backward
+    assert estimate.closed_form_time == pytest.approx((6 + 2 * 3) * work)
+    assert estimate.simulated_time == pytest.approx(estimate.closed_form_time)
+    with pytest.raises(ValueError, match="unknown scheme 'two-wave-gpipe'"):
+        evaluate(model, free_links, "two-wave-gpipe", 1, 4, 1, 6, "none")
+    argv = launch_flags(estimate, registry=REGISTRY).split() + [
+        "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--mock-data", "--vocab-size", "512", "--train-iters", "1",
+        "--lr", "1e-4"]
+    config = parse_args(argv, world_size=4, registry=REGISTRY)
+    assert config.parallel.pipeline_schedule == "two-wave-gpipe"
 
 
 def test_toy_family_plans_and_simulates():
@@ -84,13 +132,13 @@ def test_toy_family_in_the_viewer(capsys):
 
 
 def _toy_family_rank(rank: int, world_size: int, argv: list[str]) -> dict:
-    return train_one_step(rank, world_size, argv, runtime_class=TwoWaveGPipeRuntime,
-                          pipeline_schedule="two-wave-gpipe")
+    return train_one_step(rank, world_size, argv, registry=REGISTRY)
 
 
 def test_toy_family_runs_distributed_with_exact_numerics():
     expected = train_one_step(0, 1, BATCH_N4.split())
-    argv = (BATCH_N4 + " --pipeline-model-parallel-size 2 --pipeline-schedule gpipe").split()
+    argv = (BATCH_N4 + " --pipeline-model-parallel-size 2 "
+            "--pipeline-schedule two-wave-gpipe").split()
     results = run_distributed(_toy_family_rank, 2, argv, timeout=240)
     for result in results:
         if result["loss"] is not None:
@@ -100,6 +148,46 @@ def test_toy_family_runs_distributed_with_exact_numerics():
         scale = reference[name].abs().max().item() + 1e-30
         for value in copies:
             assert (value - reference[name]).abs().max().item() / scale < 1e-9, name
+
+
+def _toy_family_pretrain(argv: str, world_size: int):
+    config = parse_args(argv.split(), world_size=world_size, registry=REGISTRY)
+    result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                      pretrain_gpt.forward_step, registry=REGISTRY, log=lambda _: None,
+                      checkpointing=Checkpointer(config, log=lambda _: None))
+    assert result.components.runtime.registry is REGISTRY
+    records = [(r.iteration, r.losses["lm loss"], r.grad_norm) for r in result.history]
+    params = {name: value.numpy().copy()  # numpy: picklable across the harness pipe
+              for name, value in result.components.model_chunks[0].state_dict().items()}
+    return records, params
+
+
+def _toy_family_resume(rank: int, world_size: int, argv: str, save_dir: str):
+    straight = _toy_family_pretrain(argv, world_size)
+    first = _toy_family_pretrain(f"{argv} --save {save_dir} --exit-interval 2", world_size)
+    second = _toy_family_pretrain(f"{argv} --load {save_dir}", world_size)
+    return straight, first, second
+
+
+def test_toy_family_trains_checkpoints_and_resumes_through_pretrain(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    argv = (GPT_FLAGS + " --train-iters 4 --pipeline-model-parallel-size 2 "
+            "--pipeline-schedule two-wave-gpipe --distributed-timeout-minutes 1")
+    results = run_distributed(_toy_family_resume, 2, argv, save_dir, timeout=300)
+    assert read_tracker(save_dir) == 2
+    for straight, first, second in results:
+        assert first[0] + second[0] == straight[0]  # bitwise: same floats
+        assert second[1].keys() == straight[1].keys()
+        for name, value in straight[1].items():
+            assert (second[1][name] == value).all(), name
+    last_stage_losses = [record[1] for record in results[1][0][0]]
+    assert all(loss is not None for loss in last_stage_losses)
+    with open(os.path.join(save_dir, "iter_0000002", METADATA_FILENAME)) as handle:
+        assert json.load(handle)["layout"]["pipeline_schedule"] == "two-wave-gpipe"
+    # The checkpoint's layout names the toy family; conversion reads it through the registry.
+    written = convert_checkpoint(save_dir, str(tmp_path / "one_stage"), TargetLayout(),
+                                 log=lambda _: None, registry=REGISTRY)
+    assert os.path.isdir(written)
 
 
 # ------------------------------------------------------------------------------- a non-GPT model
