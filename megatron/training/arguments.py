@@ -6,7 +6,8 @@ Owns the thin skin between a Megatron launch script and :class:`MegatronConfig`:
   choices and aliases from the field metadata, one ``--help`` group per config section. Fields marked
   ``derived`` never become flags.
 - :func:`parse_args`: parse (``--pipeline-schedule``'s choices are the families of the schedule
-  registry passed, default ``BUILTIN_SCHEDULES``), log the flags that are accepted for compatibility but ignored (the
+  registry passed, default ``BUILTIN_SCHEDULES``), log the flags that are accepted for
+  compatibility but ignored (the
   tables are in :mod:`megatron.training.megatron_flags`), validate
   (:func:`megatron.training.config_validation.validate_config`), and report every problem at once:
   unknown flags, known-but-unimplemented ones and invalid combinations in one message.
@@ -318,8 +319,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     ``argv`` defaults to ``sys.argv[1:]``; ``world_size`` to the launcher's (``WORLD_SIZE`` from
     torchrun, else ``SLURM_NTASKS``, else 1); ``registry`` holds the schedule families
     ``--pipeline-schedule`` may name (pass ``BUILTIN_SCHEDULES.with_family(...)`` for a family of
-    your own; the same registry goes to ``pretrain``). Accepted-but-ignored flags are logged once each as
-    warnings on the ``megatron.training.arguments`` logger. Every problem is reported at once:
+    your own; the same registry goes to ``pretrain``). Accepted-but-ignored flags are logged once
+    each as warnings on the ``megatron.training.arguments`` logger. Every problem is reported at once:
     when any flag is unknown or not implemented, argparse exits with status 2 and one message
     listing those together with the validation problems of the other flags; otherwise invalid
     combinations raise :class:`ConfigurationError` (a ``ValueError``) listing all of them.
