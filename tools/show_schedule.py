@@ -44,7 +44,7 @@ _PIPELINE_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c
 def parse_args(argv=None, registry=BUILTIN_SCHEDULES) -> argparse.Namespace:
     """This tool's flags; ``--schedule`` and the schedule option flags come from ``registry``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", choices=registry.names, default="1f1b")
+    parser.add_argument("--schedule", choices=registry.names, default=registry.default_name)
     parser.add_argument("--pipeline-model-parallel-size", type=int, required=True,
                         help="Pipeline depth D.")
     parser.add_argument("--num-microbatches", type=int, required=True,

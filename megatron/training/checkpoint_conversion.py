@@ -43,10 +43,21 @@ from megatron.training.checkpointing import (
     iteration_dir_name, load_file, model_keys, parallel_layout, rank_dir_name, read_tracker,
     save_file, write_tracker)
 
-# Flags of the parallel layout; everything else of the source run's config carries over.
+# Flags of the parallel layout besides the schedule families' own (see layout_fields); everything
+# else of the source run's config carries over.
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
-                 "chimera_pipelines", "chimera_variant", "chimera_grad_sync",
-                 "num_layers_per_virtual_pipeline_stage")
+                 "chimera_grad_sync")
+
+
+def layout_fields(registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> tuple[str, ...]:
+    """:data:`LAYOUT_FIELDS` and the config fields of every family's options and selecting flags
+    (``--chimera-pipelines``, ``--num-layers-per-virtual-pipeline-stage``, ...)."""
+    fields = list(LAYOUT_FIELDS)
+    for family in registry.families:
+        for name in [option.config_field for option in family.options] + list(family.selected_by):
+            if name not in fields:
+                fields.append(name)
+    return tuple(fields)
 
 
 class ConversionError(ValueError):
@@ -101,7 +112,7 @@ def target_config(source: MegatronConfig, target: TargetLayout,
 
     config = copy.deepcopy(source)
     defaults = type(config.parallel)()
-    for name in LAYOUT_FIELDS:  # start from the defaults so no source-only option lingers
+    for name in layout_fields(registry):  # start from the defaults: no source-only option lingers
         setattr(config.parallel, name, getattr(defaults, name))
     for field in dataclasses.fields(TargetLayout):
         setattr(config.parallel, field.name, getattr(target, field.name))
