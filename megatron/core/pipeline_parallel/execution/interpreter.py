@@ -5,7 +5,9 @@ compute :class:`Instruction` (forward / backward of one micro-batch through one 
 chunks), :class:`P2PGroup` (one batched exchange with pipeline peers), :class:`GradSyncStart` (launch
 a module's gradient reduction) and :class:`GradSyncWait` (the end of the list). There is no
 schedule-specific branch here: GPipe, 1F1B, interleaved 1F1B and every Chimera variant run through
-the same loop.
+the same loop. Each op is run by the :class:`OpHandler` its kind maps to (:data:`DEFAULT_OP_HANDLERS`,
+keyed by :func:`op_kind`); a new op kind, such as DualPipe's overlapped forward of one direction and
+backward of the other, is one more handler passed as ``Interpreter(context, extra_handlers=...)``.
 
 Communication is asynchronous (the simulator's ``p2p_semantics="async"``): the receives of the
 groups that follow a compute op are posted before that op runs (prefetch), a received tensor is
@@ -29,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 
@@ -155,23 +158,45 @@ def describe_message(p2p) -> str:
             f"{message.pipeline}, stage {message.stage}) [{p2p}]")
 
 
+@dataclass(frozen=True)
+class OpHandler:
+    """How the interpreter runs one kind of lowered op.
+
+    ``run(interpreter, op)`` executes the op against the interpreter's state (its received,
+    stored and produced tensors); ``timer`` is the per-instruction timer the op's interval counts
+    towards (one of :data:`.instruction_timing.INSTRUCTION_TIMERS`); ``lane`` is its timeline lane
+    ("compute" or "communication"); ``computes`` marks a compute op, before which the receives of
+    the P2P groups that follow it are posted (prefetch).
+    """
+
+    run: Callable[["Interpreter", Any], None]
+    timer: str
+    lane: str = "compute"
+    computes: bool = False
+
+
+def op_kind(op) -> Hashable:
+    """The handler-table key of a lowered op: a compute :class:`Instruction`'s :class:`Kind`,
+    otherwise the op's type (:class:`P2PGroup`, :class:`GradSyncStart`, :class:`GradSyncWait` or
+    a new op class with its own handler)."""
+    return op.kind if isinstance(op, Instruction) else type(op)
+
+
 def instruction_timer(op) -> str:
     """The per-instruction timer an executed op counts towards (see :mod:`.instruction_timing`)."""
-    if isinstance(op, Instruction):
-        return _TIMER_BY_KIND[op.kind]
-    return "p2p-post" if isinstance(op, P2PGroup) else "grad-sync-start"
-
-
-_TIMER_BY_KIND = {Kind.FORWARD: "forward-compute", Kind.BACKWARD: "backward-compute",
-                  Kind.BACKWARD_INPUT: "backward-input-compute",
-                  Kind.BACKWARD_WEIGHT: "backward-weight-compute"}
+    return DEFAULT_OP_HANDLERS[op_kind(op)].timer
 
 
 class Interpreter:
     """Runs one rank's lowered ops for one iteration (see the module docstring)."""
 
-    def __init__(self, context: ExecutionContext):
+    def __init__(self, context: ExecutionContext,
+                 extra_handlers: Optional[Mapping[Hashable, OpHandler]] = None):
+        """``extra_handlers`` (op kind -> :class:`OpHandler`, see :func:`op_kind`) add op kinds to
+        :data:`DEFAULT_OP_HANDLERS` or replace built-in ones, for this interpreter only."""
         self.context = context
+        self.handlers: Mapping[Hashable, OpHandler] = {**DEFAULT_OP_HANDLERS,
+                                                       **(extra_handlers or {})}
         self.received: dict = {}  # message key -> (_PostedReceives, index in it)
         self.pending_sends: list = []  # posted sends, completed at the end of the iteration
         self.prefetched: set = set()  # ids of groups whose receives are already posted
@@ -195,14 +220,15 @@ class Interpreter:
         """
         ops = lowered[rank]
         self._origin = self._now()
-        prefetch = _prefetch_plan(ops)
+        handlers = [self._handler(op) for op in ops]
+        prefetch = _prefetch_plan(ops, handlers)
         for index, op in enumerate(ops):
             try:
                 for group in prefetch.get(index, ()):
                     self._post_receives(group, prefetch=True)
                 # A compute op's record starts once its inputs are in (see _take_received).
                 self._op_start = self._now()
-                self._execute(op)
+                handlers[index].run(self, op)
                 if index == len(ops) - 1:
                     self._complete_sends()
             except Exception as error:
@@ -212,8 +238,7 @@ class Interpreter:
                         [[str(o) for o in rank_ops] for rank_ops in lowered], {(rank, index)},
                         title=f"lowered schedule (rank x step), failing step of rank {rank} "
                               f"marked")) from error
-            self._record(op, self._op_start, "communication" if isinstance(op, P2PGroup)
-                         else "compute", instruction_timer(op))
+            self._record(op, self._op_start, handlers[index].lane, handlers[index].timer)
         leftovers = [key for key in (*self.received, *self.produced, *self.stored,
                                      *self.deferred)]
         if leftovers:
@@ -241,26 +266,18 @@ class Interpreter:
         if self.context.instruction_seconds is not None:
             self.context.instruction_seconds.add(timer, end - start)
 
-    def _execute(self, op) -> None:
-        if isinstance(op, Instruction):
-            if op.kind is Kind.FORWARD:
-                self._forward(op)
-            elif op.kind is Kind.BACKWARD:
-                self._backward(op)
-            elif op.kind is Kind.BACKWARD_INPUT:
-                self._backward_input(op)
-            else:
-                self._backward_weight(op)
-        elif isinstance(op, P2PGroup):
-            self._communicate(op)
-        elif isinstance(op, GradSyncStart):
-            self.context.reducers[ModuleKey(op.pipeline, op.stage)].start()
-        elif isinstance(op, GradSyncWait):
-            self._start_remaining_syncs()
-        else:
-            raise TypeError(f"unknown lowered op {op!r}")
+    def _handler(self, op) -> OpHandler:
+        handler = self.handlers.get(op_kind(op))
+        if handler is None:
+            raise TypeError(f"no handler for the lowered op {op!r} (kind {op_kind(op)!r}); "
+                            f"known kinds: {list(self.handlers)}; pass one to Interpreter(..., "
+                            f"extra_handlers={{kind: OpHandler(...)}})")
+        return handler
 
-    def _start_remaining_syncs(self) -> None:
+    def _start_grad_sync(self, op: GradSyncStart) -> None:
+        self.context.reducers[ModuleKey(op.pipeline, op.stage)].start()
+
+    def _start_remaining_syncs(self, op: Optional[GradSyncWait] = None) -> None:
         """Start every reduction the list did not start, then the final ones (tied embedding).
 
         A module can have no micro-batch at all (Chimera with N < D leaves a pipeline empty); its
@@ -430,12 +447,13 @@ class Interpreter:
         return tuple(consumer.input_activation_shape(self.context.microbatches[message.microbatch]))
 
 
-def _prefetch_plan(ops: Sequence) -> dict:
+def _prefetch_plan(ops: Sequence, handlers: Sequence[OpHandler]) -> dict:
     """{index of a compute op: the P2P groups between it and the next compute op}: their receives
     are posted before that compute op runs, so the transfer overlaps it."""
-    plan, last_compute = {}, None
-    for index, op in enumerate(ops):
-        if isinstance(op, Instruction):
+    plan: dict = {}
+    last_compute = None
+    for index, (op, handler) in enumerate(zip(ops, handlers)):
+        if handler.computes:
             last_compute = index
         elif isinstance(op, P2PGroup) and last_compute is not None:
             plan.setdefault(last_compute, []).append(op)
@@ -446,3 +464,17 @@ def _shape_signature(microbatch: dict) -> tuple:
     """The shapes of a micro-batch's tensors (what the saved activations depend on)."""
     return tuple(sorted((key, tuple(value.shape)) for key, value in microbatch.items()
                         if isinstance(value, torch.Tensor)))
+
+
+# The built-in op kinds; read-only (an interpreter takes additional ones as ``extra_handlers``).
+DEFAULT_OP_HANDLERS: Mapping[Hashable, OpHandler] = MappingProxyType({
+    Kind.FORWARD: OpHandler(Interpreter._forward, "forward-compute", computes=True),
+    Kind.BACKWARD: OpHandler(Interpreter._backward, "backward-compute", computes=True),
+    Kind.BACKWARD_INPUT: OpHandler(Interpreter._backward_input, "backward-input-compute",
+                                   computes=True),
+    Kind.BACKWARD_WEIGHT: OpHandler(Interpreter._backward_weight, "backward-weight-compute",
+                                    computes=True),
+    P2PGroup: OpHandler(Interpreter._communicate, "p2p-post", lane="communication"),
+    GradSyncStart: OpHandler(Interpreter._start_grad_sync, "grad-sync-start"),
+    GradSyncWait: OpHandler(Interpreter._start_remaining_syncs, "grad-sync-start"),
+})
