@@ -8,9 +8,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
+@pytest.mark.distributed  # starts a process
 def test_planning_package_and_performance_model_import_no_torch():
     code = ("import importlib, pkgutil, sys\n"
             "import megatron.core.pipeline_parallel.planning as planning\n"
