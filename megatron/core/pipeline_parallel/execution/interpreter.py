@@ -32,7 +32,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -175,7 +175,7 @@ class OpHandler:
     computes: bool = False
 
 
-def op_kind(op) -> Hashable:
+def op_kind(op) -> object:
     """The handler-table key of a lowered op: a compute :class:`Instruction`'s :class:`Kind`,
     otherwise the op's type (:class:`P2PGroup`, :class:`GradSyncStart`, :class:`GradSyncWait` or
     a new op class with its own handler)."""
@@ -191,11 +191,11 @@ class Interpreter:
     """Runs one rank's lowered ops for one iteration (see the module docstring)."""
 
     def __init__(self, context: ExecutionContext,
-                 extra_handlers: Optional[Mapping[Hashable, OpHandler]] = None):
+                 extra_handlers: Optional[Mapping[object, OpHandler]] = None):
         """``extra_handlers`` (op kind -> :class:`OpHandler`, see :func:`op_kind`) add op kinds to
         :data:`DEFAULT_OP_HANDLERS` or replace built-in ones, for this interpreter only."""
         self.context = context
-        self.handlers: Mapping[Hashable, OpHandler] = {**DEFAULT_OP_HANDLERS,
+        self.handlers: Mapping[object, OpHandler] = {**DEFAULT_OP_HANDLERS,
                                                        **(extra_handlers or {})}
         self.received: dict = {}  # message key -> (_PostedReceives, index in it)
         self.pending_sends: list = []  # posted sends, completed at the end of the iteration
@@ -210,7 +210,7 @@ class Interpreter:
         self.peak_bytes = 0
         self.peak_stored = 0
         self._parameter_pointers = {p.data_ptr() for chunk in context.chunks.values()
-                                    for p in chunk.parameters()}
+                                    for p in _parameters(chunk)}
 
     def run(self, lowered: Sequence[Sequence], rank: int) -> list[dict]:
         """Execute ``lowered[rank]`` (``lowered`` holds every rank's list, for error reports);
@@ -356,7 +356,7 @@ class Interpreter:
         input_tensor, output, _ = self.stored[key]
         chunk = self.context.chunks[ModuleKey(op.pipeline, op.stage)]
         input_grad, self.deferred[key] = backward_input(
-            output, self._output_gradient(op, output), input_tensor, list(chunk.parameters()))
+            output, self._output_gradient(op, output), input_tensor, _parameters(chunk))
         if not self.context.layout.is_first_stage(op.stage):
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_grad
 
@@ -383,7 +383,7 @@ class Interpreter:
             sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
                                         .contiguous(), describe_message(p2p)))
         if sends:
-            self.pending_sends.append(context.transport.start(sends, []))
+            self.pending_sends.append(self._transport().start(sends, []))
         for output in sent_outputs:
             # The send buffer keeps the storage alive until the send completes.
             free_tensor_data(output)
@@ -407,8 +407,14 @@ class Interpreter:
             receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
                                            self.context.wire_dtype, describe_message(p2p)))
         if receives:
-            posted = _PostedReceives(self.context.transport.start([], receives))
+            posted = _PostedReceives(self._transport().start([], receives))
             self.received.update((key, (posted, index)) for index, key in enumerate(keys))
+
+    def _transport(self) -> Transport:
+        if self.context.transport is None:
+            raise RuntimeError("the lowered list exchanges pipeline messages but the "
+                               "ExecutionContext has no transport; pass one (make_transport)")
+        return self.context.transport
 
     def _take_received(self, key) -> torch.Tensor:
         """The received tensor for ``key``, waiting for its message if it is still in flight."""
@@ -460,6 +466,11 @@ def _prefetch_plan(ops: Sequence, handlers: Sequence[OpHandler]) -> dict:
     return plan
 
 
+def _parameters(chunk) -> list:
+    """A chunk's parameters (a chunk is a torch module that implements the stage contract)."""
+    return list(chunk.parameters())
+
+
 def _shape_signature(microbatch: dict) -> tuple:
     """The shapes of a micro-batch's tensors (what the saved activations depend on)."""
     return tuple(sorted((key, tuple(value.shape)) for key, value in microbatch.items()
@@ -467,7 +478,7 @@ def _shape_signature(microbatch: dict) -> tuple:
 
 
 # The built-in op kinds; read-only (an interpreter takes additional ones as ``extra_handlers``).
-DEFAULT_OP_HANDLERS: Mapping[Hashable, OpHandler] = MappingProxyType({
+DEFAULT_OP_HANDLERS: Mapping[object, OpHandler] = MappingProxyType({
     Kind.FORWARD: OpHandler(Interpreter._forward, "forward-compute", computes=True),
     Kind.BACKWARD: OpHandler(Interpreter._backward, "backward-compute", computes=True),
     Kind.BACKWARD_INPUT: OpHandler(Interpreter._backward_input, "backward-input-compute",
