@@ -43,7 +43,7 @@ from ..planning.grid import format_op_grid
 from ..planning.instructions import Instruction, Kind
 from ..planning.lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup
 from ..planning.schedules import ScheduleLayout
-from .instruction_timing import InstructionSeconds
+from .instruction_timing import INSTRUCTION_TIMERS, InstructionSeconds
 from .model_chunks import ModuleKey
 from .split_backward import backward_input, backward_weight
 from .stage import PipelineStageModule
@@ -174,17 +174,19 @@ class OpHandler:
     lane: str = "compute"
     computes: bool = False
 
+    def __post_init__(self) -> None:
+        if self.timer not in INSTRUCTION_TIMERS:
+            raise ValueError(f"OpHandler timer {self.timer!r} is not a per-instruction timer; use "
+                             f"one of {INSTRUCTION_TIMERS} (or add it in instruction_timing.py)")
+        if self.lane not in ("compute", "communication"):
+            raise ValueError(f"OpHandler lane {self.lane!r} must be 'compute' or 'communication'")
+
 
 def op_kind(op) -> object:
     """The handler-table key of a lowered op: a compute :class:`Instruction`'s :class:`Kind`,
     otherwise the op's type (:class:`P2PGroup`, :class:`GradSyncStart`, :class:`GradSyncWait` or
     a new op class with its own handler)."""
     return op.kind if isinstance(op, Instruction) else type(op)
-
-
-def instruction_timer(op) -> str:
-    """The per-instruction timer an executed op counts towards (see :mod:`.instruction_timing`)."""
-    return DEFAULT_OP_HANDLERS[op_kind(op)].timer
 
 
 class Interpreter:
