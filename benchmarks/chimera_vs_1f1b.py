@@ -226,7 +226,7 @@ def main(argv=None) -> dict:
         print("speedup = 1f1b iter time / this iter time (same N, same global batch). predicted = "
               "simulated 1f1b makespan / this makespan, zero p2p cost. peak stored = activations "
               "held at once by the rank's interpreter (measured); sim peak = simulator's count.")
-    print(f"\n== Simulator only (Bk = 2F, zero p2p cost, no processes) ==")
+    print("\n== Simulator only (Bk = 2F, zero p2p cost, no processes) ==")
     simulated = simulator_table(args.simulator_depths)
     print_simulator(simulated)
     return {"measured": measured, "simulated": simulated}

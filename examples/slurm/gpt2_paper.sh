@@ -15,7 +15,7 @@
 # one P100 per node), W = world / D is derived by pretrain_gpt.py. Overrides: GLOBAL_BATCH
 # (default = world), MICRO_BATCH (default 1, the paper's Chimera B), DATA / VOCAB / MERGES (default:
 # --mock-data with the GPT-2 vocabulary size), TRAIN_ITERS. DRY_RUN=1 prints the command instead of
-# launching it (tests/unit/test_slurm_examples.py parses every run's flags this way).
+# launching it (tests/distributed/test_slurm_examples.py parses every run's flags this way).
 # Predicted throughput of each run: python benchmarks/reproduce_paper.py
 #SBATCH --job-name=gpt2-chimera-paper
 #SBATCH --time=01:00:00

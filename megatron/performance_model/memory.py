@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from megatron.core.pipeline_parallel.planning.dependencies import peak_activations
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
-from megatron.core.pipeline_parallel.planning.simulator import peak_activations
 from megatron.performance_model.costs import (
     activation_bytes, activation_bytes_per_layer, stage_parameters)
 from megatron.performance_model.schemes import lowered_schedule, num_replicas

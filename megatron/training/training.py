@@ -47,18 +47,10 @@ from megatron.training.microbatches import build_microbatches, global_batch_size
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.timers import Timers
+from megatron.training.training_state import TrainingState  # noqa: F401 (also imported from here)
 from megatron.core.runtimes import autocast_context, model_parameters, select_runtime_class
 
 LOSS_KEYS = ("lm loss",)
-
-
-@dataclass
-class TrainingState:
-    """Progress that a checkpoint must restore to resume exactly."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
 
 
 @dataclass

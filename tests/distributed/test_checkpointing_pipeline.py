@@ -82,7 +82,7 @@ def test_chimera_ranks_save_and_restore_both_chunks(tmp_path):
                    for p in (tmp_path / "ckpt" / "iter_0000007").rglob("*.pt"))
     assert files == ["mp_rank_00_000/model_optim_rng.pt", "mp_rank_00_001/model_optim_rng.pt"]
     # ranks 0, 1 are pipeline rank 0 (DP 0, 1); ranks 2, 3 pipeline rank 1
-    for rank, (dp_rank, saved, fresh, payload_keys) in enumerate(results):
+    for rank, (dp_rank, _saved, fresh, payload_keys) in enumerate(results):
         assert {"model0", "model1"} <= set(payload_keys) and "model" not in payload_keys
         writer = results[rank - dp_rank][1]  # DP rank 0 of this pipeline rank wrote the file
         assert fresh["weights"].keys() == writer["weights"].keys()

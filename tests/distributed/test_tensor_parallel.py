@@ -9,7 +9,6 @@ all-reduces differs); float32 runs to 2e-5 relative / 1e-6 absolute on the loss 
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_harness import run_distributed

@@ -1,15 +1,21 @@
 """The interpreter on one rank with a fake transport: sent activations keep no data, received
 gradients flow into the backward, reductions start at the schedule's points."""
 
+import copy
+from dataclasses import dataclass
+
+import pytest
 import torch
 
 import pretrain_gpt
 from megatron.core.config import ModelConfig, RecomputeConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState
-from megatron.core.pipeline_parallel.execution.interpreter import ExecutionContext, Interpreter
+from megatron.core.pipeline_parallel.execution.interpreter import (
+    DEFAULT_OP_HANDLERS, ExecutionContext, Interpreter, OpHandler)
 from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
 from megatron.core.pipeline_parallel.execution.model_chunks import ModuleKey
+from megatron.core.pipeline_parallel.planning.instructions import Instruction, Kind
 from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
 
 SEQ, BATCH, HIDDEN = 8, 2, 16
@@ -57,10 +63,14 @@ class CountingReducer:
         self.started = True
 
 
+def _tiny_config() -> ModelConfig:
+    return ModelConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, seq_length=SEQ,
+                       max_position_embeddings=SEQ, padded_vocab_size=32, hidden_dropout=0.0,
+                       attention_dropout=0.0)
+
+
 def test_first_stage_frees_sent_activations_and_backpropagates_received_gradients():
-    config = ModelConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, seq_length=SEQ,
-                         max_position_embeddings=SEQ, padded_vocab_size=32, hidden_dropout=0.0,
-                         attention_dropout=0.0)
+    config = _tiny_config()
     chunk = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
                      layer_range=range(0, 1), pre_process=True, post_process=False)
     layout = schedule_layout("1f1b", 2)
@@ -86,3 +96,110 @@ def test_first_stage_frees_sent_activations_and_backpropagates_received_gradient
     assert reducer.started
     # The received (all-ones) gradients reached the parameters of the chunk.
     assert chunk.embedding.word_embeddings.weight.grad.abs().sum() > 0
+
+
+@dataclass(frozen=True)
+class OverlappedBackwardForward:
+    """A new op kind: one backward and the next forward issued as one op (as DualPipe overlaps
+    the backward of one direction with the forward of the other)."""
+
+    backward: Instruction
+    forward: Instruction
+
+    def __str__(self) -> str:
+        return f"{self.backward}+{self.forward}"
+
+
+def _fuse_backward_forward_pairs(ops):
+    """``ops`` with every backward instruction directly followed by a forward merged into one
+    :class:`OverlappedBackwardForward`."""
+    fused, index = [], 0
+    while index < len(ops):
+        op, following = ops[index], ops[index + 1] if index + 1 < len(ops) else None
+        if (isinstance(op, Instruction) and op.kind is Kind.BACKWARD
+                and isinstance(following, Instruction) and following.kind is Kind.FORWARD):
+            fused.append(OverlappedBackwardForward(op, following))
+            index += 2
+        else:
+            fused.append(op)
+            index += 1
+    return fused
+
+
+def test_an_extra_handler_runs_a_new_op_kind_with_unchanged_numerics():
+    """A fused backward+forward op kind is one handler passed to the interpreter; Chimera's
+    first rank run with it gives the same losses and gradients, bit for bit, as the plain list."""
+    config = _tiny_config()
+    layout = schedule_layout("chimera", 2)
+    assert layout.hosted(0) == ((0, 0), (1, 1))
+    first = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
+                     layer_range=range(0, 1), pre_process=True, post_process=False)
+    last = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
+                    layer_range=range(1, 2), pre_process=False, post_process=True)
+    lowered = lower_schedule(build_schedule("chimera", 2, 4), layout)
+    fused_lowered = [_fuse_backward_forward_pairs(ops) for ops in lowered]
+    fused_count = sum(isinstance(op, OverlappedBackwardForward) for op in fused_lowered[0])
+    assert fused_count >= 1, [str(op) for op in lowered[0]]
+    tokens = torch.randint(0, 32, (4, BATCH, SEQ))
+    microbatches = [{"tokens": tokens[k], "labels": tokens[k], "loss_mask": torch.ones(BATCH, SEQ),
+                     "sample_ids": torch.arange(BATCH) + BATCH * k} for k in range(4)]
+    calls = []
+
+    def run_overlapped(interpreter, op):
+        calls.append(str(op))
+        DEFAULT_OP_HANDLERS[Kind.BACKWARD].run(interpreter, op.backward)
+        DEFAULT_OP_HANDLERS[Kind.FORWARD].run(interpreter, op.forward)
+
+    def run(ops_by_rank, extra_handlers=None):
+        chunks = {ModuleKey(0, 0): copy.deepcopy(first), ModuleKey(1, 1): copy.deepcopy(last)}
+        transport = RecordingTransport()
+        interpreter = Interpreter(ExecutionContext(
+            chunks=chunks, layout=layout, transport=transport,
+            forward_step_func=pretrain_gpt.forward_step, microbatches=microbatches, loss_divisor=4,
+            activation_shape=(SEQ, BATCH, HIDDEN), wire_dtype=torch.float32,
+            reducers={key: CountingReducer() for key in chunks}, record_timeline=True),
+            extra_handlers=extra_handlers)
+        transport.interpreter = interpreter
+        losses = interpreter.run(ops_by_rank, rank=0)
+        grads = {(key, name): parameter.grad.clone() for key, chunk in chunks.items()
+                 for name, parameter in chunk.named_parameters() if parameter.grad is not None}
+        return losses, grads, interpreter.timeline, transport.sent
+
+    plain_losses, plain_grads, _, plain_sent = run(lowered)
+    losses, grads, timeline, sent = run(fused_lowered, {OverlappedBackwardForward: OpHandler(
+        run_overlapped, "backward-compute", computes=True)})
+
+    assert len(calls) == fused_count and calls[0] in {record.op for record in timeline}
+    assert len(losses) == len(plain_losses) == 2  # the up pipeline's last stage: 2 micro-batches
+    for loss_dict, plain in zip(losses, plain_losses):
+        assert all(torch.equal(loss_dict[key], plain[key]) for key in plain)
+    assert sent == plain_sent
+    assert grads.keys() == plain_grads.keys() and len(grads) > 0
+    for key, grad in grads.items():
+        assert torch.equal(grad, plain_grads[key]), key
+    for module in (ModuleKey(0, 0), ModuleKey(1, 1)):
+        assert any(grad.abs().sum() > 0 for (key, _), grad in grads.items() if key == module)
+
+
+def test_a_handler_with_an_unknown_timer_or_lane_is_refused():
+    with pytest.raises(ValueError, match="timer 'fused-compute'.*forward-compute"):
+        OpHandler(lambda interpreter, op: None, "fused-compute")
+    with pytest.raises(ValueError, match="lane 'gpu'"):
+        OpHandler(lambda interpreter, op: None, "forward-compute", lane="gpu")
+
+
+def test_an_op_without_a_handler_is_named_in_the_error():
+    config = _tiny_config()
+    layout = schedule_layout("1f1b", 1)
+    chunk = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
+                     layer_range=range(0, 2), pre_process=True, post_process=True)
+    lowered = [_fuse_backward_forward_pairs(ops)
+               for ops in lower_schedule(build_schedule("1f1b", 1, 2), layout)]
+    tokens = torch.randint(0, 32, (BATCH, SEQ))
+    interpreter = Interpreter(ExecutionContext(
+        chunks={ModuleKey(0, 0): chunk}, layout=layout, transport=None,
+        forward_step_func=pretrain_gpt.forward_step, loss_divisor=2, wire_dtype=torch.float32,
+        microbatches=[{"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(BATCH, SEQ)}] * 2))
+    with pytest.raises(TypeError, match="no handler for the lowered op.*OverlappedBackwardForward"
+                                        ".*extra_handlers"):
+        interpreter.run(lowered, rank=0)

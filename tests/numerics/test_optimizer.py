@@ -2,7 +2,6 @@
 loss scaling and the overflow skip."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch

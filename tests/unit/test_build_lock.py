@@ -53,6 +53,7 @@ def _builder_process(lock_path, artifact, events_path, started, release):
     record(f"result {result}")
 
 
+@pytest.mark.distributed  # starts a process
 def test_two_processes_build_once(tmp_path):
     lock_path, artifact = tmp_path / "build.lock", tmp_path / "artifact"
     events = tmp_path / "events.txt"
@@ -84,6 +85,7 @@ def test_two_processes_build_once(tmp_path):
     assert not lock_path.exists()
 
 
+@pytest.mark.distributed  # starts a process
 def test_lock_of_a_dead_process_is_reported_with_the_file_to_delete(tmp_path):
     lock_path = tmp_path / "build.lock"
     pid = dead_pid()
@@ -96,6 +98,7 @@ def test_lock_of_a_dead_process_is_reported_with_the_file_to_delete(tmp_path):
     assert lock_path.exists()  # reported, never removed behind the user's back
 
 
+@pytest.mark.distributed  # starts a process
 def test_dead_pid_in_another_container_is_judged_by_age_only(tmp_path):
     """Same host name, other pid namespace: the pid means nothing here, so a young lock waits."""
     lock_path = tmp_path / "build.lock"
@@ -167,6 +170,7 @@ def test_load_jit_extension_builds_under_the_lock(fake_jit, tmp_path):
     assert not (tmp_path / packing.JIT_BUILD_LOCK_NAME).exists()
 
 
+@pytest.mark.distributed  # starts a process
 def test_load_jit_extension_reports_a_stale_lock_instead_of_hanging(fake_jit, tmp_path):
     lock_path = tmp_path / packing.JIT_BUILD_LOCK_NAME
     write_lock(lock_path, dead_pid())

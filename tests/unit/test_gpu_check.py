@@ -27,6 +27,7 @@ def helper():
     return module
 
 
+@pytest.mark.distributed  # starts a process
 def test_script_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
 

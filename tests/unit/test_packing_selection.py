@@ -59,6 +59,7 @@ def test_missing_prebuilt_module_without_jit_raises(monkeypatch):
         packing.load_cpp_extension.__wrapped__(allow_jit=False)
 
 
+@pytest.mark.distributed  # starts a process
 def test_missing_prebuilt_module_falls_back_to_jit(monkeypatch):
     """The first-use compilation path (slow the first time on a machine, cached by torch after)."""
     monkeypatch.setattr(packing, "EXTENSION_MODULE", "megatron._no_such_packing_module")

@@ -243,6 +243,7 @@ def test_compare_schemes_at_one_shape():
 # ----------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.distributed  # starts a process
 def test_cli_prints_the_ranked_table():
     output = subprocess.run(
         [sys.executable, TOOL, "--num-layers", "8", "--hidden-size", "64",
@@ -258,6 +259,7 @@ def test_cli_prints_the_ranked_table():
     assert seqs == sorted(seqs, reverse=True)
 
 
+@pytest.mark.distributed  # starts a process
 def test_cli_rejects_unknown_scheme():
     completed = subprocess.run(
         [sys.executable, TOOL, "--num-layers", "8", "--hidden-size", "64",

@@ -63,6 +63,7 @@ def test_fit_alpha_beta_hand_case():
         fit_alpha_beta([{"bytes": 1e3, "seconds": 1e-3}, {"bytes": 1e6, "seconds": 1e-4}])
 
 
+@pytest.mark.distributed  # starts a process
 def test_measure_on_cpu_writes_a_profile_that_profile_reads_back(tmp_path):
     out = tmp_path / "cpu_profile.json"
     measured = subprocess.run(
@@ -88,6 +89,7 @@ def test_measure_on_cpu_writes_a_profile_that_profile_reads_back(tmp_path):
     assert "pretrain_gpt.py flags" in ranked.splitlines()[-1]
 
 
+@pytest.mark.distributed  # starts a process
 def test_profile_flag_overrides_and_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"hardware": {"flops": 1}}))

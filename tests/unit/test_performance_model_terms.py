@@ -140,6 +140,7 @@ def test_op_overhead_is_paid_once_per_forward_and_backward():
     assert more.backward - base.backward == pytest.approx(0.01)
 
 
+@pytest.mark.distributed  # starts a process
 def test_cli_prints_the_best_runnable_configurations_flags():
     import subprocess
     import sys

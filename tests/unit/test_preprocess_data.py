@@ -77,6 +77,7 @@ def test_end_to_end_with_bad_lines(tmp_path, capsys):
     assert len(train) == 20 and valid is None and test is None
 
 
+@pytest.mark.distributed  # starts a process
 def test_two_workers_write_identical_files(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus)
@@ -225,6 +226,7 @@ def test_glob_matching_nothing_names_the_pattern(tmp_path, capsys):
     assert f"--input pattern {pattern!r} matches no file" in capsys.readouterr().err
 
 
+@pytest.mark.distributed  # starts a process
 def test_megatron_lang_and_keep_sequential_samples_are_accepted(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus, with_bad_lines=False)

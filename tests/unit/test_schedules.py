@@ -339,6 +339,7 @@ def test_validator_circular_wait_is_reported_with_grid():
     assert ">B0.0.0<" in str(error.value) and ">F0.1.1<" in str(error.value)
 
 
+@pytest.mark.distributed  # starts a process
 def test_no_torch_import():
     code = ("import sys; import megatron.core.pipeline_parallel.planning.schedules, "
             "megatron.core.pipeline_parallel.planning.validator, megatron.core.pipeline_parallel.planning.lowering, "

@@ -25,6 +25,7 @@ def show_schedule():
     return module
 
 
+@pytest.mark.distributed  # starts a process
 def test_done_when_command_prints_the_d4_grid():
     output = subprocess.run(
         [sys.executable, TOOL, "--schedule", "chimera", "--pipeline-model-parallel-size", "4",
@@ -61,6 +62,7 @@ def test_json_is_a_chrome_trace(show_schedule, tmp_path):
     assert trace["otherData"]["makespan"] > 0
 
 
+@pytest.mark.distributed  # starts a process
 def test_png_is_written(show_schedule, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"

@@ -67,7 +67,7 @@ def parse_split(split: str) -> tuple[float, float, float]:
                          f"positive sum, e.g. 949,50,1")
     numbers += [0.0] * (3 - len(numbers))
     total = sum(numbers)
-    return tuple(x / total for x in numbers)
+    return (numbers[0] / total, numbers[1] / total, numbers[2] / total)
 
 
 def split_document_ranges(fractions: Sequence[float], num_documents: int) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -225,7 +225,7 @@ def preprocess_jsonl(input_path: Union[str, Sequence[str]], output_prefix: str,
     lines = itertools.chain.from_iterable(_numbered_lines(path) for path in input_paths)
     try:
         if workers == 1:
-            encoded_lines = map(_LineEncoder(tokenizer, json_keys, append_eod, dtype), lines)
+            encoded_lines: Iterable = map(_LineEncoder(tokenizer, json_keys, append_eod, dtype), lines)
         else:
             pool = multiprocessing.Pool(workers, initializer=_initialize_worker,
                                         initargs=(tokenizer_factory, list(json_keys), append_eod,
@@ -265,7 +265,7 @@ def _why_no_documents(path: str, file_stats: InputFileStats, json_keys: Sequence
     """Why ``path`` gave no document, and what to do about it."""
     if file_stats.lines == 0:
         return f"{path} is empty (no non-blank line); give a file with one JSON document per line"
-    if file_stats.bad_lines == file_stats.lines:
+    if file_stats.bad_lines == file_stats.lines and file_stats.first_bad_line is not None:
         line_number, reason = file_stats.first_bad_line
         if reason.startswith("invalid UTF-8"):
             fix = "it looks binary (compressed, or another encoding?); convert it to UTF-8 JSONL"

@@ -36,7 +36,7 @@ def is_timeout(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(_TIMEOUT_PATTERN.search(str(error)))
 
 
-def _already_named(error: BaseException) -> bool:
+def _already_named(error: Optional[BaseException]) -> bool:
     """Whether ``error`` or an error it was raised from is a :class:`CommunicationTimeout`."""
     seen = set()
     while error is not None and id(error) not in seen:

@@ -24,7 +24,6 @@ import torch
 from megatron.core.distributed.collectives import all_reduce_world
 from megatron.core.optimizer.clip_grads import (clip_grads_by_norm, default_owns_grad_norm,
                                                 global_grad_norm)
-from megatron.core.optimizer.grad_scaler import build_grad_scaler
 
 
 @dataclass
@@ -179,28 +178,6 @@ class MegatronOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
-
-
-def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state, *,
-                    owns_grad_norm: Optional[Callable[[torch.nn.Parameter], bool]] = None,
-                    gradient_reducers: Iterable = ()) -> MegatronOptimizer:
-    """The run's optimizer from ``config.optimizer`` and ``config.training`` (precision).
-
-    With ``--use-distributed-optimizer`` the sharded reducers among ``gradient_reducers`` decide
-    which elements this rank steps (:class:`~.distributed.DistributedOptimizer`).
-    """
-    optimizer_config = config.optimizer
-    params = list(params)
-    if getattr(config.parallel, "use_distributed_optimizer", False):
-        from megatron.core.optimizer.distributed import build_distributed_optimizer
-        return build_distributed_optimizer(config, params, parallel_state, owns_grad_norm,
-                                           list(gradient_reducers))
-    groups = build_param_groups(params, optimizer_config.weight_decay)
-    optimizer, implementation = torch_optimizer(groups, optimizer_config)
-    return MegatronOptimizer(
-        optimizer, params, parallel_state, clip_grad=optimizer_config.clip_grad,
-        grad_scaler=build_grad_scaler(optimizer_config, config.training),
-        owns_grad_norm=owns_grad_norm, implementation=implementation)
 
 
 def torch_optimizer(groups: list[dict], optimizer_config) -> tuple[torch.optim.Optimizer, str]:

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Optional, Sequence
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import RankLayout
 from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
-from megatron.core.pipeline_parallel.execution.interpreter import ExecutionContext, Interpreter
+from megatron.core.pipeline_parallel.execution.interpreter import (ExecutionContext, Interpreter,
+                                                                   OpHandler)
 from megatron.core.pipeline_parallel.execution.model_chunks import build_model_chunks
 from megatron.core.pipeline_parallel.execution.packing import select_packer
 from megatron.core.pipeline_parallel.execution.replica_groups import (grad_norm_owners,
@@ -50,10 +52,12 @@ class PipelineRuntime:
     """Runs the configured pipeline schedule (see the module docstring).
 
     ``registry`` (a class attribute) holds the schedule families this runtime knows; a subclass
-    with another registry runs families of its own.
+    with another registry runs families of its own. ``extra_op_handlers`` (op kind ->
+    :class:`OpHandler`) likewise gives the interpreter op kinds beyond the built-in ones.
     """
 
     registry = BUILTIN_SCHEDULES
+    extra_op_handlers: Mapping[object, OpHandler] = MappingProxyType({})
 
     @classmethod
     def required_group_ranks(cls, config, layout: RankLayout) -> list:
@@ -151,7 +155,7 @@ class PipelineRuntime:
             reducers=self.reducers_by_key, final_reducers=self.final_reducers,
             forward_only=forward_only, autocast=autocast, record_timeline=record,
             saved_bytes_cache=self.saved_bytes_cache, instruction_seconds=instruction_seconds)
-        interpreter = Interpreter(context)
+        interpreter = Interpreter(context, self.extra_op_handlers)
         losses = interpreter.run(plan.forward_only if forward_only else plan.lowered,
                                  self.parallel_state.pp_rank)
         if not forward_only:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region)
-from megatron.core.tensor_parallel.utils import divide, group_size_and_rank, tensor_parallel_group
+from megatron.core.tensor_parallel.utils import divide, tensor_parallel_group
 
 
 def set_parameter_attributes(param: torch.nn.Parameter, *, tensor_model_parallel: bool,

@@ -46,7 +46,7 @@ from megatron.training.checkpointing.files import (CHECKPOINT_FILENAME, CHECKPOI
                                                   NO_CHECKPOINT_MESSAGE, REPLACED_SUFFIX,
                                                   STAGING_SUFFIX, TRACKER_FILENAME,
                                                   CheckpointError, _read_metadata,  # noqa: F401
-                                                  _verify_file,
+                                                  _verify_file,  # noqa: F401 (re-exported)
                                                   checkpoint_file, file_crc32, iteration_dir_name,
                                                   load_file, model_keys, rank_dir_name,
                                                   read_tracker, save_file, write_tracker)

@@ -28,6 +28,7 @@ from megatron.training.checkpointing.files import (CHECKPOINT_FILENAME, CHECKPOI
 from megatron.training.checkpointing.optimizer_shards import (is_sharded, optimizer_state_entry,
                                                              optimizer_state_for_this_rank,
                                                              write_optimizer_shard)
+from megatron.training.training_state import TrainingState
 from megatron.training.checkpointing.state import (_check_model_flags, _check_model_state,
                                                   _check_optimizer_groups, _load_optimizer_state,
                                                   capture_rng_state, describe_layout,
@@ -227,9 +228,6 @@ class Checkpointer:
         tracker does not exist. Collective: every rank must call it; an error on any rank raises
         on every rank.
         """
-        # imported here, not at the top, so that training.py may import this module
-        from megatron.training.training import TrainingState
-
         checkpoint_config = self.config.checkpoint
         root = checkpoint_config.load
         parallel_state = components.parallel_state

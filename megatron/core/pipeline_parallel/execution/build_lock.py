@@ -99,7 +99,7 @@ def stale_lock_reason(lock_path: Path, owner: Optional[LockOwner], now: float,
     host = _this_host() if host is None else host
     same_process_table = (owner is not None and owner.host == host
                           and owner.pid_namespace == _this_pid_namespace())
-    if same_process_table and not process_is_running(owner.pid):
+    if same_process_table and owner is not None and not process_is_running(owner.pid):
         return f"its owner, {owner.describe()}, is no longer running"
     if owner is not None:
         started = owner.started

@@ -5,7 +5,9 @@ compute :class:`Instruction` (forward / backward of one micro-batch through one 
 chunks), :class:`P2PGroup` (one batched exchange with pipeline peers), :class:`GradSyncStart` (launch
 a module's gradient reduction) and :class:`GradSyncWait` (the end of the list). There is no
 schedule-specific branch here: GPipe, 1F1B, interleaved 1F1B and every Chimera variant run through
-the same loop.
+the same loop. Each op is run by the :class:`OpHandler` its kind maps to (:data:`DEFAULT_OP_HANDLERS`,
+keyed by :func:`op_kind`); a new op kind, such as DualPipe's overlapped forward of one direction and
+backward of the other, is one more handler passed as ``Interpreter(context, extra_handlers=...)``.
 
 Communication is asynchronous (the simulator's ``p2p_semantics="async"``): the receives of the
 groups that follow a compute op are posted before that op runs (prefetch), a received tensor is
@@ -29,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -40,7 +43,7 @@ from ..planning.grid import format_op_grid
 from ..planning.instructions import Instruction, Kind
 from ..planning.lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGroup
 from ..planning.schedules import ScheduleLayout
-from .instruction_timing import InstructionSeconds
+from .instruction_timing import INSTRUCTION_TIMERS, InstructionSeconds
 from .model_chunks import ModuleKey
 from .split_backward import backward_input, backward_weight
 from .stage import PipelineStageModule
@@ -155,23 +158,47 @@ def describe_message(p2p) -> str:
             f"{message.pipeline}, stage {message.stage}) [{p2p}]")
 
 
-def instruction_timer(op) -> str:
-    """The per-instruction timer an executed op counts towards (see :mod:`.instruction_timing`)."""
-    if isinstance(op, Instruction):
-        return _TIMER_BY_KIND[op.kind]
-    return "p2p-post" if isinstance(op, P2PGroup) else "grad-sync-start"
+@dataclass(frozen=True)
+class OpHandler:
+    """How the interpreter runs one kind of lowered op.
+
+    ``run(interpreter, op)`` executes the op against the interpreter's state (its received,
+    stored and produced tensors); ``timer`` is the per-instruction timer the op's interval counts
+    towards (one of :data:`.instruction_timing.INSTRUCTION_TIMERS`); ``lane`` is its timeline lane
+    ("compute" or "communication"); ``computes`` marks a compute op, before which the receives of
+    the P2P groups that follow it are posted (prefetch).
+    """
+
+    run: Callable[["Interpreter", Any], None]
+    timer: str
+    lane: str = "compute"
+    computes: bool = False
+
+    def __post_init__(self) -> None:
+        if self.timer not in INSTRUCTION_TIMERS:
+            raise ValueError(f"OpHandler timer {self.timer!r} is not a per-instruction timer; use "
+                             f"one of {INSTRUCTION_TIMERS} (or add it in instruction_timing.py)")
+        if self.lane not in ("compute", "communication"):
+            raise ValueError(f"OpHandler lane {self.lane!r} must be 'compute' or 'communication'")
 
 
-_TIMER_BY_KIND = {Kind.FORWARD: "forward-compute", Kind.BACKWARD: "backward-compute",
-                  Kind.BACKWARD_INPUT: "backward-input-compute",
-                  Kind.BACKWARD_WEIGHT: "backward-weight-compute"}
+def op_kind(op) -> object:
+    """The handler-table key of a lowered op: a compute :class:`Instruction`'s :class:`Kind`,
+    otherwise the op's type (:class:`P2PGroup`, :class:`GradSyncStart`, :class:`GradSyncWait` or
+    a new op class with its own handler)."""
+    return op.kind if isinstance(op, Instruction) else type(op)
 
 
 class Interpreter:
     """Runs one rank's lowered ops for one iteration (see the module docstring)."""
 
-    def __init__(self, context: ExecutionContext):
+    def __init__(self, context: ExecutionContext,
+                 extra_handlers: Optional[Mapping[object, OpHandler]] = None):
+        """``extra_handlers`` (op kind -> :class:`OpHandler`, see :func:`op_kind`) add op kinds to
+        :data:`DEFAULT_OP_HANDLERS` or replace built-in ones, for this interpreter only."""
         self.context = context
+        self.handlers: Mapping[object, OpHandler] = {**DEFAULT_OP_HANDLERS,
+                                                       **(extra_handlers or {})}
         self.received: dict = {}  # message key -> (_PostedReceives, index in it)
         self.pending_sends: list = []  # posted sends, completed at the end of the iteration
         self.prefetched: set = set()  # ids of groups whose receives are already posted
@@ -185,7 +212,7 @@ class Interpreter:
         self.peak_bytes = 0
         self.peak_stored = 0
         self._parameter_pointers = {p.data_ptr() for chunk in context.chunks.values()
-                                    for p in chunk.parameters()}
+                                    for p in _parameters(chunk)}
 
     def run(self, lowered: Sequence[Sequence], rank: int) -> list[dict]:
         """Execute ``lowered[rank]`` (``lowered`` holds every rank's list, for error reports);
@@ -195,14 +222,15 @@ class Interpreter:
         """
         ops = lowered[rank]
         self._origin = self._now()
-        prefetch = _prefetch_plan(ops)
+        handlers = [self._handler(op) for op in ops]
+        prefetch = _prefetch_plan(ops, handlers)
         for index, op in enumerate(ops):
             try:
                 for group in prefetch.get(index, ()):
                     self._post_receives(group, prefetch=True)
                 # A compute op's record starts once its inputs are in (see _take_received).
                 self._op_start = self._now()
-                self._execute(op)
+                handlers[index].run(self, op)
                 if index == len(ops) - 1:
                     self._complete_sends()
             except Exception as error:
@@ -212,8 +240,7 @@ class Interpreter:
                         [[str(o) for o in rank_ops] for rank_ops in lowered], {(rank, index)},
                         title=f"lowered schedule (rank x step), failing step of rank {rank} "
                               f"marked")) from error
-            self._record(op, self._op_start, "communication" if isinstance(op, P2PGroup)
-                         else "compute", instruction_timer(op))
+            self._record(op, self._op_start, handlers[index].lane, handlers[index].timer)
         leftovers = [key for key in (*self.received, *self.produced, *self.stored,
                                      *self.deferred)]
         if leftovers:
@@ -241,26 +268,18 @@ class Interpreter:
         if self.context.instruction_seconds is not None:
             self.context.instruction_seconds.add(timer, end - start)
 
-    def _execute(self, op) -> None:
-        if isinstance(op, Instruction):
-            if op.kind is Kind.FORWARD:
-                self._forward(op)
-            elif op.kind is Kind.BACKWARD:
-                self._backward(op)
-            elif op.kind is Kind.BACKWARD_INPUT:
-                self._backward_input(op)
-            else:
-                self._backward_weight(op)
-        elif isinstance(op, P2PGroup):
-            self._communicate(op)
-        elif isinstance(op, GradSyncStart):
-            self.context.reducers[ModuleKey(op.pipeline, op.stage)].start()
-        elif isinstance(op, GradSyncWait):
-            self._start_remaining_syncs()
-        else:
-            raise TypeError(f"unknown lowered op {op!r}")
+    def _handler(self, op) -> OpHandler:
+        handler = self.handlers.get(op_kind(op))
+        if handler is None:
+            raise TypeError(f"no handler for the lowered op {op!r} (kind {op_kind(op)!r}); "
+                            f"known kinds: {list(self.handlers)}; pass one to Interpreter(..., "
+                            f"extra_handlers={{kind: OpHandler(...)}})")
+        return handler
 
-    def _start_remaining_syncs(self) -> None:
+    def _start_grad_sync(self, op: GradSyncStart) -> None:
+        self.context.reducers[ModuleKey(op.pipeline, op.stage)].start()
+
+    def _start_remaining_syncs(self, op: Optional[GradSyncWait] = None) -> None:
         """Start every reduction the list did not start, then the final ones (tied embedding).
 
         A module can have no micro-batch at all (Chimera with N < D leaves a pipeline empty); its
@@ -339,7 +358,7 @@ class Interpreter:
         input_tensor, output, _ = self.stored[key]
         chunk = self.context.chunks[ModuleKey(op.pipeline, op.stage)]
         input_grad, self.deferred[key] = backward_input(
-            output, self._output_gradient(op, output), input_tensor, list(chunk.parameters()))
+            output, self._output_gradient(op, output), input_tensor, _parameters(chunk))
         if not self.context.layout.is_first_stage(op.stage):
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_grad
 
@@ -366,7 +385,7 @@ class Interpreter:
             sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
                                         .contiguous(), describe_message(p2p)))
         if sends:
-            self.pending_sends.append(context.transport.start(sends, []))
+            self.pending_sends.append(self._transport().start(sends, []))
         for output in sent_outputs:
             # The send buffer keeps the storage alive until the send completes.
             free_tensor_data(output)
@@ -390,8 +409,14 @@ class Interpreter:
             receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
                                            self.context.wire_dtype, describe_message(p2p)))
         if receives:
-            posted = _PostedReceives(self.context.transport.start([], receives))
+            posted = _PostedReceives(self._transport().start([], receives))
             self.received.update((key, (posted, index)) for index, key in enumerate(keys))
+
+    def _transport(self) -> Transport:
+        if self.context.transport is None:
+            raise RuntimeError("the lowered list exchanges pipeline messages but the "
+                               "ExecutionContext has no transport; pass one (make_transport)")
+        return self.context.transport
 
     def _take_received(self, key) -> torch.Tensor:
         """The received tensor for ``key``, waiting for its message if it is still in flight."""
@@ -430,19 +455,39 @@ class Interpreter:
         return tuple(consumer.input_activation_shape(self.context.microbatches[message.microbatch]))
 
 
-def _prefetch_plan(ops: Sequence) -> dict:
+def _prefetch_plan(ops: Sequence, handlers: Sequence[OpHandler]) -> dict:
     """{index of a compute op: the P2P groups between it and the next compute op}: their receives
     are posted before that compute op runs, so the transfer overlaps it."""
-    plan, last_compute = {}, None
-    for index, op in enumerate(ops):
-        if isinstance(op, Instruction):
+    plan: dict = {}
+    last_compute = None
+    for index, (op, handler) in enumerate(zip(ops, handlers)):
+        if handler.computes:
             last_compute = index
         elif isinstance(op, P2PGroup) and last_compute is not None:
             plan.setdefault(last_compute, []).append(op)
     return plan
 
 
+def _parameters(chunk) -> list:
+    """A chunk's parameters (a chunk is a torch module that implements the stage contract)."""
+    return list(chunk.parameters())
+
+
 def _shape_signature(microbatch: dict) -> tuple:
     """The shapes of a micro-batch's tensors (what the saved activations depend on)."""
     return tuple(sorted((key, tuple(value.shape)) for key, value in microbatch.items()
                         if isinstance(value, torch.Tensor)))
+
+
+# The built-in op kinds; read-only (an interpreter takes additional ones as ``extra_handlers``).
+DEFAULT_OP_HANDLERS: Mapping[object, OpHandler] = MappingProxyType({
+    Kind.FORWARD: OpHandler(Interpreter._forward, "forward-compute", computes=True),
+    Kind.BACKWARD: OpHandler(Interpreter._backward, "backward-compute", computes=True),
+    Kind.BACKWARD_INPUT: OpHandler(Interpreter._backward_input, "backward-input-compute",
+                                   computes=True),
+    Kind.BACKWARD_WEIGHT: OpHandler(Interpreter._backward_weight, "backward-weight-compute",
+                                    computes=True),
+    P2PGroup: OpHandler(Interpreter._communicate, "p2p-post", lane="communication"),
+    GradSyncStart: OpHandler(Interpreter._start_grad_sync, "grad-sync-start"),
+    GradSyncWait: OpHandler(Interpreter._start_remaining_syncs, "grad-sync-start"),
+})

@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -145,9 +145,10 @@ class Packer:
 
     name: str
     reason: str
-    _pack: Optional[Callable] = field(default=None, repr=False, compare=False)
-    _unpack: Optional[Callable] = field(default=None, repr=False, compare=False)
-    _read_layout: Optional[Callable] = field(default=None, repr=False, compare=False)
+    # the implementation's functions (None when off: the public methods raise before calling them)
+    _pack: Any = field(default=None, repr=False, compare=False)
+    _unpack: Any = field(default=None, repr=False, compare=False)
+    _read_layout: Any = field(default=None, repr=False, compare=False)
 
     @property
     def enabled(self) -> bool:
@@ -301,7 +302,7 @@ def microbenchmark_table(modes: Sequence[str] = ("cpp", "python"),
     """Rows ``{mode, num_tensors, tensor_nbytes, mb_per_second, microseconds_per_mb,
     microseconds_per_message}`` measured side by side; modes that cannot load are skipped with
     a row holding ``error``."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for mode in modes:
         try:
             packer = select_packer(mode)

@@ -56,7 +56,7 @@ def _reaches(root, targets: set) -> dict:
     return reaches
 
 
-def _boundary_nodes(root, input_node, param_nodes: set) -> list:
+def _boundary_nodes(root, input_node, param_nodes: set) -> Optional[list]:
     """(node, parameter nodes it alone leads to) for every node on the path to the input with an
     edge into a part of the graph that leads only to parameters; None when two such parts share a
     parameter (the weight half could not keep their sums apart)."""

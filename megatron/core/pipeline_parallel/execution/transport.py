@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,9 +121,14 @@ class _Posted:
 class _PeerTransport:
     """Shared part: pipeline peer -> global rank, posting a list of P2P ops, statistics."""
 
-    parallel_state: object
+    parallel_state: Any
     device: torch.device
     stats: TransportStats = field(default_factory=TransportStats)
+
+    def start(self, sends: Sequence[OutgoingTensor],
+              receives: Sequence[ExpectedTensor]) -> PendingExchange:
+        """Post ``sends`` and ``receives`` as one exchange (each subclass packs them its way)."""
+        raise NotImplementedError
 
     def global_rank(self, pipeline_rank: int) -> int:
         coords = self.parallel_state.coords
@@ -196,7 +201,7 @@ class TensorTransport(_PeerTransport):
 class PackedTransport(_PeerTransport):
     """Every tensor bound for one peer in one packed message (see the module docstring)."""
 
-    packer: object = None
+    packer: Any = None
 
     def start(self, sends: Sequence[OutgoingTensor],
               receives: Sequence[ExpectedTensor]) -> PendingExchange:

@@ -219,11 +219,11 @@ def _read_fixed_header(buffer: torch.Tensor) -> tuple[bytearray, int]:
                          f"inconsistent with {count} tensors in a {buffer_nbytes}-byte buffer")
     if header_nbytes > len(header):
         header = _host_bytes(buffer, header_nbytes)
-    header = bytearray(header[:header_nbytes])
-    header[12:16] = b"\0\0\0\0"
-    if zlib.crc32(header) != stored_crc:
+    checked = bytearray(header[:header_nbytes])
+    checked[12:16] = b"\0\0\0\0"
+    if zlib.crc32(checked) != stored_crc:
         raise ValueError("packed buffer header is corrupted: header checksum mismatch")
-    return header, count
+    return checked, count
 
 
 def _read_entries(header: bytearray, count: int, buffer_nbytes: int) -> list:

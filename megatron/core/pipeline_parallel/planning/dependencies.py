@@ -6,6 +6,7 @@ of stage s - 1 (same pipeline and micro-batch); a backward (or input-gradient ba
 stage below the last needs the gradient produced by the backward of stage s + 1; every backward
 needs its own forward, and a weight-gradient backward its input-gradient backward, on the same
 rank. Instructions are identified by ``(kind, pipeline, stage, microbatch)``; chunk is derived.
+It also owns which instructions store and release an activation (:func:`peak_activations`).
 No torch import.
 """
 
@@ -80,3 +81,17 @@ def execute_in_order(schedule, needs, on_run=None) -> list[int]:
                 counters[rank] += 1
                 progress = True
     return counters
+
+
+def peak_activations(ops) -> int:
+    """Most activations stored at once by a rank running ``ops`` in order."""
+    stored = peak = 0
+    for op in ops:
+        if not isinstance(op, Instruction):
+            continue
+        if op.kind is Kind.FORWARD:
+            stored += 1
+            peak = max(peak, stored)
+        elif op.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+            stored -= 1
+    return peak

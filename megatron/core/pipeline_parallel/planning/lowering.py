@@ -82,8 +82,9 @@ class Message:
         try:
             pipeline, stage, microbatch = (int(part) for part in text[1:].split("."))
             return cls(kinds[text[0]], pipeline, stage, microbatch)
-        except (KeyError, ValueError, IndexError):
-            raise ValueError(f"cannot parse message {text!r}; expected e.g. 'a0.1.3' or 'g1.2.0'")
+        except (KeyError, ValueError, IndexError) as error:
+            raise ValueError(f"cannot parse message {text!r}; expected e.g. 'a0.1.3' or "
+                             f"'g1.2.0'") from error
 
 
 @dataclass(frozen=True)
@@ -360,7 +361,7 @@ def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str) -> list:
     eager_after = {}  # index in rank_ops before which syncs are inserted -> modules
     for module, insert_at in insert_at_by_module.items():
         eager_after.setdefault(insert_at, []).append(module)
-    result = []
+    result: list = []
     for index, op in enumerate(rank_ops):
         for module in sorted(eager_after.get(index, []), key=lambda m: -m[1]):
             result.append(_sync_start(module, layout))
@@ -382,7 +383,7 @@ def forward_only_ops(ops: Sequence) -> list:
     Dropping whole messages on both sides keeps every group matched, and removing ops never adds
     a wait, so the result is deadlock-free whenever the full list is.
     """
-    result = []
+    result: list = []
     for op in ops:
         if isinstance(op, Instruction) and op.kind is Kind.FORWARD:
             result.append(op)

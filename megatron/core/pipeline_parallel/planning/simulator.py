@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dependencies import op_key, remote_inputs
+from .dependencies import op_key, peak_activations, remote_inputs
 from .grid import format_op_grid
 from .instructions import Instruction, Kind
 from .lowering import RECV, SEND, GradSyncStart, GradSyncWait, Message, P2PGroup
@@ -79,20 +79,6 @@ def _compute_cost(op: Instruction, forward_cost, backward_cost):
     if op.kind is Kind.BACKWARD:
         return backward_cost
     return backward_cost / 2
-
-
-def peak_activations(ops) -> int:
-    """Most activations stored at once by a rank running ``ops`` in order."""
-    stored = peak = 0
-    for op in ops:
-        if not isinstance(op, Instruction):
-            continue
-        if op.kind is Kind.FORWARD:
-            stored += 1
-            peak = max(peak, stored)
-        elif op.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
-            stored -= 1
-    return peak
 
 
 def _num_stages(lowered) -> dict:

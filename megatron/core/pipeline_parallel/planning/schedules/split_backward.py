@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..dependencies import op_key, remote_inputs
+from ..dependencies import op_key, peak_activations, remote_inputs
 from ..instructions import Instruction, Kind
-from ..simulator import peak_activations
 
 
 def _split(op: Instruction, kind: Kind) -> Instruction:
