@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
+from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, schedule_layout
 from megatron.training.batch_validation import (require_positive, validate_batch,
                                                validate_iterations_schedule,
@@ -234,11 +235,8 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
     if parallel.split_backward_extra_activations < 0:
         raise ValueError(f"--split-backward-extra-activations "
                          f"{parallel.split_backward_extra_activations} must be >= 0")
-    if parallel.dp_gradient_reducer == "a2sgd" and parallel.a2sgd_sync_interval < 1:
-        raise ValueError(f"--a2sgd-sync-interval must be >= 1 (got {parallel.a2sgd_sync_interval})")
-    if parallel.dp_gradient_reducer == "a2sgd" and parallel.use_distributed_optimizer:
-        raise ValueError("--dp-gradient-reducer a2sgd and --use-distributed-optimizer both replace "
-                         "the data-parallel gradient all-reduce; choose one")
+    # The chosen gradient reducer's own flag rules (megatron/core/distributed/reducers.py).
+    BUILTIN_REDUCERS.get(parallel.dp_gradient_reducer).validate(parallel)
     if pp > 1 and parallel.overlap_grad_reduce:
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "

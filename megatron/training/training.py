@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import GradientReducer, all_reduce_over, all_reduce_world, group_size
+from megatron.core.distributed.reduction import (after_step, attach_reducers,
+                                                 synchronize_if_due, synchronize_reducers)
 from megatron.core.distributed.timeouts import awaiting, describe_group
-from megatron.core.distributed import a2sgd
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
 from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_per_gpu
@@ -115,7 +116,7 @@ def setup_model_and_optimizer(config, parallel_state, runtime, model_provider,
                                 owns_grad_norm=runtime.owns_grad_norm,
                                 gradient_reducers=reducers)
     scheduler = build_lr_scheduler(optimizer.optimizer, config.optimizer, config.training)
-    a2sgd.attach_loss_scale(reducers, lambda: optimizer.loss_scale)
+    attach_reducers(reducers, optimizer)
     return TrainingComponents(
         config=config, parallel_state=parallel_state, runtime=runtime, device=device,
         model_chunks=model_chunks, gradient_reducers=reducers, optimizer=optimizer,
@@ -183,7 +184,7 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
             reducer.wait()
     with _timed(timers, "optimizer"):
         result = optimizer.step()
-    a2sgd.finish_a2sgd_step(components.gradient_reducers, result.update_successful)
+    after_step(components.gradient_reducers, result.update_successful)
     if result.update_successful:
         components.lr_scheduler.step(global_batch_size or
                                      components.config.training.global_batch_size)
@@ -241,7 +242,7 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
                     result: TrainingResult, log: Callable, advance: bool,
                     tensorboard_writer=None) -> None:
     eval_iters = components.config.training.eval_iters
-    a2sgd.synchronize_replicas(components)  # A2SGD: evaluate identical replicas
+    synchronize_reducers(components.gradient_reducers)  # evaluate identical replicas
     first = state.consumed_valid_samples if advance else 0
     losses = evaluate(components, forward_step_func, dataset, first, eval_iters)
     if advance:
@@ -285,7 +286,7 @@ class _LoopContext:
         if self.last_saved == self.state.iteration:
             return
         if self.checkpointing is not None and self.config.checkpoint.save is not None:
-            a2sgd.synchronize_replicas(self.components)  # A2SGD: save identical replicas
+            synchronize_reducers(self.components.gradient_reducers)  # save identical replicas
             self.checkpointing.save(self.components, self.state)
             self.last_saved = self.state.iteration
 
@@ -314,8 +315,7 @@ def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord
     state.consumed_train_samples += batch_size
     record.iteration = state.iteration
     loop.result.history.append(record)
-    if a2sgd.sync_due(state.iteration, loop.config.parallel.a2sgd_sync_interval):
-        a2sgd.synchronize_replicas(loop.components)
+    synchronize_if_due(loop.components.gradient_reducers, state.iteration)
     loop.interval.add(record.losses, record.skipped, record.got_nan)
     if loop.health is not None:  # raises on NaN (--check-for-nan-in-loss-and-grad), endless skips
         loop.health.check(record)

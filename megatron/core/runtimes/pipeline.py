@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.parallel_state import RankLayout
 from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
 from megatron.core.pipeline_parallel.execution.interpreter import ExecutionContext, Interpreter
@@ -50,16 +51,18 @@ class PipelineRuntime:
     """Runs the configured pipeline schedule (see the module docstring).
 
     ``registry`` (a class attribute) holds the schedule families this runtime knows; a subclass
-    with another registry runs families of its own.
+    with another registry runs families of its own. ``reducer_table`` likewise holds the gradient
+    reducers ``--dp-gradient-reducer`` names.
     """
 
     registry = BUILTIN_SCHEDULES
+    reducer_table = BUILTIN_REDUCERS
 
     @classmethod
     def required_group_ranks(cls, config, layout: RankLayout) -> list:
+        kind = cls.reducer_table.get(config.parallel.dp_gradient_reducer)
         return required_group_specs(layout_from_config(config, cls.registry), layout,
-                                    _is_tied(config),
-                                    split_directions=config.parallel.dp_gradient_reducer == "a2sgd")
+                                    _is_tied(config), split_directions=kind.needs_direction_groups)
 
     def __init__(self, config, parallel_state, device: torch.device):
         self.config = config
@@ -100,7 +103,9 @@ class PipelineRuntime:
     def build_gradient_reducers(self, model_chunks) -> list:
         reducers = pipeline_reducers(model_chunks, self.keys, self.parallel_state, self.layout,
                                      sharded=self.config.parallel.use_distributed_optimizer,
-                                     dp_gradient_reducer=self.config.parallel.dp_gradient_reducer)
+                                     parallel=self.config.parallel,
+                                     kind=self.reducer_table.get(
+                                         self.config.parallel.dp_gradient_reducer))
         self.reducers_by_key = reducers.by_module
         # Reducers no GradSyncStart names (the tied embedding): started at the end of the list.
         self.final_reducers = reducers.final

@@ -12,7 +12,7 @@ import shutil
 import time
 from typing import Callable, Optional
 
-from megatron.core.distributed import a2sgd
+from megatron.core.distributed.reduction import load_reducer_states, reducer_states
 from megatron.training.checkpointing.collectives import (_all_gather,
                                                         _gather_rng_states_over_data_parallel,
                                                         _raise_for_failures, _raise_if_any_failed)
@@ -121,7 +121,8 @@ class Checkpointer:
         """
         parallel_state = components.parallel_state
         save_optimizer = not self.config.checkpoint.no_save_optim
-        written, error, rng_state, rng_states, reducer_states = [], None, None, None, None
+        written, error, rng_state, rng_states = [], None, None, None
+        gathered_reducer_states = None
         if not self.config.checkpoint.no_save_rng:
             try:
                 rng_state = capture_rng_state()
@@ -129,14 +130,14 @@ class Checkpointer:
                 error = _describe(caught)
             rng_states = _gather_rng_states_over_data_parallel(parallel_state, rng_state)
         if save_optimizer:
-            reducer_states = _gather_rng_states_over_data_parallel(  # A2SGD error buffers, if any
-                parallel_state, a2sgd.reducer_state(components.gradient_reducers))
+            gathered_reducer_states = _gather_rng_states_over_data_parallel(  # e.g. error buffers
+                parallel_state, reducer_states(components.gradient_reducers))
         if error is None and parallel_state.dp_rank == 0:
             try:
                 if rng_states is not None and any(entry is None for entry in rng_states):
                     raise RuntimeError("a data-parallel rank could not capture its RNG state")
                 written.append(self._write_rank_file(components, state, staging_dir, rng_states,
-                                                     reducer_states))
+                                                     gathered_reducer_states))
             except Exception as caught:
                 error = _describe(caught)
         if error is None and save_optimizer and is_sharded(components.optimizer):
@@ -348,8 +349,8 @@ class Checkpointer:
         if not checkpoint_config.no_load_optim:
             _load_optimizer_state(components.optimizer, payload["optimizer"])
             components.lr_scheduler.load_state_dict(payload["opt_param_scheduler"])
-            a2sgd.load_reducer_state(components.gradient_reducers,
-                                     payload.get("gradient_reducer_state"), parallel_state.dp_rank)
+            load_reducer_states(components.gradient_reducers,
+                                payload.get("gradient_reducer_state"), parallel_state.dp_rank)
         if payload.get("weights_only"):
             if parallel_state.rank == 0:
                 self.log("  the checkpoint holds weights only (converted from "
