@@ -17,11 +17,12 @@ ignored); ``docs/flags.md`` documents both.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
 from megatron.core.distributed.reducers import BUILTIN_REDUCERS
@@ -106,7 +107,13 @@ def not_supported_problems(config: MegatronConfig) -> list[str]:
     return [f"{feature.shown} is not supported yet by Megatron-Chimera; {feature.instead}. See "
             f"docs/flags.md for the supported flags."
             for feature in NOT_SUPPORTED_YET
-            if feature.is_used(getattr(getattr(config, feature.section), feature.field))]
+            if _has_field(getattr(config, feature.section), feature.field)  # another model's
+            and feature.is_used(getattr(getattr(config, feature.section), feature.field))]
+
+
+def _has_field(section, name: str) -> bool:
+    """Whether the config section declares ``name`` (another model's section may not)."""
+    return name in {section_field.name for section_field in dataclasses.fields(section)}
 
 
 def _translate_legacy_recompute(config: MegatronConfig) -> None:
@@ -164,8 +171,20 @@ def _validate_model(config: MegatronConfig) -> None:
         raise ValueError(f"--init-method-std {model.init_method_std} must be > 0")
 
 
+def _check_gpt_tensor_parallel_split(config: MegatronConfig) -> None:
+    """GPT's sizes split over the tensor-parallel ranks (runs after _validate_parallel)."""
+    model, tp = config.model, config.parallel.tensor_model_parallel_size
+    if model.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole "
+                         f"heads: change the head count or the tensor-parallel size")
+    if model.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; choose an FFN size that splits evenly")
+
+
 def _validate_parallel(config: MegatronConfig, world_size: int) -> None:
-    parallel, model = config.parallel, config.model
+    parallel = config.parallel
     require_positive(parallel, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world_size < 1:
@@ -177,13 +196,6 @@ def _validate_parallel(config: MegatronConfig, world_size: int) -> None:
             f"processes or change the parallel sizes (world size = TP x PP x DP)")
     parallel.world_size = world_size
     parallel.data_parallel_size = world_size // (tp * pp)
-    if model.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole "
-                         f"heads: change the head count or the tensor-parallel size")
-    if model.ffn_hidden_size % tp:
-        raise ValueError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}; choose an FFN size that splits evenly")
     if parallel.distributed_timeout_minutes <= 0:
         raise ValueError(f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes} "
                          f"must be > 0")
@@ -378,7 +390,7 @@ def _check_blend_weights(weights: list) -> None:
 
 
 def _validate_data(config: MegatronConfig) -> None:
-    data, model = config.data, config.model
+    data = config.data
     if data.mock_data and data.data_path is not None:
         raise ValueError("--mock-data and --data-path are both given; give exactly one data source")
     if not data.mock_data and data.data_path is None:
@@ -407,12 +419,17 @@ def _validate_data(config: MegatronConfig) -> None:
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if tokenizer == "SentencePieceTokenizer" and data.tokenizer_model is None:
         raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
-    if tokenizer == "NullTokenizer" and model.vocab_size is None:
-        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if tokenizer is None and not data.mock_data:
         raise ValueError("--data-path needs a tokenizer: give --vocab-file and --merge-file (GPT-2 "
                          "BPE) or --tokenizer-type SentencePieceTokenizer --tokenizer-model FILE")
 
+
+def _resolve_gpt_vocabulary(config: MegatronConfig) -> None:
+    """GPT's vocabulary flags against the tokenizer, and the padded size (after _validate_data)."""
+    data, model = config.data, config.model
+    tokenizer = data.tokenizer_type
+    if tokenizer == "NullTokenizer" and model.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if tokenizer in FILE_TOKENIZERS:
         if model.vocab_size is not None:
             raise ValueError(f"--vocab-size is only for --mock-data and the NullTokenizer; the "
@@ -440,16 +457,23 @@ def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
                        config.checkpoint.save_interval)
 
 
-def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
+def validate_config(config: MegatronConfig, world_size: int,
+                    model_steps: Optional[tuple] = None) -> MegatronConfig:
     """Check every cross-flag rule and return a copy with the derived fields filled in.
 
     Raises ``ValueError`` naming the offending flags and the fix. ``world_size`` is the number of
-    processes of the run (``TP x PP x DP``). The input config is not modified.
+    processes of the run (``TP x PP x DP``). ``model_steps``: the model's own checks (a
+    ``ModelSpec``'s ``validation_steps``; default GPT's, :data:`GPT_VALIDATION_STEPS`): those
+    without ``needs`` run before the generic steps, the others after them. The input config is not
+    modified.
     """
     config = copy.deepcopy(config)
+    model_steps = GPT_VALIDATION_STEPS if model_steps is None else tuple(model_steps)
+    steps = (_VALIDATION_STEPS[:1] + tuple(step for step in model_steps if not step[2])
+             + _VALIDATION_STEPS[1:] + tuple(step for step in model_steps if step[2]))
     problems = not_supported_problems(config)
     failed: set[str] = set()
-    for name, step, needs in _VALIDATION_STEPS:
+    for name, step, needs in steps:
         if failed.intersection(needs):
             failed.add(name)  # its inputs are invalid: its own verdict would mislead
             continue
@@ -470,7 +494,6 @@ def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
 # run reports every problem; a step whose inputs failed is skipped.
 _VALIDATION_STEPS: tuple = (
     ("legacy", lambda config, world_size: _translate_legacy_recompute(config), ()),
-    ("model", lambda config, world_size: _validate_model(config), ()),
     ("parallel", _validate_parallel, ("model",)),
     ("batch", lambda config, world_size: validate_batch(config), ("parallel",)),
     ("precision", lambda config, world_size: validate_precision_and_evaluation(config), ()),
@@ -479,4 +502,13 @@ _VALIDATION_STEPS: tuple = (
     ("optimizer", lambda config, world_size: _validate_optimizer(config), ("batch",)),
     ("data", lambda config, world_size: _validate_data(config), ("parallel",)),
     ("logging", lambda config, world_size: _validate_logging_and_checkpoints(config), ()),
+)
+
+# GPT's own checks (the GPT ModelSpec's validation_steps; the default of validate_config).
+GPT_VALIDATION_STEPS: tuple = (
+    ("model", lambda config, world_size: _validate_model(config), ()),
+    ("tensor-parallel split", lambda config, world_size: _check_gpt_tensor_parallel_split(config),
+     ("model", "parallel")),
+    ("vocabulary", lambda config, world_size: _resolve_gpt_vocabulary(config),
+     ("model", "parallel", "data")),
 )

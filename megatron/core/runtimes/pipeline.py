@@ -44,7 +44,7 @@ from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
 
 
 def _is_tied(config) -> bool:
-    return not config.model.untie_embeddings_and_output_weights
+    return config.model.tied_embeddings  # every model section declares it (model_spec.py)
 
 
 class PipelineRuntime:
