@@ -4,9 +4,13 @@ to the runtime (no module globals are changed), is built by ``--dp-gradient-redu
 ``pretrain`` run, at the points the training loop documents; its state goes through a checkpoint
 and comes back on resume."""
 
+import dataclasses
+
+import pytest
 import torch
 
 import pretrain_gpt
+from megatron.core.config import ParallelConfig
 from megatron.core.distributed import GradientReducer
 from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.distributed.reduction import ReducerKind
@@ -82,9 +86,15 @@ def _run(extra: str):
     return result, reducer
 
 
-def test_the_built_in_table_is_unchanged():
-    assert BUILTIN_REDUCERS.names == ("allreduce", "a2sgd")
+def test_the_built_in_table_is_unchanged_and_is_the_flags_choices():
+    choices = next(f for f in dataclasses.fields(ParallelConfig)
+                   if f.name == "dp_gradient_reducer").metadata["choices"]
+    assert BUILTIN_REDUCERS.names == tuple(choices) == ("allreduce", "a2sgd")
     assert TABLE.names == ("allreduce", "a2sgd", "recording")
+    with pytest.raises(ValueError, match="unknown gradient reducer 'recording'"):
+        BUILTIN_REDUCERS.get("recording")
+    with pytest.raises(ValueError, match="already in the table"):
+        TABLE.with_kind(RECORDING)
 
 
 def test_pretrain_drives_the_lifecycle_and_the_state_survives_a_checkpoint(tmp_path):
