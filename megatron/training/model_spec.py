@@ -48,7 +48,9 @@ class ModelSpec:
             module docstring for the fields every section has).
         validation_steps: ``(name, step(config, world_size), needs)`` entries run by
             :func:`~megatron.training.config_validation.validate_config` with the generic ones:
-            entries without ``needs`` before them, the others after them.
+            entries without ``needs`` before them, the others after them. Name the step that
+            checks ``num_layers`` ``"model"``: the generic steps reading it are skipped when it
+            fails.
         batch_from_samples: ``(samples, sample_ids, device)`` -> one micro-batch dict.
         datasets_provider: default ``(config, parallel_state, num_samples)`` -> (train, valid,
             test) datasets, used when ``pretrain`` gets none.

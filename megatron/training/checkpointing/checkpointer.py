@@ -171,7 +171,7 @@ class Checkpointer:
                              f"publishing checkpoint at iteration {state.iteration} to {root}")
 
     def _write_rank_file(self, components, state, staging_dir: str, rng_states: Optional[list],
-                         reducer_states: Optional[list] = None) -> tuple[str, dict]:
+                         gathered_reducer_states: Optional[list] = None) -> tuple[str, dict]:
         """Write this (tp, pp) position's file; return (relative path, {size, crc32}).
 
         What ``--no-save-optim`` / ``--no-save-rng`` leave out is stored as None (the key stays,
@@ -188,8 +188,8 @@ class Checkpointer:
             "opt_param_scheduler": components.lr_scheduler.state_dict() if save_optimizer else None,
             "rng_state": rng_states,
         }
-        if reducer_states and reducer_states[0] is not None:
-            payload["gradient_reducer_state"] = reducer_states
+        if gathered_reducer_states and gathered_reducer_states[0] is not None:
+            payload["gradient_reducer_state"] = gathered_reducer_states  # per data-parallel rank
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             payload[key] = chunk.state_dict()
         path = os.path.join(staging_dir, relative)
