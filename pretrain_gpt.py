@@ -5,8 +5,10 @@
         --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 5 --log-interval 1 \
         --mock-data --seed 1234
 
-It supplies the three functions :func:`megatron.training.training.pretrain` needs: the model provider,
-the dataset provider and the forward step (with its loss function), as Megatron's pretrain_gpt.py does.
+It supplies what :func:`megatron.training.training.pretrain` needs: the model provider, the dataset
+provider and the forward step (with its loss function), as Megatron's pretrain_gpt.py does, gathered
+with GPT's loss keys, config section, FLOPs and Hugging Face adapter in one model spec, ``GPT_SPEC``
+(:func:`megatron.training.gpt_spec.gpt_model_spec`).
 
 ``pretrain_gpt.py --crossover-config jobs.json`` instead trains several jobs on the same ranks under
 crossover scheduling, each job's flags taken from the file (see :mod:`megatron.training.crossover`).
@@ -27,6 +29,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.training.arguments import parse_args, print_arguments, set_padded_vocab_size
 from megatron.training.checkpointing import Checkpointer, check_checkpoint_directories
 from megatron.training.crossover import load_crossover_jobs, run_crossover
+from megatron.training.gpt_spec import gpt_model_spec
 from megatron.training.initialize import shutdown_distributed
 from megatron.training.launch_env import read_launch_environment
 from megatron.training.training import pretrain
@@ -71,6 +74,9 @@ def datasets_provider(config, parallel_state, num_samples, tokenizer=None):
     return train, valid, test
 
 
+GPT_SPEC = gpt_model_spec(model_provider, forward_step, datasets_provider)
+
+
 def build_run_tokenizer(config):
     """The tokenizer named by the flags (None for --mock-data without one); fills the padded
     vocabulary size when only the tokenizer's files know it."""
@@ -86,7 +92,7 @@ def build_run_tokenizer(config):
 def _configure(argv):
     """The validated config and tokenizer of one run; a bad flag exits with status 2."""
     try:
-        config = parse_args(argv)
+        config = parse_args(argv, model_spec=GPT_SPEC)
         # Before any process group, model or iteration: a run that would overwrite checkpoints it
         # does not resume, or could not save at all, stops now instead of at its first save.
         check_checkpoint_directories(config.checkpoint)
@@ -103,8 +109,7 @@ def train_one_job(argv, log, after_compute=None):
     config, tokenizer = _configure(argv)
     if read_launch_environment().rank == 0:
         print_arguments(config)  # as Megatron, once, after the derived sizes are known
-    return pretrain(config, model_provider,
-                    functools.partial(datasets_provider, tokenizer=tokenizer), forward_step,
+    return pretrain(config, GPT_SPEC, functools.partial(datasets_provider, tokenizer=tokenizer),
                     checkpointing=Checkpointer(config, log=log), log=log,
                     after_compute=after_compute)
 

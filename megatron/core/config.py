@@ -71,6 +71,12 @@ class ModelConfig:
     padded_vocab_size: Optional[int] = option(
         None, "Vocabulary size after padding (derived).", derived=True)
 
+    @property
+    def tied_embeddings(self) -> bool:
+        """The output layer reuses the word embedding (a model section's contract, see
+        megatron/training/model_spec.py)."""
+        return not self.untie_embeddings_and_output_weights
+
 
 @dataclass(frozen=True)
 class ModelFeatureGate:

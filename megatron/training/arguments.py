@@ -112,10 +112,18 @@ def _resolve_annotation(annotation: Any) -> tuple[type, type, bool]:
     return annotation, annotation, optional
 
 
-def config_fields() -> Iterator[_ConfigField]:
+def _section_class(section_field: dataclasses.Field, model_section: Optional[type]) -> type:
+    """A section's dataclass; ``config.model``'s is the model's own (a ModelSpec's
+    ``config_section``; default GPT's :class:`ModelConfig`)."""
+    if section_field.name == "model" and model_section is not None:
+        return model_section
+    return section_field.default_factory
+
+
+def config_fields(model_section: Optional[type] = None) -> Iterator[_ConfigField]:
     """Every field of every config section, in declaration order (derived fields included)."""
     for section_field in dataclasses.fields(MegatronConfig):
-        section_class = section_field.default_factory
+        section_class = _section_class(section_field, model_section)
         hints = typing.get_type_hints(section_class)
         for config_field in dataclasses.fields(section_class):
             value_type, element_type, optional = _resolve_annotation(hints[config_field.name])
@@ -178,11 +186,12 @@ def _choices_metavar(choices) -> str:
     return "{" + ",".join(str(choice) for choice in choices) + "}"
 
 
-def _invalid_choices(given: dict, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> list[str]:
+def _invalid_choices(given: dict, registry: ScheduleRegistry = BUILTIN_SCHEDULES,
+                     model_section: Optional[type] = None) -> list[str]:
     """Problems for values outside a flag's choices; such values are removed from ``given`` (the
     field keeps its default, so the remaining flags can still be validated)."""
     checked = [(spec.flag, spec.dest, field_choices(spec, registry))
-               for spec in config_fields()]
+               for spec in config_fields(model_section)]
     checked += [(flag.flag, flag.dest, flag.choices) for flag in COMPATIBILITY_FLAGS]
     problems = []
     for flag, dest, choices in checked:
@@ -217,9 +226,11 @@ def _add_compatibility_flags(parser: argparse.ArgumentParser) -> None:
                                    help=f"Not implemented: {flag.reason}.")
 
 
-def build_parser(registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> argparse.ArgumentParser:
+def build_parser(registry: ScheduleRegistry = BUILTIN_SCHEDULES,
+                 model_section: Optional[type] = None) -> argparse.ArgumentParser:
     """The argparse parser generated from the config dataclasses (plus the compatibility flags);
-    ``--pipeline-schedule`` lists the families of ``registry``."""
+    ``--pipeline-schedule`` lists the families of ``registry``; ``model_section``: the model's
+    flags (default GPT's)."""
     parser = _MegatronArgumentParser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         # A short usage line keeps error messages readable; --help lists every flag.
@@ -227,11 +238,13 @@ def build_parser(registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> argparse.Arg
         description="Megatron-Chimera: Megatron-LM-style GPT training with Chimera pipelines. "
                     f"Flags are Megatron's names; {DOCS_HINT}.")
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for spec in config_fields():
+    for spec in config_fields(model_section):
         if spec.derived:
             continue
         if spec.section not in groups:
-            section_class = type(getattr(MegatronConfig(), spec.section))
+            section_class = _section_class(
+                next(f for f in dataclasses.fields(MegatronConfig) if f.name == spec.section),
+                model_section)
             groups[spec.section] = parser.add_argument_group(
                 spec.section, (section_class.__doc__ or "").strip())
         names = [spec.flag, *spec.field.metadata.get("aliases", ())]
@@ -258,7 +271,7 @@ def _ignored_messages(namespace: argparse.Namespace, config: MegatronConfig) -> 
     given = vars(namespace)
     messages = [f"{flag.flag} is accepted for compatibility and ignored by Megatron-Chimera: "
                 f"{flag.reason}" for flag in COMPATIBILITY_FLAGS if flag.dest in given]
-    for spec in config_fields():
+    for spec in config_fields(type(config.model)):
         if spec.name in IGNORED_FIELDS and \
                 getattr(getattr(config, spec.section), spec.name) != spec.default():
             messages.append(f"{spec.flag} is accepted for compatibility and ignored by "
@@ -278,20 +291,21 @@ class ParsedCommandLine:
 
 
 def parse_command_line(argv: Optional[Sequence[str]] = None,
-                       registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> ParsedCommandLine:
+                       registry: ScheduleRegistry = BUILTIN_SCHEDULES,
+                       model_section: Optional[type] = None) -> ParsedCommandLine:
     """Parse without stopping at problems: every unknown or unimplemented flag is collected."""
-    parser = build_parser(registry)
+    parser = build_parser(registry, model_section)
     namespace, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     given = vars(namespace)
     problems = [f"{flag.flag} is not implemented: {flag.reason}"
                 for flag in UNIMPLEMENTED_FLAGS if flag.dest in given]
     problems += parser.unknown_flag_problems(unknown)
-    problems += _invalid_choices(given, registry)
+    problems += _invalid_choices(given, registry, model_section)
     section_values: dict[str, dict[str, Any]] = {}
-    for spec in config_fields():
+    for spec in config_fields(model_section):
         if spec.dest in given:
             section_values.setdefault(spec.section, {})[spec.name] = given[spec.dest]
-    sections = {section_field.name: section_field.default_factory(
+    sections = {section_field.name: _section_class(section_field, model_section)(
                     **section_values.get(section_field.name, {}))
                 for section_field in dataclasses.fields(MegatronConfig)}
     config = MegatronConfig(**sections)
@@ -313,7 +327,8 @@ def parse_args_unvalidated(argv: Optional[Sequence[str]] = None,
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
-               registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> MegatronConfig:
+               registry: ScheduleRegistry = BUILTIN_SCHEDULES, *,
+               model_spec=None) -> MegatronConfig:
     """Parse Megatron flags into a validated :class:`MegatronConfig` with derived fields filled.
 
     ``argv`` defaults to ``sys.argv[1:]``; ``world_size`` to the launcher's (``WORLD_SIZE`` from
@@ -324,14 +339,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     when any flag is unknown or not implemented, argparse exits with status 2 and one message
     listing those together with the validation problems of the other flags; otherwise invalid
     combinations raise :class:`ConfigurationError` (a ``ValueError``) listing all of them.
+    ``model_spec`` (a :class:`~megatron.training.model_spec.ModelSpec`; default GPT) supplies the
+    model's flags (``config_section``) and checks (``validation_steps``).
     """
-    parsed = parse_command_line(argv, registry)
+    model_section = model_spec.config_section if model_spec is not None else None
+    parsed = parse_command_line(argv, registry, model_section)
     for message in parsed.ignored:
         logger.warning(message)
     if world_size is None:
         world_size = world_size_from_environment()
     try:
-        config = validate_config(parsed.config, world_size, registry)
+        config = validate_config(parsed.config, world_size, registry, model_steps=(
+            model_spec.validation_steps if model_spec is not None else None))
     except ConfigurationError as error:
         if not parsed.problems:
             raise
@@ -356,7 +375,7 @@ def config_to_argv(config: MegatronConfig) -> list[str]:
     by :func:`parse_args` (a padded vocabulary filled later from a tokenizer is derived, not a flag).
     """
     argv: list[str] = []
-    for spec in config_fields():
+    for spec in config_fields(type(config.model)):
         if spec.derived:
             continue
         value = getattr(getattr(config, spec.section), spec.name)
@@ -372,7 +391,7 @@ def config_to_argv(config: MegatronConfig) -> list[str]:
 def format_arguments(config: MegatronConfig) -> str:
     """Megatron's arguments block: every field (derived ones too), sorted by name, dot-padded."""
     values = {spec.name: getattr(getattr(config, spec.section), spec.name)
-              for spec in config_fields()}
+              for spec in config_fields(type(config.model))}
     lines = ["------------------------ arguments ------------------------"]
     for name in sorted(values, key=str.lower):
         lines.append(f"  {name} {'.' * (48 - len(name))} {values[name]}")

@@ -17,13 +17,15 @@ ignored); ``docs/flags.md`` documents both.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
+from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.pipeline_parallel.planning.schedules import (BUILTIN_SCHEDULES, ScheduleRegistry,
                                                                schedule_layout)
 from megatron.training.batch_validation import (require_positive, validate_batch,
@@ -106,7 +108,13 @@ def not_supported_problems(config: MegatronConfig) -> list[str]:
     return [f"{feature.shown} is not supported yet by Megatron-Chimera; {feature.instead}. See "
             f"docs/flags.md for the supported flags."
             for feature in NOT_SUPPORTED_YET
-            if feature.is_used(getattr(getattr(config, feature.section), feature.field))]
+            if _has_field(getattr(config, feature.section), feature.field)  # another model's
+            and feature.is_used(getattr(getattr(config, feature.section), feature.field))]
+
+
+def _has_field(section, name: str) -> bool:
+    """Whether the config section declares ``name`` (another model's section may not)."""
+    return name in {section_field.name for section_field in dataclasses.fields(section)}
 
 
 def _translate_legacy_recompute(config: MegatronConfig) -> None:
@@ -164,9 +172,21 @@ def _validate_model(config: MegatronConfig) -> None:
         raise ValueError(f"--init-method-std {model.init_method_std} must be > 0")
 
 
+def _check_gpt_tensor_parallel_split(config: MegatronConfig) -> None:
+    """GPT's sizes split over the tensor-parallel ranks (runs after _validate_parallel)."""
+    model, tp = config.model, config.parallel.tensor_model_parallel_size
+    if model.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole "
+                         f"heads: change the head count or the tensor-parallel size")
+    if model.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; choose an FFN size that splits evenly")
+
+
 def _validate_parallel(config: MegatronConfig, world_size: int,
                        registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> None:
-    parallel, model = config.parallel, config.model
+    parallel = config.parallel
     require_positive(parallel, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world_size < 1:
@@ -178,13 +198,6 @@ def _validate_parallel(config: MegatronConfig, world_size: int,
             f"processes or change the parallel sizes (world size = TP x PP x DP)")
     parallel.world_size = world_size
     parallel.data_parallel_size = world_size // (tp * pp)
-    if model.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole "
-                         f"heads: change the head count or the tensor-parallel size")
-    if model.ffn_hidden_size % tp:
-        raise ValueError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}; choose an FFN size that splits evenly")
     if parallel.distributed_timeout_minutes <= 0:
         raise ValueError(f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes} "
                          f"must be > 0")
@@ -211,11 +224,8 @@ def _resolve_pipeline_schedule(config: MegatronConfig,
     if parallel.split_backward_extra_activations < 0:
         raise ValueError(f"--split-backward-extra-activations "
                          f"{parallel.split_backward_extra_activations} must be >= 0")
-    if parallel.dp_gradient_reducer == "a2sgd" and parallel.a2sgd_sync_interval < 1:
-        raise ValueError(f"--a2sgd-sync-interval must be >= 1 (got {parallel.a2sgd_sync_interval})")
-    if parallel.dp_gradient_reducer == "a2sgd" and parallel.use_distributed_optimizer:
-        raise ValueError("--dp-gradient-reducer a2sgd and --use-distributed-optimizer both replace "
-                         "the data-parallel gradient all-reduce; choose one")
+    # The chosen gradient reducer's own flag rules (megatron/core/distributed/reducers.py).
+    BUILTIN_REDUCERS.get(parallel.dp_gradient_reducer).validate(parallel)
     if pp > 1 and parallel.overlap_grad_reduce:
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "
@@ -360,7 +370,7 @@ def _check_blend_weights(weights: list) -> None:
 
 
 def _validate_data(config: MegatronConfig) -> None:
-    data, model = config.data, config.model
+    data = config.data
     if data.mock_data and data.data_path is not None:
         raise ValueError("--mock-data and --data-path are both given; give exactly one data source")
     if not data.mock_data and data.data_path is None:
@@ -389,12 +399,17 @@ def _validate_data(config: MegatronConfig) -> None:
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if tokenizer == "SentencePieceTokenizer" and data.tokenizer_model is None:
         raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
-    if tokenizer == "NullTokenizer" and model.vocab_size is None:
-        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if tokenizer is None and not data.mock_data:
         raise ValueError("--data-path needs a tokenizer: give --vocab-file and --merge-file (GPT-2 "
                          "BPE) or --tokenizer-type SentencePieceTokenizer --tokenizer-model FILE")
 
+
+def _resolve_gpt_vocabulary(config: MegatronConfig) -> None:
+    """GPT's vocabulary flags against the tokenizer, and the padded size (after _validate_data)."""
+    data, model = config.data, config.model
+    tokenizer = data.tokenizer_type
+    if tokenizer == "NullTokenizer" and model.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if tokenizer in FILE_TOKENIZERS:
         if model.vocab_size is not None:
             raise ValueError(f"--vocab-size is only for --mock-data and the NullTokenizer; the "
@@ -423,18 +438,25 @@ def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
 
 
 def validate_config(config: MegatronConfig, world_size: int,
-                    registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> MegatronConfig:
+                    registry: ScheduleRegistry = BUILTIN_SCHEDULES,
+                    model_steps: Optional[tuple] = None) -> MegatronConfig:
     """Check every cross-flag rule and return a copy with the derived fields filled in.
 
     Raises ``ValueError`` naming the offending flags and the fix. ``world_size`` is the number of
     processes of the run (``TP x PP x DP``). ``registry`` holds the schedule families
     ``--pipeline-schedule`` may name; each family rules on its own flags (its ``derive_config``
-    and ``check``). The input config is not modified.
+    and ``check``). ``model_steps``: the model's own checks (a ``ModelSpec``'s
+    ``validation_steps``, each ``(name, step(config, world_size, registry), needs)``; default
+    GPT's, :data:`GPT_VALIDATION_STEPS`): those without ``needs`` run before the generic steps,
+    the others after them. The input config is not modified.
     """
     config = copy.deepcopy(config)
+    model_steps = GPT_VALIDATION_STEPS if model_steps is None else tuple(model_steps)
+    steps = (_VALIDATION_STEPS[:1] + tuple(step for step in model_steps if not step[2])
+             + _VALIDATION_STEPS[1:] + tuple(step for step in model_steps if step[2]))
     problems = not_supported_problems(config)
     failed: set[str] = set()
-    for name, step, needs in _VALIDATION_STEPS:
+    for name, step, needs in steps:
         if failed.intersection(needs):
             failed.add(name)  # its inputs are invalid: its own verdict would mislead
             continue
@@ -456,7 +478,6 @@ def validate_config(config: MegatronConfig, world_size: int,
 # skipped.
 _VALIDATION_STEPS: tuple = (
     ("legacy", lambda config, *_: _translate_legacy_recompute(config), ()),
-    ("model", lambda config, *_: _validate_model(config), ()),
     ("parallel", _validate_parallel, ("model",)),
     ("batch", lambda config, *_: validate_batch(config), ("parallel",)),
     ("precision", lambda config, *_: validate_precision_and_evaluation(config), ()),
@@ -465,4 +486,13 @@ _VALIDATION_STEPS: tuple = (
     ("optimizer", lambda config, *_: _validate_optimizer(config), ("batch",)),
     ("data", lambda config, *_: _validate_data(config), ("parallel",)),
     ("logging", lambda config, *_: _validate_logging_and_checkpoints(config), ()),
+)
+
+# GPT's own checks (the GPT ModelSpec's validation_steps; the default of validate_config).
+GPT_VALIDATION_STEPS: tuple = (
+    ("model", lambda config, *_: _validate_model(config), ()),
+    ("tensor-parallel split", lambda config, *_: _check_gpt_tensor_parallel_split(config),
+     ("model", "parallel")),
+    ("vocabulary", lambda config, *_: _resolve_gpt_vocabulary(config),
+     ("model", "parallel", "data")),
 )

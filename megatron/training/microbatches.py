@@ -89,8 +89,9 @@ def batch_from_samples(samples: Sequence[dict], sample_ids: Sequence[int],
 
 def build_microbatches(dataset, first_sample: int, micro_batch_size: int, data_parallel_size: int,
                        data_parallel_rank: int, num_microbatches: int,
-                       device: torch.device) -> list[dict]:
-    """This rank's micro-batches of the iteration starting at sample ``first_sample``."""
+                       device: torch.device, batch_from_samples=batch_from_samples) -> list[dict]:
+    """This rank's micro-batches of the iteration starting at sample ``first_sample``, each made
+    by ``batch_from_samples(samples, sample_ids, device)`` (a ModelSpec's; default GPT's)."""
     batches = []
     for ids in microbatch_sample_ids(first_sample, micro_batch_size, data_parallel_size,
                                      data_parallel_rank, num_microbatches):

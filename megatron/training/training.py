@@ -1,7 +1,8 @@
 """The training loop: set-up, iterations, evaluation and Megatron's log lines.
 
-``pretrain(config, model_provider, datasets_provider, forward_step_func)`` is the entry point
-(``pretrain_gpt.py`` supplies the three functions). One iteration:
+``pretrain(config, model_spec, datasets_provider)`` is the entry point: the
+:class:`~megatron.training.model_spec.ModelSpec` holds the model provider, forward step, loss keys,
+micro-batch collation and FLOPs function (``pretrain_gpt.py`` builds GPT's). One iteration:
 
 1. build this rank's micro-batches of the global batch ``[consumed, consumed + global_batch_size)``
    (order documented in :mod:`megatron.training.microbatches`);
@@ -9,8 +10,13 @@
    its schedule) and starts the gradient reducers;
 3. wait for the reducers; the optimizer unscales (fp16), checks for overflow on every rank, clips by
    the global norm and steps; the LR schedule advances by the global batch when the step succeeded;
-4. the reported lm loss is averaged over all micro-batches of the global batch (all-reduced over data-
-   and pipeline-parallel ranks), so it is the same number in every layout.
+4. each of the spec's losses is averaged over all micro-batches of the global batch (all-reduced over
+   data- and pipeline-parallel ranks), so it is the same number in every layout.
+
+The gradient reducers are driven only through the lifecycle of the
+:class:`~megatron.core.distributed.reduction.GradientReduction` seam: ``attach`` after the optimizer
+is built, ``after_step`` after every optimizer step, ``synchronize`` every ``sync_interval``
+iterations and before every evaluation and checkpoint.
 
 The loop holds no schedule-specific code (see :mod:`megatron.core.runtimes`) and no module
 globals; config, process groups and components are passed explicitly. Checkpointing is a hook object
@@ -24,17 +30,18 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import GradientReducer, all_reduce_over, all_reduce_world, group_size
+from megatron.core.distributed.reduction import (after_step, attach_reducers,
+                                                 synchronize_if_due, synchronize_reducers)
 from megatron.core.distributed.timeouts import awaiting, describe_group
-from megatron.core.distributed import a2sgd
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
-from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_per_gpu
+from megatron.training.flops import throughput_tflops_per_gpu
 from megatron.training.iteration_health import IterationHealth
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
                                           training_device)
@@ -44,13 +51,13 @@ from megatron.training.logging_utils import (IntervalStats, build_tensorboard_wr
                                              memory_report,
                                              write_training_scalars, write_validation_scalars)
 from megatron.training.microbatches import build_microbatches, global_batch_size_at
+from megatron.training.gpt_spec import as_model_spec
+from megatron.training.model_spec import ModelSpec
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.timers import Timers
 from megatron.training.training_state import TrainingState  # noqa: F401 (also imported from here)
 from megatron.core.runtimes import autocast_context, model_parameters, select_runtime_class
-
-LOSS_KEYS = ("lm loss",)
 
 
 @dataclass
@@ -69,6 +76,7 @@ class TrainingComponents:
     # Called between the forward/backward passes and the wait for the gradient reductions
     # (crossover scheduling hands the ranks to another job there).
     after_compute: Callable[[], None] = lambda: None
+    model_spec: Optional[ModelSpec] = None  # loss keys, micro-batch collation, FLOPs
 
 
 @dataclass
@@ -98,24 +106,27 @@ def is_logging_rank(parallel_state) -> bool:
     return parallel_state.rank == parallel_state.world_size - 1
 
 
-def setup_model_and_optimizer(config, parallel_state, runtime, model_provider,
+def setup_model_and_optimizer(config, parallel_state, runtime, model,
                               device: torch.device) -> TrainingComponents:
-    """Build the model chunks, gradient reducers, optimizer and LR schedule."""
-    model_chunks = runtime.build_model_chunks(model_provider)
+    """Build the model chunks, gradient reducers, optimizer and LR schedule. ``model``: a
+    :class:`~megatron.training.model_spec.ModelSpec` (or a bare GPT model provider)."""
+    spec = as_model_spec(model)
+    model_chunks = runtime.build_model_chunks(spec.model_provider)
     reducers = runtime.build_gradient_reducers(model_chunks)
     optimizer = build_optimizer(config, model_parameters(model_chunks), parallel_state,
                                 owns_grad_norm=runtime.owns_grad_norm,
                                 gradient_reducers=reducers)
     scheduler = build_lr_scheduler(optimizer.optimizer, config.optimizer, config.training)
-    a2sgd.attach_loss_scale(reducers, lambda: optimizer.loss_scale)
+    attach_reducers(reducers, optimizer)
     return TrainingComponents(
         config=config, parallel_state=parallel_state, runtime=runtime, device=device,
         model_chunks=model_chunks, gradient_reducers=reducers, optimizer=optimizer,
-        lr_scheduler=scheduler, autocast=autocast_context(config.training, device))
+        lr_scheduler=scheduler, autocast=autocast_context(config.training, device),
+        model_spec=spec)
 
 
 def reduce_losses(loss_dicts: list[dict], parallel_state, device: torch.device,
-                  keys=LOSS_KEYS) -> dict:
+                  keys: Sequence[str]) -> dict:
     """Average each loss over every micro-batch of the global batch, on every rank.
 
     A rank contributes the micro-batches whose loss it computed (a last pipeline stage; every tensor-
@@ -142,7 +153,8 @@ def iteration_microbatches(components: TrainingComponents, dataset, first_sample
     num_microbatches = training.num_microbatches if global_batch_size is None else \
         global_batch_size // (training.micro_batch_size * state.dp_size)
     return build_microbatches(dataset, first_sample, training.micro_batch_size, state.dp_size,
-                              state.dp_rank, num_microbatches, components.device)
+                              state.dp_rank, num_microbatches, components.device,
+                              batch_from_samples=components.model_spec.batch_from_samples)
 
 
 def _timed(timers: Optional[Timers], name: str):
@@ -175,11 +187,12 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
             reducer.wait()
     with _timed(timers, "optimizer"):
         result = optimizer.step()
-    a2sgd.finish_a2sgd_step(components.gradient_reducers, result.update_successful)
+    after_step(components.gradient_reducers, result.update_successful)
     if result.update_successful:
         components.lr_scheduler.step(global_batch_size or
                                      components.config.training.global_batch_size)
-    losses = reduce_losses(loss_dicts, components.parallel_state, components.device)
+    losses = reduce_losses(loss_dicts, components.parallel_state, components.device,
+                           components.model_spec.loss_keys)
     got_nan = any(not math.isfinite(v) for v in losses.values()) or (
         result.grad_norm is not None and not math.isfinite(result.grad_norm))
     return IterationRecord(iteration=0, losses=losses, learning_rate=learning_rate,
@@ -202,7 +215,8 @@ def evaluate(components: TrainingComponents, forward_step_func, dataset, first_s
                 microbatches=microbatches, scale_loss=components.optimizer.scale_loss,
                 gradient_reducers=(), forward_only=True, autocast=components.autocast)
             for key, value in reduce_losses(loss_dicts, components.parallel_state,
-                                            components.device).items():
+                                            components.device,
+                                            components.model_spec.loss_keys).items():
                 totals[key] = totals.get(key, 0.0) + value
     finally:
         for chunk in components.model_chunks:
@@ -233,7 +247,7 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
                     result: TrainingResult, log: Callable, advance: bool,
                     tensorboard_writer=None) -> None:
     eval_iters = components.config.training.eval_iters
-    a2sgd.synchronize_replicas(components)  # A2SGD: evaluate identical replicas
+    synchronize_reducers(components.gradient_reducers)  # evaluate identical replicas
     first = state.consumed_valid_samples if advance else 0
     losses = evaluate(components, forward_step_func, dataset, first, eval_iters)
     if advance:
@@ -277,7 +291,7 @@ class _LoopContext:
         if self.last_saved == self.state.iteration:
             return
         if self.checkpointing is not None and self.config.checkpoint.save is not None:
-            a2sgd.synchronize_replicas(self.components)  # A2SGD: save identical replicas
+            synchronize_reducers(self.components.gradient_reducers)  # save identical replicas
             self.checkpointing.save(self.components, self.state)
             self.last_saved = self.state.iteration
 
@@ -306,8 +320,7 @@ def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord
     state.consumed_train_samples += batch_size
     record.iteration = state.iteration
     loop.result.history.append(record)
-    if a2sgd.sync_due(state.iteration, loop.config.parallel.a2sgd_sync_interval):
-        a2sgd.synchronize_replicas(loop.components)
+    synchronize_if_due(loop.components.gradient_reducers, state.iteration)
     loop.interval.add(record.losses, record.skipped, record.got_nan)
     if loop.health is not None:  # raises on NaN (--check-for-nan-in-loss-and-grad), endless skips
         loop.health.check(record)
@@ -336,6 +349,9 @@ def _log_interval(loop: _LoopContext, record: IterationRecord, batch_size: int) 
         if logging_config.log_num_zeros_in_grad else None  # collective: every rank
     norm = params_norm(components.optimizer, parallel_state) \
         if logging_config.log_params_norm else None
+    flops = components.model_spec.flops_per_iteration
+    throughput = None if flops is None else throughput_tflops_per_gpu(
+        flops(loop.config.model, batch_size), elapsed, parallel_state.world_size)
     write_training_scalars(loop.tensorboard_writer, state.iteration, losses=losses,
                            learning_rate=learning_rate, global_batch_size=batch_size,
                            loss_scale=record.loss_scale, grad_norm=record.grad_norm)
@@ -343,9 +359,7 @@ def _log_interval(loop: _LoopContext, record: IterationRecord, batch_size: int) 
         loop.log(format_iteration_line(
             iteration=state.iteration, train_iters=loop.config.training.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0,
-            throughput_tflops=throughput_tflops_per_gpu(
-                gpt_flops_per_iteration(loop.config.model, batch_size), elapsed,
-                parallel_state.world_size),
+            throughput_tflops=throughput,
             learning_rate=learning_rate, global_batch_size=batch_size, losses=losses,
             loss_scale=record.loss_scale, grad_norm=record.grad_norm,
             skipped_iterations=interval.skipped_iterations,
@@ -446,19 +460,23 @@ def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
     return tuple(datasets)
 
 
-def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
+def pretrain(config, model_spec, datasets_provider=None, forward_step_func=None, *,
              parallel_state=None, runtime_class=None, registry=None, checkpointing=None,
              log: Callable = print, tensorboard_writer=None,
              after_compute: Optional[Callable[[], None]] = None) -> TrainingResult:
     """Train a model as Megatron-LM's ``pretrain`` does.
 
     Args:
-        config: validated :class:`~megatron.core.config.MegatronConfig` (from ``parse_args``).
-        model_provider: ``(config, parallel_state, *, pre_process, post_process, layer_range=None)``
-            -> module (the runtime decides which chunks this rank builds).
+        config: validated :class:`~megatron.core.config.MegatronConfig` (from ``parse_args``, with
+            the spec's ``model_spec=`` for another model than GPT).
+        model_spec: the :class:`~megatron.training.model_spec.ModelSpec` (its ``model_provider``
+            builds the chunks the runtime decides this rank holds). The older form, a bare GPT
+            ``model_provider`` followed by ``datasets_provider`` and ``forward_step_func``, still
+            works and means the GPT spec with these functions.
         datasets_provider: ``(config, parallel_state, num_samples=(train, valid, test))`` ->
-            (train, valid, test) datasets of ``{"text": int64[seq_length + 1]}`` samples.
-        forward_step_func: ``(microbatch, model) -> (output, loss_func)``.
+            (train, valid, test) datasets whose samples the spec's ``batch_from_samples`` stacks
+            (GPT: ``{"text": int64[seq_length + 1]}``); default: the spec's.
+        forward_step_func: ``(microbatch, model) -> (output, loss_func)``; default: the spec's.
         parallel_state: an existing handle (tests); default: :func:`initialize_megatron`.
         runtime_class: default no-pipeline or pipeline runtime by the config.
         registry: the schedule families the pipeline runtime plans with (the one given to
@@ -472,6 +490,13 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
             gradient reductions are waited for (see :mod:`megatron.training.crossover`).
     """
     start_time = time.time()
+    spec = as_model_spec(model_spec, forward_step_func)
+    datasets_provider = datasets_provider or spec.datasets_provider
+    if datasets_provider is None or spec.forward_step is None:
+        raise ValueError(f"the {spec.name} model spec has no "
+                         f"{'datasets provider' if datasets_provider is None else 'forward step'}"
+                         f"; give it one (ModelSpec) or pass it to pretrain")
+    forward_step_func = spec.forward_step
     if checkpointing is None and (config.checkpoint.save or config.checkpoint.load):
         raise ValueError("--save/--load need a checkpointing hook, and this entry point has none; "
                          "drop --save/--load or use a pretrain_gpt.py with checkpoint support")
@@ -491,7 +516,7 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
             config.logging, is_logging_rank(parallel_state), save_dir=config.checkpoint.save,
             run_config=dataclasses.asdict(config))
     runtime = runtime_class(config, parallel_state, device)
-    components = setup_model_and_optimizer(config, parallel_state, runtime, model_provider, device)
+    components = setup_model_and_optimizer(config, parallel_state, runtime, spec, device)
     if after_compute is not None:
         components.after_compute = after_compute
     if is_logging_rank(parallel_state):

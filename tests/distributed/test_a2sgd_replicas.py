@@ -10,7 +10,7 @@ import torch
 
 import pretrain_gpt
 from dist_harness import run_distributed
-from megatron.core.distributed import a2sgd
+from megatron.core.distributed.reduction import synchronize_reducers
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import Checkpointer, checkpoint_file, load_file
 from megatron.core.parallel_state import RankLayout, create_parallel_state
@@ -57,7 +57,7 @@ def _rank_run(rank, world_size, argv):
     result, state = _pretrain(rank, world_size, argv)
     components = result.components
     before = _snapshot(components)
-    a2sgd.synchronize_replicas(components)
+    synchronize_reducers(components.gradient_reducers)
     after, _, _ = _snapshot(components)
     coords = state.coords
     return {"coords": (coords.tp, coords.dp, coords.pp), "before": before, "after": after,

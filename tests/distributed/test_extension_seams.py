@@ -12,6 +12,9 @@
 2. A model that is not a GPT (linear + GeLU blocks with a squared-error loss of its own) implements
    the stage contract and runs under 1F1B and Chimera on 2 ranks; every gradient of every copy
    equals its single-process gradient (1e-12 relative, float64: only summation order differs).
+3. The same model trains through ``pretrain`` with a ``ModelSpec`` of its own: its own config
+   section (``--num-layers``, ``--stack-width``; GPT's flags are unknown to it), loss key, samples
+   and collation; the reported loss and every gradient equal the single-process ones.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import importlib.util
 import json
 import math
 import os
+from dataclasses import dataclass
+from typing import ClassVar, Optional
 
 import pytest
 import torch
 
 import pretrain_gpt
 from dist_harness import run_distributed
+from megatron.core.config import option
 from pipeline_reference import merge_copies, train_one_step
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
 from megatron.core.pipeline_parallel.planning.instructions import backward, forward
@@ -38,6 +44,7 @@ from megatron.performance_model import HardwareSpec, ModelSpec, evaluate, launch
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_conversion import TargetLayout, convert_checkpoint
 from megatron.training.checkpointing import METADATA_FILENAME, Checkpointer, read_tracker
+from megatron.training.model_spec import ModelSpec as TrainingModelSpec
 from megatron.training.training import pretrain
 
 BATCH_N4 = "--micro-batch-size 2 --global-batch-size 8"
@@ -199,18 +206,19 @@ class LinearGeluStack(torch.nn.Module):
     """``layer_range`` of a stack of Linear + GeLU blocks; the last stage returns the per-sample
     squared error against the target. Weights depend only on the global layer index."""
 
-    def __init__(self, layer_range: range, pre_process: bool, post_process: bool):
+    def __init__(self, layer_range: range, pre_process: bool, post_process: bool,
+                 width: int = WIDTH):
         super().__init__()
         self.layer_indices = list(layer_range)
         self.pre_process, self.post_process = pre_process, post_process
         self.blocks = torch.nn.ModuleList()
         for index in self.layer_indices:
-            block = torch.nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+            block = torch.nn.Linear(width, width, dtype=torch.float64)
             generator = torch.Generator().manual_seed(1000 + index)
             with torch.no_grad():
-                block.weight.copy_(torch.randn(WIDTH, WIDTH, generator=generator,
-                                               dtype=torch.float64) / math.sqrt(WIDTH))
-                block.bias.copy_(torch.randn(WIDTH, generator=generator, dtype=torch.float64))
+                block.weight.copy_(torch.randn(width, width, generator=generator,
+                                               dtype=torch.float64) / math.sqrt(width))
+                block.bias.copy_(torch.randn(width, generator=generator, dtype=torch.float64))
             self.blocks.append(block)
         self.input_tensor = None
 
@@ -231,7 +239,10 @@ class LinearGeluStack(torch.nn.Module):
 
 def stack_provider(config, parallel_state, *, pre_process=True, post_process=True,
                    layer_range=None):
-    return LinearGeluStack(layer_range or range(NUM_LAYERS), pre_process, post_process)
+    if config is None:  # the single-process reference
+        return LinearGeluStack(layer_range or range(NUM_LAYERS), pre_process, post_process)
+    return LinearGeluStack(layer_range or range(config.model.num_layers), pre_process,
+                           post_process, width=config.model.stack_width)
 
 
 def stack_forward_step(microbatch: dict, model):
@@ -239,20 +250,33 @@ def stack_forward_step(microbatch: dict, model):
     return output, lambda out: (out.mean(), {"loss": out.mean().detach()})
 
 
-def stack_microbatches() -> list[dict]:
+def stack_samples(count: int) -> list[dict]:
+    """``count`` samples ``{"x", "target"}``, drawn a micro-batch of them at a time."""
     generator = torch.Generator().manual_seed(7)
-    return [{"x": torch.randn(MICRO_BATCH, WIDTH, generator=generator, dtype=torch.float64),
-             "target": torch.randn(MICRO_BATCH, WIDTH, generator=generator, dtype=torch.float64)}
-            for _ in range(NUM_MICROBATCHES)]
+    samples = []
+    while len(samples) < count:
+        x = torch.randn(MICRO_BATCH, WIDTH, generator=generator, dtype=torch.float64)
+        target = torch.randn(MICRO_BATCH, WIDTH, generator=generator, dtype=torch.float64)
+        samples += [{"x": x[row], "target": target[row]} for row in range(MICRO_BATCH)]
+    return samples[:count]
+
+
+def stack_batch(samples, sample_ids, device) -> dict:
+    """The stack's micro-batch: its samples' rows stacked."""
+    return {key: torch.stack([sample[key] for sample in samples]).to(device)
+            for key in ("x", "target")}
+
+
+def stack_microbatches() -> list[dict]:
+    samples = stack_samples(MICRO_BATCH * NUM_MICROBATCHES)
+    return [stack_batch(samples[k * MICRO_BATCH:(k + 1) * MICRO_BATCH], None, "cpu")
+            for k in range(NUM_MICROBATCHES)]
 
 
 def stack_config(schedule_flags: str, world_size: int):
-    """A config for the runtime's bookkeeping (layers, micro-batches, schedule flags)."""
-    flags = (f"--num-layers {NUM_LAYERS} --hidden-size 32 --num-attention-heads 4 --seq-length 8 "
-             f"--max-position-embeddings 8 --vocab-size 64 --lr 1e-2 --train-iters 1 --mock-data "
-             f"--micro-batch-size {MICRO_BATCH} --global-batch-size "
-             f"{MICRO_BATCH * NUM_MICROBATCHES} --pipeline-model-parallel-size 2 {schedule_flags}")
-    return parse_args(flags.split(), world_size=world_size)
+    """The stack's config (its own flags, see STACK_SPEC below) with the schedule flags."""
+    return parse_args(f"{STACK_FLAGS} {schedule_flags}".split(), world_size=world_size,
+                      model_spec=STACK_SPEC)
 
 
 def stack_gradients_by_layer(model_chunks) -> dict:
@@ -303,4 +327,84 @@ def test_non_gpt_model_matches_single_process_gradients(schedule_flags):
                 error = (value - expected[index]).abs().max().item()
                 assert error <= 1e-12 * expected[index].abs().max().item(), (index, error)
     copies_per_layer = 2 if "chimera" in schedule_flags else 1
+    assert seen == {index: copies_per_layer for index in range(NUM_LAYERS)}
+
+
+# ------------------------------------------------- the non-GPT model through pretrain, its own flags
+
+@dataclass
+class StackConfig:
+    """The linear+GeLU stack's flags: its config section (``config.model``)."""
+
+    num_layers: Optional[int] = option(None, "Number of Linear + GeLU blocks.")
+    stack_width: int = option(WIDTH, "Width of every block.")
+    tied_embeddings: ClassVar[bool] = False
+
+
+def check_stack_flags(config, *_) -> None:
+    model = config.model
+    if model.num_layers is None or model.num_layers < 1:
+        raise ValueError("--num-layers is required and must be >= 1")
+    if model.stack_width != WIDTH:
+        raise ValueError(f"--stack-width must be {WIDTH}: the test's samples have that width")
+
+
+def stack_datasets(config, parallel_state, num_samples):
+    return tuple(stack_samples(count) for count in num_samples)
+
+
+STACK_SPEC = TrainingModelSpec(
+    name="linear-gelu-stack", model_provider=stack_provider, forward_step=stack_forward_step,
+    datasets_provider=stack_datasets, loss_keys=("loss",), config_section=StackConfig,
+    validation_steps=(("model", check_stack_flags, ()),), batch_from_samples=stack_batch)
+
+# Only the stack's flags and the generic ones (batch, optimizer, iterations, data source, pipeline).
+STACK_FLAGS = (f"--num-layers {NUM_LAYERS} --stack-width {WIDTH} --micro-batch-size {MICRO_BATCH} "
+               f"--global-batch-size {MICRO_BATCH * NUM_MICROBATCHES} --lr 1e-2 --clip-grad 0 "
+               f"--train-iters 1 --eval-iters 0 --mock-data --pipeline-model-parallel-size 2")
+
+
+def test_the_stack_spec_has_its_own_flags_only():
+    config = parse_args(f"{STACK_FLAGS} --pipeline-schedule 1f1b".split(), world_size=2,
+                        model_spec=STACK_SPEC)
+    assert isinstance(config.model, StackConfig) and config.model.num_layers == NUM_LAYERS
+    with pytest.raises(SystemExit):  # a GPT flag is unknown with the stack's spec
+        parse_args(f"{STACK_FLAGS} --num-attention-heads 4".split(), world_size=2,
+                   model_spec=STACK_SPEC)
+    with pytest.raises(ValueError, match="--num-layers is required"):
+        parse_args(STACK_FLAGS.replace(f"--num-layers {NUM_LAYERS} ", "").split(), world_size=2,
+                   model_spec=STACK_SPEC)
+
+
+def _stack_pretrain_rank(rank: int, world_size: int, schedule_flags: str) -> dict:
+    config = parse_args(f"{STACK_FLAGS} {schedule_flags}".split(), world_size=world_size,
+                        model_spec=STACK_SPEC)
+    layout = RankLayout.from_world_size(world_size, 1, 2)
+    state = create_parallel_state(layout, rank, "gloo",
+                                  extra_group_ranks=PipelineRuntime.required_group_ranks(config,
+                                                                                         layout))
+    result = pretrain(config, STACK_SPEC, parallel_state=state, log=lambda _: None)
+    (record,) = result.history
+    # The optimizer does not touch .grad (no clipping): the reduced gradients of the iteration.
+    return {"loss": record.losses["loss"],
+            "grads": stack_gradients_by_layer(result.components.model_chunks)}
+
+
+@pytest.mark.parametrize("schedule_flags", ["--pipeline-schedule 1f1b",
+                                            "--pipeline-schedule chimera"])
+def test_non_gpt_model_trains_through_pretrain(schedule_flags):
+    expected = single_process_stack_gradients()
+    model = stack_provider(None, ParallelState.single_process())
+    expected_loss = sum(stack_forward_step(mb, model)[0].mean().item()
+                        for mb in stack_microbatches()) / NUM_MICROBATCHES
+    results = run_distributed(_stack_pretrain_rank, 2, schedule_flags, timeout=180)
+    copies_per_layer = 2 if "chimera" in schedule_flags else 1
+    seen = {}
+    for result in results:
+        assert result["loss"] == pytest.approx(expected_loss, rel=1e-12)
+        for index, copies in result["grads"].items():
+            seen[index] = seen.get(index, 0) + len(copies)
+            for value in copies:
+                error = (value - expected[index]).abs().max().item()
+                assert error <= 1e-12 * expected[index].abs().max().item(), (index, error)
     assert seen == {index: copies_per_layer for index in range(NUM_LAYERS)}

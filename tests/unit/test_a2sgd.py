@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from megatron.core.distributed.a2sgd import (A2SGDReducer, finish_a2sgd_step, load_reducer_state,
-                                             local_statistics, reducer_state, segment_bounds,
+from megatron.core.distributed.a2sgd import (A2SGDReducer, local_statistics, segment_bounds,
                                              two_level_values)
+from megatron.core.distributed.reduction import after_step, load_reducer_states, reducer_states
 
 
 def _reducer_with_grad(values, **kwargs):
@@ -59,12 +59,12 @@ def test_overflow_step_keeps_the_old_error_and_loss_scale_is_removed():
     param.grad.mul_(4.0)  # the backward of a scaled loss
     reducer.wait()
     assert param.grad.tolist() == [8.0, -8.0, 8.0, -8.0]  # applied, scaled back
-    finish_a2sgd_step([reducer], update_successful=False)
+    after_step([reducer], ok=False)
     assert reducer.errors[torch.float32].tolist() == [0.0] * 4  # overflow: error unchanged
     reducer.zero_grad()
     param.grad.copy_(torch.tensor([12.0, -4.0, 4.0, -12.0]))
     reducer.wait()
-    finish_a2sgd_step([reducer], update_successful=True)
+    after_step([reducer], ok=True)
     assert reducer.errors[torch.float32].tolist() == [1.0, 1.0, -1.0, -1.0]  # unscaled units
 
 
@@ -106,15 +106,15 @@ def test_error_buffers_round_trip_through_checkpoint_state():
     param, reducer = _reducer_with_grad([3.0, -1.0, 1.0, -3.0])
     reducer.wait()
     reducer.finish_step(True)
-    states = [reducer_state([reducer])]  # one data-parallel rank
+    states = [reducer_states([reducer])]  # one data-parallel rank
     _, fresh = _reducer_with_grad([0.0] * 4)
-    load_reducer_state([fresh], states, dp_rank=0)
+    load_reducer_states([fresh], states, dp_rank=0)
     assert fresh.errors[torch.float32].tolist() == [1.0, 1.0, -1.0, -1.0]
     with pytest.raises(ValueError, match="data-parallel rank 1"):
-        load_reducer_state([fresh], states, dp_rank=1)
+        load_reducer_states([fresh], states, dp_rank=1)
     _, wrong = _reducer_with_grad([0.0] * 3)
     with pytest.raises(ValueError, match="does not fit"):
-        load_reducer_state([wrong], states, dp_rank=0)
+        load_reducer_states([wrong], states, dp_rank=0)
 
 
 def test_flags_parse_and_a_bad_sync_interval_is_refused():

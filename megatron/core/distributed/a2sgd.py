@@ -10,10 +10,14 @@ owns by default, as in the paper; or each bucket / each tensor). Per step, on da
    over the data-parallel group: global means ``m+`` and ``m-``;
 3. the applied gradient is ``m+`` where ``p >= 0`` and ``m-`` elsewhere; ``e <- p - applied``.
 
-The new error is *staged* and committed by :func:`finish_a2sgd_step` only when the optimizer
-stepped (a loss-scale overflow or a non-finite norm discards it). Replicas apply different updates
-and drift, so :func:`average_replicas` averages the parameters exactly over the data-parallel group
-(every ``--a2sgd-sync-interval`` steps and before every checkpoint and evaluation).
+The new error is *staged* and committed by ``after_step(ok)`` only when the optimizer stepped (a
+loss-scale overflow or a non-finite norm discards it). Replicas apply different updates and drift,
+so ``synchronize()`` averages the parameters and the optimizer state exactly over the data-parallel
+group; the training loop calls it every ``sync_interval`` (``--a2sgd-sync-interval``) iterations
+and before every checkpoint and evaluation. All of this goes through the lifecycle of the
+:class:`~.reduction.GradientReduction` seam; the error buffers are the reducer's ``state_dict()``,
+which checkpoints keep per data-parallel rank. :data:`A2SGD_REDUCER` is the
+``--dp-gradient-reducer a2sgd`` entry of :data:`~.reducers.BUILTIN_REDUCERS`.
 
 Exactness is kept where the issue asks: gradients of one replica's copies of a stage (Chimera's two
 pipeline directions) are summed exactly over the *direction group* first (ranks of this data-parallel
@@ -26,14 +30,15 @@ means would otherwise differ between tensor-parallel ranks. Tied embeddings keep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.gradient_reducer import GradientReducer
+from megatron.core.distributed.reduction import (ChunkReductionRequest, GradientReduction,
+                                                 ReducerKind)
 
 GRANULARITIES = ("model", "bucket", "tensor")
 
@@ -81,7 +86,7 @@ def two_level_values(values: torch.Tensor, stats: torch.Tensor, bounds: Sequence
     return applied
 
 
-class A2SGDReducer:
+class A2SGDReducer(GradientReduction):
     """A :class:`~.reducers.GradientReduction` of one model chunk with A2SGD over data parallel.
 
     Args:
@@ -93,12 +98,15 @@ class A2SGDReducer:
             (divided by ``dp_size``): tensor-parallel-replicated ones.
         granularity: ``model`` (paper, default), ``bucket`` or ``tensor``.
         bucket_size: elements per segment for ``bucket``.
+        sync_interval: ``synchronize()`` every this many iterations (``--a2sgd-sync-interval``).
     """
+
+    has_state = True  # the error buffers
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, direction_group: Any = None,
                  data_group: Any = None, exact_params: Iterable[torch.nn.Parameter] = (),
                  exact_group: Any = None, dp_size: int = 1, granularity: str = "model",
-                 bucket_size: int = 1_000_000):
+                 bucket_size: int = 1_000_000, sync_interval: int = 0):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of "
                              f"{GRANULARITIES}")
@@ -110,7 +118,9 @@ class A2SGDReducer:
         self.data_group = data_group
         self.granularity = granularity
         self.bucket_size = int(bucket_size)
+        self.sync_interval = int(sync_interval)
         self.loss_scale: Callable[[], float] = lambda: 1.0
+        self._optimizer_state: Optional[dict] = None  # the torch optimizer's state, once attached
         self.errors = {dtype: torch.zeros_like(buf) for dtype, buf in self.inner.buffers.items()}
         self._staged: Optional[dict] = None
         self._sizes = {dtype: [p.numel() for p in self.inner.params[::-1] if p.dtype == dtype]
@@ -146,6 +156,19 @@ class A2SGDReducer:
             staged[dtype] = (values - applied).to(buffer.dtype)
             buffer.copy_(applied * scale)
         self._staged = staged
+
+    def attach(self, optimizer) -> None:
+        """Read the loss scale (the errors are kept unscaled) and, for ``synchronize()``, the
+        optimizer state from the run's :class:`~megatron.core.optimizer.MegatronOptimizer`."""
+        self.loss_scale = lambda: optimizer.loss_scale
+        self._optimizer_state = optimizer.optimizer.state
+
+    def after_step(self, ok: bool) -> None:
+        self.finish_step(ok)
+
+    def synchronize(self) -> None:
+        """The exact replica average of the parameters and the optimizer state (collective)."""
+        self.average_parameters(self._optimizer_state)
 
     def finish_step(self, update_successful: bool) -> None:
         """Commit the staged error when the optimizer stepped; drop it on an overflow step."""
@@ -189,77 +212,37 @@ class A2SGDReducer:
                     tensor.div_(size)
 
 
-@dataclass(frozen=True)
-class A2SGDSetup:
-    """How :func:`~.reducers.build_gradient_reducers` builds A2SGD reducers for a rank.
+def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
+    """One chunk's A2SGD reduction: exact over the direction group (this replica's copies of the
+    stage), two-level means over the data-parallel group; with tensor parallelism the
+    tensor-parallel-replicated parameters are all-reduced exactly over the stage's replica group."""
+    def exact(param):
+        return request.tensor_parallel and not getattr(param, "tensor_model_parallel", False)
+    interval = request.parallel.a2sgd_sync_interval if request.parallel is not None else 0
+    return A2SGDReducer([p for p in request.params if not exact(p)],
+                        direction_group=request.direction_group(),
+                        data_group=request.data_group,
+                        exact_params=[p for p in request.params if exact(p)],
+                        exact_group=request.replica_group, dp_size=int(request.divide_by),
+                        sync_interval=interval)
 
-    ``direction_group_of(key)``: the group of this replica's copies of the chunk's stage (None for
-    one-directional schedules); ``split_tensor_replicated``: with tensor parallelism, reduce the
-    tensor-parallel-replicated parameters exactly.
-    """
 
-    data_group: Any = None
-    direction_group_of: Callable[[Hashable], Any] = lambda key: None
-    split_tensor_replicated: bool = False
-    granularity: str = "model"
+def check_a2sgd_flags(parallel) -> None:
+    """The flag rules of ``--dp-gradient-reducer a2sgd``."""
+    if parallel.a2sgd_sync_interval < 1:
+        raise ValueError(f"--a2sgd-sync-interval must be >= 1 (got {parallel.a2sgd_sync_interval})")
+    if parallel.use_distributed_optimizer:
+        raise ValueError("--dp-gradient-reducer a2sgd and --use-distributed-optimizer both replace "
+                         "the data-parallel gradient all-reduce; choose one")
 
-    def build(self, params: Sequence[torch.nn.Parameter], key: Hashable, replica_group: Any,
-              dp_size: int) -> A2SGDReducer:
-        def exact(param):
-            return self.split_tensor_replicated and not getattr(param, "tensor_model_parallel",
-                                                                False)
-        return A2SGDReducer([p for p in params if not exact(p)],
-                            direction_group=self.direction_group_of(key),
-                            data_group=self.data_group,
-                            exact_params=[p for p in params if exact(p)],
-                            exact_group=replica_group, dp_size=dp_size,
-                            granularity=self.granularity)
+
+A2SGD_REDUCER = ReducerKind(
+    name="a2sgd", description="A2SGD: two means per worker with error feedback (docs/a2sgd.md)",
+    build=build_a2sgd_reduction, needs_direction_groups=True,
+    overlaps=False,  # the A2SGD step needs the whole gradient
+    validate=check_a2sgd_flags)
 
 
 def a2sgd_reducers(reducers: Iterable) -> list[A2SGDReducer]:
+    """The A2SGD reducers among a rank's reducers (for measurements such as benchmarks/a2sgd.py)."""
     return [r for r in reducers if isinstance(r, A2SGDReducer)]
-
-
-def attach_loss_scale(reducers: Iterable, loss_scale: Callable[[], float]) -> None:
-    """Tell the A2SGD reducers the current loss scale (their errors are kept unscaled)."""
-    for reducer in a2sgd_reducers(reducers):
-        reducer.loss_scale = loss_scale
-
-
-def finish_a2sgd_step(reducers: Iterable, update_successful: bool) -> None:
-    for reducer in a2sgd_reducers(reducers):
-        reducer.finish_step(update_successful)
-
-
-def average_replicas(reducers: Iterable, optimizer_state: Optional[dict] = None) -> None:
-    """The exact parameter (and optimizer-state) average of every A2SGD reducer (collective; the
-    same order on every rank)."""
-    for reducer in a2sgd_reducers(reducers):
-        reducer.average_parameters(optimizer_state)
-
-
-def synchronize_replicas(components) -> None:
-    """The training loop's hook: average a run's A2SGD replicas (no-op with all-reduce)."""
-    average_replicas(components.gradient_reducers, components.optimizer.optimizer.state)
-
-
-def sync_due(iteration: int, interval: int) -> bool:
-    return interval > 0 and iteration % interval == 0
-
-
-def reducer_state(reducers: Iterable) -> Optional[list]:
-    """The A2SGD error buffers of this rank, or None without A2SGD (for checkpoints)."""
-    found = a2sgd_reducers(reducers)
-    return [reducer.state_dict() for reducer in found] if found else None
-
-
-def load_reducer_state(reducers: Iterable, states: Optional[list], dp_rank: int) -> None:
-    """Restore this data-parallel rank's error buffers from a checkpoint's per-rank list."""
-    found = a2sgd_reducers(reducers)
-    if not found or not states:
-        return
-    if len(states) <= dp_rank or states[dp_rank] is None:
-        raise ValueError("the checkpoint holds no A2SGD error buffers for data-parallel rank "
-                         f"{dp_rank}; resume with the data-parallel size it was saved with")
-    for reducer, state in zip(found, states[dp_rank], strict=True):
-        reducer.load_state_dict(state)

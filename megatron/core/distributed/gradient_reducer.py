@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
+from megatron.core.distributed.reduction import GradientReduction
 from megatron.core.distributed.timeouts import awaiting, describe_group
 
 
@@ -48,7 +49,7 @@ class _Bucket:
         self.pending = len(params)  # gradients still to arrive in the armed backward
 
 
-class GradientReducer:
+class GradientReducer(GradientReduction):
     """Flat gradient buffers for ``params`` and their asynchronous all-reduce over ``group``.
 
     Args:

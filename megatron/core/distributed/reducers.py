@@ -1,51 +1,58 @@
-"""The gradient-reduction seam, the tied-embedding reducer and the one factory both runtimes use.
+"""The tied-embedding reducer, the built-in reducer table and the one factory both runtimes use.
 
-A *gradient reduction* (:class:`GradientReduction`) owns the gradients of some parameters and makes
-them equal to the sum (divided by ``divide_by``) over the ranks of one process group:
-
-* ``start()`` launches the reduction without blocking (the schedule decides when);
-* ``start_when_ready()`` optionally arms a launch from inside the next backward (overlap);
-* ``wait()`` completes it (starting it first if nobody did); ``started`` says whether it is in flight;
-* ``zero_grad()`` clears the gradients for the next iteration.
+The seam itself (:class:`GradientReduction`, its lifecycle and declared attributes) is in
+:mod:`megatron.core.distributed.reduction`; it is re-exported here.
 
 :func:`build_gradient_reducers` is the one place that decides which parameters are reduced over
-which group: one :class:`~.gradient_reducer.GradientReducer` per model chunk over the group of its
-stage's replicas (the data-parallel group without a pipeline; every pipeline's copy of the stage
-times data parallel for Chimera), plus, when the word embedding and a tied output layer live in
-different stages, a :class:`TiedEmbeddingReducer` started after everything else. Alternative
-reducers (a distributed optimizer's reduce-scatter, compressed data-parallel reducers) plug in
-here by implementing :class:`GradientReduction` (the distributed optimizer's
-:class:`~.sharded_reducer.ShardedGradientReducer` does).
+which group: one reduction per model chunk over the group of its stage's replicas (the
+data-parallel group without a pipeline; every pipeline's copy of the stage times data parallel for
+Chimera), built by the :class:`~.reduction.ReducerKind` that ``--dp-gradient-reducer`` names in the
+runtime's :class:`~.reduction.ReducerTable` (:data:`BUILTIN_REDUCERS`: ``allreduce``, a
+:class:`~.gradient_reducer.GradientReducer`, or with ``--use-distributed-optimizer`` a
+:class:`~.sharded_reducer.ShardedGradientReducer`; ``a2sgd``, :mod:`~megatron.core.distributed.a2sgd`),
+plus, when the word embedding and a tied output layer live in different stages, a
+:class:`TiedEmbeddingReducer` started after everything else. A new reducer is one
+:class:`~.reduction.ReducerKind` added to a table (``BUILTIN_REDUCERS.with_kind(...)``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.a2sgd import A2SGDSetup
+from megatron.core.distributed.a2sgd import A2SGD_REDUCER
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.gradient_reducer import GradientReducer
+from megatron.core.distributed.reduction import (ChunkReductionRequest, GradientReduction,
+                                                 ReducerKind, ReducerTable)
 from megatron.core.distributed.sharded_reducer import ShardedGradientReducer
 from megatron.core.distributed.timeouts import awaiting, describe_group
 
+__all__ = ["ALLREDUCE_REDUCER", "BUILTIN_REDUCERS", "GradientReduction", "ModelReducers",
+           "TiedEmbeddingReducer", "build_gradient_reducers", "is_shared_embedding",
+           "tied_copies"]
 
-class GradientReduction(Protocol):
-    """The seam: what the runtimes and the optimizer need from a gradient reduction."""
 
-    @property
-    def started(self) -> bool: ...
+def build_exact_reduction(request: ChunkReductionRequest) -> GradientReduction:
+    """``allreduce``: the exact all-reduce, or the reduce-scatter of the distributed optimizer."""
+    if request.sharded:
+        key = request.key
+        return ShardedGradientReducer(request.params, request.replica_group,
+                                      divide_by=request.divide_by,
+                                      stage_id=getattr(key, "stage", key))  # (pipeline, stage) key
+    return GradientReducer(request.params, request.replica_group, divide_by=request.divide_by,
+                           bucket_size=request.bucket_size, overlap=request.overlap)
 
-    def start_when_ready(self) -> None: ...
 
-    def start(self) -> None: ...
+ALLREDUCE_REDUCER = ReducerKind(
+    name="allreduce", description="exact all-reduce over each stage's replicas",
+    build=build_exact_reduction)
 
-    def wait(self) -> None: ...
-
-    def zero_grad(self) -> None: ...
+# The kinds --dp-gradient-reducer chooses from (its choices in megatron/core/config.py).
+BUILTIN_REDUCERS = ReducerTable((ALLREDUCE_REDUCER, A2SGD_REDUCER))
 
 
 def is_shared_embedding(param: torch.nn.Parameter) -> bool:
@@ -58,7 +65,7 @@ def tied_copies(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
     return [p for chunk in chunks for p in chunk.parameters() if is_shared_embedding(p)]
 
 
-class TiedEmbeddingReducer:
+class TiedEmbeddingReducer(GradientReduction):
     """Keeps the tied word-embedding copies identical: local sum, all-reduce, write back."""
 
     def __init__(self, copies: Sequence[torch.nn.Parameter], group, divide_by: float):
@@ -126,7 +133,10 @@ def build_gradient_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence[Ha
                             tied_group: Optional[Callable[[], Any]] = None,
                             bucket_size: Optional[int] = None,
                             overlap: bool = False, sharded: bool = False,
-                            a2sgd: Optional[A2SGDSetup] = None) -> ModelReducers:
+                            kind: ReducerKind = ALLREDUCE_REDUCER, parallel: Any = None,
+                            data_group: Any = None,
+                            direction_group_of: Callable[[Hashable], Any] = lambda key: None,
+                            tensor_parallel: bool = False) -> ModelReducers:
     """Reductions for a rank's ``chunks`` (see the module docstring).
 
     Args:
@@ -136,26 +146,25 @@ def build_gradient_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence[Ha
         tied_group: ``tied_group()`` -> the group over every rank holding a tied-embedding copy,
             or None when the embedding and the output layer are not split across stages (then
             the shared weight is reduced with its chunk like any other parameter).
-        bucket_size, overlap: as for :class:`GradientReducer` (``--overlap-grad-reduce``).
-        sharded: reduce-scatter each chunk's gradients for the distributed optimizer
-            (:class:`~.sharded_reducer.ShardedGradientReducer`) instead of all-reducing them.
-        a2sgd: when given (``--dp-gradient-reducer a2sgd``), each chunk's data-parallel reduction
-            is an :class:`~.a2sgd.A2SGDReducer` (see :mod:`megatron.core.distributed.a2sgd`).
+        bucket_size, overlap: as for :class:`GradientReducer` (``--overlap-grad-reduce``; the
+            overlap is dropped unless the kind ``overlaps``).
+        sharded: ``--use-distributed-optimizer`` (the ``allreduce`` kind then reduce-scatters).
+        kind: the :class:`~.reduction.ReducerKind` (``--dp-gradient-reducer``) building each chunk's
+            reduction; ``parallel``, ``data_group``, ``direction_group_of(key)`` and
+            ``tensor_parallel`` are handed to it in the :class:`~.reduction.ChunkReductionRequest`.
     """
     split_tied = tied_group is not None
+    overlap = overlap and kind.overlaps
     reducers = ModelReducers()
     for chunk, key in zip(chunks, keys):
         params = [p for p in chunk.parameters()
                   if p.requires_grad and not (split_tied and is_shared_embedding(p))]
-        if a2sgd is not None:
-            reducers.by_module[key] = a2sgd.build(params, key, group_of(key), int(divide_by))
-        elif sharded:
-            reducers.by_module[key] = ShardedGradientReducer(
-                params, group_of(key), divide_by=divide_by,
-                stage_id=getattr(key, "stage", key))  # a (pipeline, stage) key, or a number
-        else:
-            reducers.by_module[key] = GradientReducer(params, group_of(key), divide_by=divide_by,
-                                                      bucket_size=bucket_size, overlap=overlap)
+        request = ChunkReductionRequest(
+            params=params, key=key, replica_group=group_of(key), divide_by=divide_by,
+            data_group=data_group, direction_group=lambda key=key: direction_group_of(key),
+            tensor_parallel=tensor_parallel, parallel=parallel, sharded=sharded,
+            bucket_size=bucket_size, overlap=overlap)
+        reducers.by_module[key] = kind.build(request)
     copies = tied_copies(chunks) if split_tied else []
     if copies:
         reducers.final.append(TiedEmbeddingReducer(copies, tied_group(), divide_by=divide_by))

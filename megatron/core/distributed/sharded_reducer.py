@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
+from megatron.core.distributed.reduction import GradientReduction
 from megatron.core.distributed.timeouts import awaiting, describe_group
 
 
@@ -55,8 +56,10 @@ class _Segment:
     handle: Any = None
 
 
-class ShardedGradientReducer:
+class ShardedGradientReducer(GradientReduction):
     """Reduce-scatter of a chunk's gradients over its replicas; see the module docstring."""
+
+    shards_gradients = True  # a distributed optimizer steps its ``shards``
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: Any = None,
                  divide_by: float = 1.0, stage_id: Hashable = 0):

@@ -99,7 +99,7 @@ def build_distributed_optimizer(config, params: list, parallel_state,
                                 owns_grad_norm: Optional[Callable], reducers: list
                                 ) -> DistributedOptimizer:
     """The distributed optimizer over ``reducers``' shards and the parameters no shard covers."""
-    sharded = [reducer for reducer in reducers if hasattr(reducer, "shards")]
+    sharded = [reducer for reducer in reducers if reducer.shards_gradients]
     if not sharded:
         raise ValueError("--use-distributed-optimizer needs the sharded gradient reducers; the "
                          "runtime built none (it must pass use_distributed_optimizer to "

@@ -12,8 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron.core.distributed.a2sgd import A2SGDSetup
-from megatron.core.distributed.reducers import build_gradient_reducers
+from megatron.core.distributed.reducers import BUILTIN_REDUCERS, build_gradient_reducers
 from megatron.core.optimizer import default_owns_grad_norm
 from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
 
@@ -24,7 +23,13 @@ from .protocol import ForwardStepFunc
 OVERLAP_BUCKET_SIZE = 40_000_000
 
 class NoPipelineRuntime:
-    """One model chunk per rank; tensor and data parallelism only (pipeline size 1)."""
+    """One model chunk per rank; tensor and data parallelism only (pipeline size 1).
+
+    ``reducer_table`` (a class attribute) holds the gradient reducers ``--dp-gradient-reducer``
+    names; a subclass with another table builds reducers of its own.
+    """
+
+    reducer_table = BUILTIN_REDUCERS
 
     @classmethod
     def required_group_ranks(cls, config, layout) -> list:
@@ -47,15 +52,14 @@ class NoPipelineRuntime:
     def build_gradient_reducers(self, model_chunks) -> list:
         state = self.parallel_state
         parallel = self.config.parallel
-        a2sgd = None
-        if parallel.dp_gradient_reducer == "a2sgd":
-            a2sgd = A2SGDSetup(data_group=state.data_group,
-                               split_tensor_replicated=state.tp_size > 1)
-        overlap = parallel.overlap_grad_reduce and state.dp_size > 1 and a2sgd is None
+        kind = self.reducer_table.get(parallel.dp_gradient_reducer)
+        overlap = parallel.overlap_grad_reduce and state.dp_size > 1 and kind.overlaps
         return build_gradient_reducers(
             model_chunks, range(len(model_chunks)), lambda _: state.data_group,
             divide_by=state.dp_size, bucket_size=OVERLAP_BUCKET_SIZE if overlap else None,
-            overlap=overlap, sharded=parallel.use_distributed_optimizer, a2sgd=a2sgd).all
+            overlap=overlap, sharded=parallel.use_distributed_optimizer, kind=kind,
+            parallel=parallel, data_group=state.data_group,
+            tensor_parallel=state.tp_size > 1).all
 
     def owns_grad_norm(self, param: torch.nn.Parameter) -> bool:
         return self._owns(param)

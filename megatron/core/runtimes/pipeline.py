@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.parallel_state import RankLayout
 from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
 from megatron.core.pipeline_parallel.execution.interpreter import (ExecutionContext, Interpreter,
@@ -45,7 +46,7 @@ from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
 
 
 def _is_tied(config) -> bool:
-    return not config.model.untie_embeddings_and_output_weights
+    return config.model.tied_embeddings  # every model section declares it (model_spec.py)
 
 
 class PipelineRuntime:
@@ -53,17 +54,19 @@ class PipelineRuntime:
 
     ``registry`` (a class attribute) holds the schedule families this runtime knows; a subclass
     with another registry runs families of its own. ``extra_op_handlers`` (op kind ->
-    :class:`OpHandler`) likewise gives the interpreter op kinds beyond the built-in ones.
+    :class:`OpHandler`) likewise gives the interpreter op kinds beyond the built-in ones, and
+    ``reducer_table`` the gradient reducers ``--dp-gradient-reducer`` names.
     """
 
     registry = BUILTIN_SCHEDULES
     extra_op_handlers: Mapping[object, OpHandler] = MappingProxyType({})
+    reducer_table = BUILTIN_REDUCERS
 
     @classmethod
     def required_group_ranks(cls, config, layout: RankLayout) -> list:
+        kind = cls.reducer_table.get(config.parallel.dp_gradient_reducer)
         return required_group_specs(layout_from_config(config, cls.registry), layout,
-                                    _is_tied(config),
-                                    split_directions=config.parallel.dp_gradient_reducer == "a2sgd")
+                                    _is_tied(config), split_directions=kind.needs_direction_groups)
 
     def __init__(self, config, parallel_state, device: torch.device):
         self.config = config
@@ -104,7 +107,9 @@ class PipelineRuntime:
     def build_gradient_reducers(self, model_chunks) -> list:
         reducers = pipeline_reducers(model_chunks, self.keys, self.parallel_state, self.layout,
                                      sharded=self.config.parallel.use_distributed_optimizer,
-                                     dp_gradient_reducer=self.config.parallel.dp_gradient_reducer)
+                                     parallel=self.config.parallel,
+                                     kind=self.reducer_table.get(
+                                         self.config.parallel.dp_gradient_reducer))
         self.reducers_by_key = reducers.by_module
         # Reducers no GradSyncStart names (the tied embedding): started at the end of the list.
         self.final_reducers = reducers.final

@@ -7,6 +7,8 @@ iteration's micro-batches. The loop then waits for the reductions, and the optim
 for overflow, clips and steps. Two runtimes implement :class:`TrainingRuntime`:
 :class:`~.no_pipeline.NoPipelineRuntime` (TP and DP only) and :class:`~.pipeline.PipelineRuntime`
 (every schedule family of the registry); :func:`megatron.core.runtimes.select_runtime_class` picks one.
+Both build their gradient reductions with the kind ``--dp-gradient-reducer`` names in their
+``reducer_table`` class attribute (:data:`~megatron.core.distributed.reducers.BUILTIN_REDUCERS`).
 
 Loss normalisation contract (so every layout equals single-process training on the same batch): a
 micro-batch's loss is the mean of its per-token loss over the loss mask, divided by the number of

@@ -12,7 +12,7 @@ import shutil
 import time
 from typing import Callable, Optional
 
-from megatron.core.distributed import a2sgd
+from megatron.core.distributed.reduction import load_reducer_states, reducer_states
 from megatron.training.checkpointing.collectives import (_all_gather,
                                                         _gather_rng_states_over_data_parallel,
                                                         _raise_for_failures, _raise_if_any_failed)
@@ -124,7 +124,8 @@ class Checkpointer:
         """
         parallel_state = components.parallel_state
         save_optimizer = not self.config.checkpoint.no_save_optim
-        written, error, rng_state, rng_states, reducer_states = [], None, None, None, None
+        written, error, rng_state, rng_states = [], None, None, None
+        gathered_reducer_states = None
         if not self.config.checkpoint.no_save_rng:
             try:
                 rng_state = capture_rng_state()
@@ -132,14 +133,14 @@ class Checkpointer:
                 error = _describe(caught)
             rng_states = _gather_rng_states_over_data_parallel(parallel_state, rng_state)
         if save_optimizer:
-            reducer_states = _gather_rng_states_over_data_parallel(  # A2SGD error buffers, if any
-                parallel_state, a2sgd.reducer_state(components.gradient_reducers))
+            gathered_reducer_states = _gather_rng_states_over_data_parallel(  # e.g. error buffers
+                parallel_state, reducer_states(components.gradient_reducers))
         if error is None and parallel_state.dp_rank == 0:
             try:
                 if rng_states is not None and any(entry is None for entry in rng_states):
                     raise RuntimeError("a data-parallel rank could not capture its RNG state")
                 written.append(self._write_rank_file(components, state, staging_dir, rng_states,
-                                                     reducer_states))
+                                                     gathered_reducer_states))
             except Exception as caught:
                 error = _describe(caught)
         if error is None and save_optimizer and is_sharded(components.optimizer):
@@ -173,7 +174,7 @@ class Checkpointer:
                              f"publishing checkpoint at iteration {state.iteration} to {root}")
 
     def _write_rank_file(self, components, state, staging_dir: str, rng_states: Optional[list],
-                         reducer_states: Optional[list] = None) -> tuple[str, dict]:
+                         gathered_reducer_states: Optional[list] = None) -> tuple[str, dict]:
         """Write this (tp, pp) position's file; return (relative path, {size, crc32}).
 
         What ``--no-save-optim`` / ``--no-save-rng`` leave out is stored as None (the key stays,
@@ -190,8 +191,8 @@ class Checkpointer:
             "opt_param_scheduler": components.lr_scheduler.state_dict() if save_optimizer else None,
             "rng_state": rng_states,
         }
-        if reducer_states and reducer_states[0] is not None:
-            payload["gradient_reducer_state"] = reducer_states
+        if gathered_reducer_states and gathered_reducer_states[0] is not None:
+            payload["gradient_reducer_state"] = gathered_reducer_states  # per data-parallel rank
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             payload[key] = chunk.state_dict()
         path = os.path.join(staging_dir, relative)
@@ -349,8 +350,8 @@ class Checkpointer:
         if not checkpoint_config.no_load_optim:
             _load_optimizer_state(components.optimizer, payload["optimizer"])
             components.lr_scheduler.load_state_dict(payload["opt_param_scheduler"])
-            a2sgd.load_reducer_state(components.gradient_reducers,
-                                     payload.get("gradient_reducer_state"), parallel_state.dp_rank)
+            load_reducer_states(components.gradient_reducers,
+                                payload.get("gradient_reducer_state"), parallel_state.dp_rank)
         if payload.get("weights_only"):
             if parallel_state.rank == 0:
                 self.log("  the checkpoint holds weights only (converted from "

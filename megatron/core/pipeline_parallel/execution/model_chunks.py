@@ -1,12 +1,14 @@
-"""Which transformer layers each pipeline stage holds, and building a rank's model chunks.
+"""Which layers each pipeline stage holds, and building a rank's model chunks.
 
 A schedule's :class:`~megatron.core.pipeline_parallel.planning.schedules.ScheduleLayout` says which
 (pipeline, stage) modules a pipeline rank hosts: one stage for GPipe and 1F1B, v chunks for
 interleaved 1F1B, two stages for Chimera (down stage r and up stage D-1-r), 2f for 2f pipelines.
-Layers are split evenly over the stages; stage 0 also holds the embedding, the last stage the final
-norm and output layer. Every chunk keeps the full model's parameter names and is initialised exactly
-like the single-process model (layout-independent initialisation), so the replicas of a Chimera stage
-start equal.
+The model's ``num_layers`` (every model config section declares it, see
+``megatron/training/model_spec.py``) are split evenly over the stages; the model provider builds
+stage ``layer_range`` and is told whether the stage is the first (``pre_process``: e.g. GPT's
+embedding) or the last (``post_process``: e.g. GPT's final norm, output layer and loss). A provider
+must build every chunk exactly like the same layers of the single-process model (layout-independent
+initialisation), so the replicas of a Chimera stage start equal.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def build_model_chunks(model_provider: Callable, config, parallel_state, schedul
     """This rank's chunks, in the schedule's chunk order, and the module key of each.
 
     ``model_provider(config, parallel_state, *, pre_process, post_process, layer_range)`` builds
-    one chunk (``pretrain_gpt.model_provider``).
+    one chunk (a ``ModelSpec``'s ``model_provider``); ``config.model.num_layers`` is the number
+    of layers split over the stages.
     """
     chunks, keys = [], []
     for pipeline, stage in schedule_layout.hosted(parallel_state.pp_rank):

@@ -23,9 +23,9 @@ from typing import Sequence
 
 import torch
 
-from megatron.core.distributed.a2sgd import A2SGDSetup
-from megatron.core.distributed.reducers import (ModelReducers, build_gradient_reducers,
-                                                is_shared_embedding)
+from megatron.core.distributed.reducers import (ALLREDUCE_REDUCER, ModelReducers,
+                                                build_gradient_reducers, is_shared_embedding)
+from megatron.core.distributed.reduction import ReducerKind
 from megatron.core.parallel_state import GroupSpec, RankCoords
 
 TIED_EMBEDDING_LABEL = "tied-embedding"
@@ -52,7 +52,7 @@ def direction_label(stage: int) -> str:
 
 
 def direction_ranks(rank_layout, holders, tp: int, dp: int) -> tuple[int, ...]:
-    """The ranks of one data-parallel replica holding a stage (A2SGD's exact part for Chimera)."""
+    """The ranks of one data-parallel replica holding a stage (for Chimera: its two directions)."""
     return tuple(sorted(rank_layout.rank(RankCoords(tp, dp, pp)) for pp in holders))
 
 
@@ -60,8 +60,9 @@ def required_group_specs(schedule_layout, rank_layout, tied: bool,
                          split_directions: bool = False) -> list[GroupSpec]:
     """Every process group the pipeline runtime needs, in the same order on every rank.
 
-    ``split_directions`` (A2SGD) adds, per stage held by several pipeline ranks, one group per
-    data-parallel replica over its copies of the stage."""
+    ``split_directions`` (a reducer kind that ``needs_direction_groups``, e.g. A2SGD) adds, per
+    stage held by several pipeline ranks, one group per data-parallel replica over its copies of
+    the stage."""
     specs = []
     for stage in range(schedule_layout.num_stages):
         holders = stage_holders(schedule_layout, stage)
@@ -101,24 +102,21 @@ def tied_embedding_group(parallel_state, schedule_layout):
 
 def pipeline_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence, parallel_state,
                       schedule_layout, sharded: bool = False,
-                      dp_gradient_reducer: str = "allreduce") -> ModelReducers:
-    """This rank's reductions: each hosted module over its stage's replica group, plus the
-    tied-embedding reduction when the embedding and the output layer are different stages.
-    With ``a2sgd`` each module's reduction is exact over its direction group and A2SGD over the
-    data-parallel group."""
-    a2sgd = None
-    if dp_gradient_reducer == "a2sgd":
-        a2sgd = A2SGDSetup(
-            data_group=parallel_state.data_group,
-            direction_group_of=lambda key: direction_group(parallel_state, schedule_layout,
-                                                           key.stage),
-            split_tensor_replicated=parallel_state.tp_size > 1)
+                      kind: ReducerKind = ALLREDUCE_REDUCER, parallel=None) -> ModelReducers:
+    """This rank's reductions: each hosted module over its stage's replica group (built by
+    ``kind``, the ``--dp-gradient-reducer`` entry), plus the tied-embedding reduction when the
+    embedding and the output layer are different stages. A kind that ``needs_direction_groups``
+    gets this replica's group over its copies of the stage as ``request.direction_group()``."""
     tied = None
     if schedule_layout.num_stages > 1:
         tied = lambda: tied_embedding_group(parallel_state, schedule_layout)  # noqa: E731
     return build_gradient_reducers(
         chunks, keys, lambda key: stage_group(parallel_state, schedule_layout, key.stage),
-        divide_by=parallel_state.dp_size, tied_group=tied, sharded=sharded, a2sgd=a2sgd)
+        divide_by=parallel_state.dp_size, tied_group=tied, sharded=sharded, kind=kind,
+        parallel=parallel, data_group=parallel_state.data_group,
+        direction_group_of=lambda key: direction_group(parallel_state, schedule_layout,
+                                                       key.stage),
+        tensor_parallel=parallel_state.tp_size > 1)
 
 
 def grad_norm_owners(chunks: Sequence[torch.nn.Module], keys: Sequence,
