@@ -109,7 +109,8 @@ def _one_step(model, tokens, labels, sample_ids):
     return loss.detach()
 
 
-def _tp_versus_single(rank, world_size, dtype, config_overrides, recompute_kwargs):
+def _tp_versus_single(rank, world_size, dtype, config_overrides, recompute_kwargs,
+                      sequence_parallel=False):
     state = create_parallel_state(RankLayout(world_size, 1, 1), rank, "gloo")
     config = _model_config(**config_overrides)
     recompute = RecomputeConfig(**recompute_kwargs)
@@ -118,7 +119,8 @@ def _tp_versus_single(rank, world_size, dtype, config_overrides, recompute_kwarg
     labels = torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator)
     sample_ids = torch.tensor([40, 41])
 
-    parallel = GPTModel(config, recompute, state, SEED, params_dtype=dtype)
+    parallel = GPTModel(config, recompute, state, SEED, params_dtype=dtype,
+                        sequence_parallel=sequence_parallel)
     loss = _one_step(parallel, tokens, labels, sample_ids)
     grads = gather_full_state(parallel, state, gradients=True)
     params = gather_full_state(parallel, state)
@@ -133,6 +135,19 @@ def _tp_versus_single(rank, world_size, dtype, config_overrides, recompute_kwarg
         assert torch.equal(params[name], param.detach()), f"{name}: initial weights differ"
         report[name] = (grads[name].numpy(), param.grad.numpy())
     return report
+
+
+# The Llama-style block: RoPE, SwiGLU, RMSNorm, no biases, grouped-query attention (2 key/value
+# groups for 4 heads); and the remaining options in a second combination.
+LLAMA = dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm",
+             disable_bias_linear=True, group_query_attention=True, num_query_groups=2,
+             ffn_hidden_size=48)
+OTHER_OPTIONS = dict(position_embedding_type="rope", rotary_percent=0.5, rotary_interleaved=True,
+                     rotary_base=500, squared_relu=True, apply_layernorm_1p=True,
+                     qk_layernorm=True, disable_bias_linear=True, add_qkv_bias=True,
+                     kv_channels=12)
+NO_POSITIONS = dict(no_position_embedding=True, apply_layernorm_1p=True,
+                    normalization="RMSNorm", qk_layernorm=True)
 
 
 def _relative_error(actual, expected):
@@ -152,6 +167,31 @@ def test_tensor_parallel_reproduces_single_process(world_size, dtype, config_ove
     """One training step with dropout ON: loss and EVERY gradient (gathered to full) match TP=1."""
     reports = run_distributed(_tp_versus_single, world_size, dtype, config_overrides,
                               recompute_kwargs, timeout=120)
+    _assert_reports_match(reports, rtol, atol)
+
+
+@pytest.mark.parametrize("config_overrides, recompute_kwargs, sequence_parallel", [
+    (LLAMA, {}, False),
+    (OTHER_OPTIONS, dict(recompute_granularity="selective"), False),
+    (NO_POSITIONS, {}, False),
+    ({}, {}, True),
+    (LLAMA, dict(recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=1), True),
+    (OTHER_OPTIONS, {}, True),
+    (dict(untie_embeddings_and_output_weights=True), {}, True),
+], ids=["llama", "other-options-selective", "no-positions", "gpt2-sp", "llama-sp-full-recompute",
+        "other-options-sp", "gpt2-untied-sp"])
+def test_modern_block_and_sequence_parallel_reproduce_single_process(
+        config_overrides, recompute_kwargs, sequence_parallel):
+    """TP 2 (float64, dropout on) with the modern block's options and/or sequence parallelism:
+    loss and every gradient equal the single process's (sequence parallelism only changes the
+    order of the sums: tolerance 1e-10 relative)."""
+    reports = run_distributed(_tp_versus_single, 2, torch.float64, config_overrides,
+                              recompute_kwargs, sequence_parallel, timeout=120)
+    _assert_reports_match(reports, 1e-10, 0.0)
+
+
+def _assert_reports_match(reports, rtol, atol):
     for rank, report in enumerate(reports):
         assert len(report) > 10
         for name, (actual, expected) in report.items():
