@@ -124,7 +124,10 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
     else:
         flags += ["--mock-data", "--vocab-size", str(hf_config["vocab_size"])]
     try:
-        config = parse_args(flags + PLACEHOLDER_TRAINING_FLAGS + layout_flags(target),
+        # with tokenizer files the data source is the user's (--data-path); validating the
+        # weights-only checkpoint's config needs one, so mock data stands in
+        data = [] if "--mock-data" in flags else ["--mock-data"]
+        config = parse_args(flags + PLACEHOLDER_TRAINING_FLAGS + data + layout_flags(target),
                             world_size=target.tensor_model_parallel_size
                             * target.pipeline_model_parallel_size)
     except (ValueError, SystemExit) as error:
