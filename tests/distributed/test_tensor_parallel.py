@@ -17,9 +17,11 @@ from megatron.core.config import ModelConfig, RecomputeConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
 from megatron.core.tensor_parallel import (
-    copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, gather_full_state,
-    reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region, tensor_parallel_group,
-    vocab_parallel_cross_entropy)
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region, gather_full_state, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region, sum_gradient_over_tensor_parallel_ranks,
+    tensor_parallel_group, vocab_parallel_cross_entropy)
 
 SEED = 4321
 
@@ -54,11 +56,42 @@ def _mappings(rank, world_size):
                                            dim=1).double())
     (gathered * torch.arange(gathered.shape[1], dtype=torch.float64)).sum().backward()
     assert torch.equal(block.grad[0], torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float64))
+
+    # sequence parallelism: along dimension 0
+    sequence = torch.arange(4 * world_size * 3, dtype=torch.float64).view(-1, 3).requires_grad_()
+    mine = scatter_to_sequence_parallel_region(sequence, group)
+    assert torch.equal(mine, sequence[4 * rank:4 * rank + 4])
+    (mine * 3).sum().backward()
+    assert torch.all(sequence.grad == 3)  # every rank's block came back through the all-gather
+
+    shard = (torch.ones(2, 3, dtype=torch.float64) * rank).requires_grad_()
+    gathered = gather_from_sequence_parallel_region(shard, group)
+    assert torch.equal(gathered, torch.cat([torch.ones(2, 3, dtype=torch.float64) * r
+                                            for r in range(world_size)]))
+    (gathered * torch.arange(2 * world_size, dtype=torch.float64)[:, None]).sum().backward()
+    # the gradient is reduce-scattered: summed over ranks (each contributed the same), own rows
+    expected = world_size * torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float64)
+    assert torch.equal(shard.grad[:, 0], expected)
+
+    partial = (torch.arange(2 * world_size * 3, dtype=torch.float64).view(-1, 3) + rank
+               ).requires_grad_()
+    reduced = reduce_scatter_to_sequence_parallel_region(partial, group)
+    total = sum(torch.arange(2 * world_size * 3, dtype=torch.float64).view(-1, 3) + r
+                for r in range(world_size))
+    assert torch.equal(reduced, total[2 * rank:2 * rank + 2])
+    (reduced * (rank + 1)).sum().backward()  # backward all-gathers: row block r gets r + 1
+    assert torch.equal(partial.grad[:, 0], torch.arange(world_size, dtype=torch.float64)
+                       .add(1).repeat_interleave(2))
+
+    weight = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    (sum_gradient_over_tensor_parallel_ranks(weight, group) * (rank + 1)).sum().backward()
+    assert torch.all(weight.grad == sum(r + 1 for r in range(world_size)))
     return True
 
 
-def test_region_mappings_on_two_ranks():
-    assert run_distributed(_mappings, 2) == [True, True]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_region_mappings(world_size):
+    assert run_distributed(_mappings, world_size) == [True] * world_size
 
 
 def _cross_entropy(rank, world_size, dtype):

@@ -9,11 +9,12 @@ Every parameter created here carries the attributes the rest of the project read
   tensor; :mod:`megatron.core.models.gpt.init` draws it layout-independently.
 
 - ``sequence_parallel_grad``: True for replicated parameters whose gradient is summed over the TP
-  ranks inside the backward pass (:func:`~megatron.core.tensor_parallel.mappings.sum_gradient_over_tensor_parallel_ranks`).
+  ranks inside the backward pass (``mappings.sum_gradient_over_tensor_parallel_ranks``).
 
 With ``sequence_parallel`` (Megatron's sequence parallelism) the activations outside the linear
 layers are split along the sequence (dimension 0 of ``[s, b, h]``) over the TP ranks: a
-column-parallel layer all-gathers its input along the sequence (reduce-scatter backward), a
+column-parallel layer all-gathers its input along the sequence (reduce-scatter backward; it keeps
+only the sequence block for the backward pass and gathers it again there), a
 row-parallel layer reduce-scatters its output (all-gather backward), and the row-parallel bias,
 added to a sequence shard, has its gradient summed over the TP ranks.
 
@@ -28,9 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    all_gather_dim, copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, sum_gradient_over_tensor_parallel_ranks)
+    reduce_scatter_dim, reduce_scatter_to_sequence_parallel_region,
+    sum_gradient_over_tensor_parallel_ranks)
 from megatron.core.tensor_parallel.utils import divide, group_size_and_rank, tensor_parallel_group
 
 
@@ -87,6 +89,34 @@ class VocabParallelEmbedding(torch.nn.Module):
         return reduce_from_tensor_parallel_region(embedded, self.group)
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``all_gather(x) W^T + b`` that stores only ``x``, this rank's block of the sequence, and
+    all-gathers it again in the backward pass (Megatron's choice: the full-sequence input of a
+    column-parallel layer is never kept between forward and backward). Backward: the input
+    gradient is reduce-scattered along the sequence; the weight and bias gradients are local."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group = group
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_dim(x, 0, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = reduce_scatter_dim(grad.matmul(weight), 0, ctx.group)
+        if ctx.needs_input_grad[1]:
+            full = all_gather_dim(x, 0, ctx.group)
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(
+                full.reshape(-1, full.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
+        return grad_x, grad_weight, grad_bias, None
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``Y = X A^T + b`` with A's output rows (and b) split over the TP ranks.
 
@@ -137,10 +167,9 @@ class ColumnParallelLinear(torch.nn.Module):
             weight = weight.reshape(-1, weight.shape[-1])
             bias = None if bias is None else bias.reshape(-1)
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group, 0)
+            output = _SequenceParallelLinear.apply(x, weight, bias, self.group)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        output = F.linear(x, weight, bias)
+            output = F.linear(copy_to_tensor_parallel_region(x, self.group), weight, bias)
         if self.gather_output:
             output = gather_from_tensor_parallel_region(output, self.group)
         return output

@@ -127,7 +127,8 @@ def _split_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     return tensor.narrow(dim, rank * length, length).contiguous()
 
 
-def _gather_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+def all_gather_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along ``dim`` in rank order (no autograd)."""
     size, _ = group_size_and_rank(group)
     pieces = [torch.empty_like(tensor, memory_format=torch.contiguous_format)
               for _ in range(size)]
@@ -135,7 +136,7 @@ def _gather_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+def reduce_scatter_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum over ``group`` and keep this rank's block of ``dim`` (NCCL's reduce-scatter; on gloo,
     which has none, an all-reduce followed by the slice: same values, more traffic)."""
     if dist.get_backend(group) == "nccl":
@@ -156,29 +157,29 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim(grad, ctx.dim, ctx.group), None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _gather_dim(tensor, dim, group)
+        return all_gather_dim(tensor, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
+        return reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _reduce_scatter_dim(tensor, dim, group)
+        return reduce_scatter_dim(tensor, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim(grad, ctx.dim, ctx.group), None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
 def scatter_to_sequence_parallel_region(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:

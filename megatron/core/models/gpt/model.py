@@ -80,7 +80,8 @@ def resolve_model_config(model_config, tensor_parallel_size: int = 1):
 
 
 def has_learned_positions(config) -> bool:
-    """Whether the model holds a learned position table (not with RoPE or --no-position-embedding)."""
+    """Whether the model holds a learned position table (not with RoPE or
+    --no-position-embedding)."""
     return config.position_embedding_type == "learned_absolute" and not config.no_position_embedding
 
 
