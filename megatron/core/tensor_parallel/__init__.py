@@ -21,6 +21,7 @@ __all__ = [
     "gather_full_state", "gather_full_tensor", "pad_vocab_size",
     "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region",
-    "set_parameter_attributes", "shard_of", "stable_seed", "sum_gradient_over_tensor_parallel_ranks",
-    "tensor_parallel_group", "vocab_parallel_cross_entropy",
+    "set_parameter_attributes", "shard_of", "stable_seed",
+    "sum_gradient_over_tensor_parallel_ranks", "tensor_parallel_group",
+    "vocab_parallel_cross_entropy",
 ]

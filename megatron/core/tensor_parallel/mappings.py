@@ -13,13 +13,13 @@ gather_from_tensor_parallel_region        all-gather last dim  keep own block
 
 and the three of sequence parallelism, along a sequence dimension ``dim``:
 
-==========================================  ======================  ======================
-function                                    forward                 backward
-==========================================  ======================  ======================
-scatter_to_sequence_parallel_region         keep own block of dim   all-gather along dim
-gather_from_sequence_parallel_region        all-gather along dim    reduce-scatter along dim
-reduce_scatter_to_sequence_parallel_region  reduce-scatter (dim)    all-gather along dim
-==========================================  ======================  ======================
+==========================================  ====================  ====================
+function                                    forward               backward
+==========================================  ====================  ====================
+scatter_to_sequence_parallel_region         keep own dim block    all-gather dim
+gather_from_sequence_parallel_region        all-gather dim        reduce-scatter dim
+reduce_scatter_to_sequence_parallel_region  reduce-scatter dim    all-gather dim
+==========================================  ====================  ====================
 
 Each takes the TP process group explicitly (``None`` or a group of one rank makes it the identity);
 use :func:`megatron.core.tensor_parallel.utils.tensor_parallel_group` to get it from a ParallelState.
