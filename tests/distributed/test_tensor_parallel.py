@@ -233,3 +233,28 @@ def _assert_reports_match(reports, rtol, atol):
             error = _relative_error(actual.double(), expected.double())
             absolute = (actual.double() - expected.double()).abs().max().item()
             assert error <= rtol or absolute <= atol, (rank, name, error, absolute)
+
+
+def _stored_bytes(rank, world_size, overrides):
+    from megatron.core.models.gpt.activation_memory import count_stored_activations
+    state = create_parallel_state(RankLayout(world_size, 1, 1), rank, "gloo")
+    config = _model_config(hidden_size=64, seq_length=64, max_position_embeddings=64,
+                           attention_dropout=0.0, layout_invariant_attention_dropout=False,
+                           **overrides)
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    stored = {}
+    for sequence_parallel in (False, True):
+        model = GPTModel(config, None, state, SEED, sequence_parallel=sequence_parallel)
+        with count_stored_activations(model) as counter:
+            model(tokens, tokens).mean().backward()
+        stored[sequence_parallel] = counter.bytes
+    return stored
+
+
+@pytest.mark.parametrize("overrides", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_sequence_parallel_stores_fewer_activations(overrides):
+    """At TP 2 the norms', dropouts' and residual stream's activations (and the inputs the
+    column-parallel layers keep) are split over the sequence: at least 1.25x fewer bytes stored
+    per rank (Megatron's estimate: 22/17 = 1.29x per layer; measured ~1.3-1.4x)."""
+    for stored in run_distributed(_stored_bytes, 2, overrides, timeout=120):
+        assert stored[False] > 1.25 * stored[True], stored
