@@ -61,7 +61,8 @@ class ModelConfig:
     normalization: str = option("LayerNorm", "Normalisation layer.",
                                 choices=("LayerNorm", "RMSNorm"))
     position_embedding_type: str = option(
-        "learned_absolute", "Position embedding.", choices=("learned_absolute", "rope"))
+        "learned_absolute", "Position embedding (none: no positions at all, as "
+                            "--no-position-embedding).", choices=("learned_absolute", "rope", "none"))
     swiglu: bool = option(False, "Use a SwiGLU MLP instead of GeLU.")
     squared_relu: bool = option(False, "Use a squared-ReLU MLP instead of GeLU.")
     rotary_percent: float = option(

@@ -375,7 +375,6 @@ VALUES_NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
         "HuggingFaceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer", "MistralTokenizer",
         "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer")},
     "--position-embedding-type": {
-        "none": "a GPT without position embeddings is not implemented",
         "relative": "relative position embeddings are not implemented"},
     "--distributed-backend": {"ccl": "only the nccl and gloo backends are supported"},
 }

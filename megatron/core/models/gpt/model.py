@@ -80,7 +80,7 @@ def resolve_model_config(model_config, tensor_parallel_size: int = 1):
 
 
 def has_learned_positions(config) -> bool:
-    """Whether the model holds a learned position table (not with RoPE or
+    """Whether the model holds a learned position table (not with RoPE, type none or
     --no-position-embedding)."""
     return config.position_embedding_type == "learned_absolute" and not config.no_position_embedding
 
