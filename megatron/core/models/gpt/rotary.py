@@ -5,8 +5,9 @@ rotated by the angle ``position * base ** (-2 i / rotary_dim)`` of their channel
 rest pass through. Pairs are the two halves of the rotated channels (``(j, j + rotary_dim/2)``,
 GPT-NeoX's and Hugging Face Llama's convention) or, with ``interleaved``, neighbours ``(2i, 2i+1)``
 (Meta's original Llama convention). Angles are computed in float32 (as Megatron and Hugging Face
-do) and cos/sin cast to the activations' dtype; they depend only on the position, so every TP, PP,
-sequence-parallel or Chimera layout rotates exactly like the single process.
+do; float64 for float64 activations) and cos/sin cast to the activations' dtype; they depend only on
+the position, so every TP, PP, sequence-parallel or Chimera layout rotates exactly like the single
+process.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ class RotaryEmbedding:
         self.base = float(base)
         self.interleaved = interleaved
 
-    def angles(self, sequence_length: int, device, offset: int = 0) -> torch.Tensor:
-        """``[s, rotary_dim]`` float32 angles of positions ``offset .. offset + s - 1``, each
+    def angles(self, sequence_length: int, device, offset: int = 0,
+               dtype=torch.float32) -> torch.Tensor:
+        """``[s, rotary_dim]`` angles (``dtype``) of positions ``offset .. offset + s - 1``, each
         pair's angle at both of its channels."""
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device)
-        inverse_frequency = 1.0 / (self.base ** (exponents.float() / self.rotary_dim))
-        positions = torch.arange(offset, offset + sequence_length, dtype=torch.float32,
-                                 device=device)
+        inverse_frequency = 1.0 / (self.base ** (exponents.to(dtype) / self.rotary_dim))
+        positions = torch.arange(offset, offset + sequence_length, dtype=dtype, device=device)
         frequencies = torch.outer(positions, inverse_frequency)  # [s, rotary_dim / 2]
         if self.interleaved:
             return frequencies.repeat_interleave(2, dim=-1)
@@ -49,7 +50,8 @@ class RotaryEmbedding:
 
     def __call__(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """``x`` ``[s, b, heads, head_dim]`` at positions ``offset .. offset + s - 1``, rotated."""
-        angles = self.angles(x.shape[0], x.device, offset)[:, None, None, :]
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        angles = self.angles(x.shape[0], x.device, offset, dtype)[:, None, None, :]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         rotated, passed = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
         rotated = rotated * cos + self._rotate_pairs(rotated) * sin
