@@ -202,6 +202,8 @@ MODERN_LAYOUTS = [
     ("", f"{TP2_PP2} --pipeline-schedule gpipe --sequence-parallel", 4),
     (LLAMA_FLAGS, f"{TP2_PP2} --pipeline-schedule chimera --sequence-parallel "
                   "--split-backward", 4),
+    (LLAMA_FLAGS, f"{TP2_PP2} --pipeline-schedule chimera --chimera-variant backward-halving "
+                  "--sequence-parallel --recompute-granularity selective", 4),
     (LLAMA_FLAGS, "--tensor-model-parallel-size 2 --sequence-parallel "
                   "--use-distributed-optimizer", 4),  # TP 2 x DP 2, no pipeline
 ]
