@@ -1,7 +1,8 @@
 """Causal self-attention with heads split over the tensor-parallel ranks.
 
 ``linear_qkv`` is column-parallel with Megatron's interleaved layout: the full weight's rows are
-``[heads, 3 (q, k, v), head_dim]``, so a contiguous block of rows is whole heads. ``linear_proj`` is
+``[groups, heads/groups + 2 (the group's queries, k, v), head_dim]`` (``[heads, 3, head_dim]``
+without grouped-query attention), so a contiguous block of rows is whole groups of heads. ``linear_proj`` is
 row-parallel. The core is ``scaled_dot_product_attention`` (fused), with attention dropout drawn from
 a stream seeded per (layer, TP rank, micro-batch) (:func:`attention_dropout_seed`): Megatron's
 semantics, where TP ranks draw independent masks for their heads, so TP=2 is *a* valid model but not

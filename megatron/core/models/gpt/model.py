@@ -1,7 +1,10 @@
-"""GPT-2 with tensor parallelism, buildable whole or as a pipeline chunk with the full model's names.
+"""GPT (GPT-2, or the Llama-style modern block) with tensor and optionally sequence parallelism,
+buildable whole or as a pipeline chunk with the full model's names.
 
     tokens [b, s] --embedding--> [s, b, h] --decoder.layers.i--> ... --final_layernorm-->
     --output layer (word embedding^T by default)--> logits [b, s, V/tp] --> per-token loss [b, s]
+
+Under sequence parallelism the hidden states between the tensor-parallel regions are [s/tp, b, h].
 
 A chunk (``layer_range``, ``pre_process``, ``post_process``) holds only its part; parameter names
 never depend on the chunk (``decoder.layers.<global i>.…``) and initial values depend only on the
@@ -145,7 +148,7 @@ class GPTEmbedding(torch.nn.Module):
 
 
 class GPTModel(torch.nn.Module):
-    """GPT-2, whole (``layer_range=None``) or one pipeline chunk.
+    """The GPT model, whole (``layer_range=None``) or one pipeline chunk.
 
     Args:
         model_config: :class:`megatron.core.config.ModelConfig` with ``padded_vocab_size`` set.
