@@ -62,7 +62,8 @@ class ModelConfig:
                                 choices=("LayerNorm", "RMSNorm"))
     position_embedding_type: str = option(
         "learned_absolute", "Position embedding (none: no positions at all, as "
-                            "--no-position-embedding).", choices=("learned_absolute", "rope", "none"))
+                            "--no-position-embedding).",
+        choices=("learned_absolute", "rope", "none"))
     swiglu: bool = option(False, "Use a SwiGLU MLP instead of GeLU.")
     squared_relu: bool = option(False, "Use a squared-ReLU MLP instead of GeLU.")
     rotary_percent: float = option(
@@ -107,7 +108,8 @@ class ModelFeatureGate:
 
 # Model features that are refused (the table is read by argument validation and by the model).
 # Empty: every model flag of ModelConfig is implemented and held to the single-process reference
-# under TP, PP and Chimera (tests/distributed/test_modern_block.py).
+# under TP, PP and Chimera (tests/numerics/test_modern_block.py, tests/distributed/
+# test_tensor_parallel.py and test_pipeline_numerics.py).
 MODEL_FEATURE_GATES: tuple[ModelFeatureGate, ...] = ()
 
 
