@@ -33,7 +33,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_dim, reduce_scatter_to_sequence_parallel_region,
     sum_gradient_over_tensor_parallel_ranks)
-from megatron.core.tensor_parallel.utils import divide, group_size_and_rank, tensor_parallel_group
+from megatron.core.tensor_parallel.utils import divide, tensor_parallel_group
 
 
 def set_parameter_attributes(param: torch.nn.Parameter, *, tensor_model_parallel: bool,
