@@ -39,7 +39,8 @@ def model_provider(config, parallel_state, *, pre_process: bool = True, post_pro
                    layer_range=None) -> GPTModel:
     """The GPT model, or the chunk of it a pipeline stage holds."""
     return GPTModel(config.model, config.recompute, parallel_state, config.training.seed,
-                    layer_range=layer_range, pre_process=pre_process, post_process=post_process)
+                    layer_range=layer_range, pre_process=pre_process, post_process=post_process,
+                    sequence_parallel=config.parallel.sequence_parallel)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -17,3 +17,23 @@ def gpt2_files(directory):
     (directory / "merges.txt").write_text(
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     return str(directory / "vocab.json"), str(directory / "merges.txt")
+
+
+def gpt2_corpus(directory):
+    """A tiny preprocessed corpus (``corpus_text_document``) tokenized with :func:`gpt2_files`;
+    returns the data and tokenizer flags that train on it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    vocab, merges = gpt2_files(directory)
+    corpus = directory / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"the cat {i} sat on the mat and ran"}) + "\n"
+                              for i in range(60)))
+    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+                    "--json-keys", "text", "--output-prefix", str(directory / "corpus"),
+                    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                    "--merge-file", merges, "--append-eod", "--workers", "1"], cwd=repo,
+                   check=True, timeout=120, capture_output=True)
+    return ["--data-path", str(directory / "corpus_text_document"), "--tokenizer-type",
+            "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]

@@ -14,6 +14,10 @@ TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--mock-data --seed 1234 --micro-batch-size 1 --global-batch-size 4 --lr 1e-3 "
         "--train-iters 3 --log-interval 1")
 VOCAB = 60
+# The Llama-style block (RoPE, SwiGLU, RMSNorm, no biases, 2 key/value groups for 4 heads).
+LLAMA = ("--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
+         "--group-query-attention --num-query-groups 2 --ffn-hidden-size 48 "
+         "--untie-embeddings-and-output-weights")
 
 
 def tiny_config(tp=1, pp=1, schedule=None, extra=""):

@@ -33,7 +33,8 @@ def test_model_provider(config, parallel_state, *, pre_process=True, post_proces
     half = config.training.bf16 or config.training.fp16
     return GPTModel(config.model, config.recompute, parallel_state, config.training.seed,
                     layer_range=layer_range, pre_process=pre_process, post_process=post_process,
-                    params_dtype=torch.float32 if half else torch.float64)
+                    params_dtype=torch.float32 if half else torch.float64,
+                    sequence_parallel=config.parallel.sequence_parallel)
 
 
 def train_one_step(rank: int, world_size: int, argv: list[str], runtime_class=None,

@@ -61,8 +61,31 @@ class ModelConfig:
     normalization: str = option("LayerNorm", "Normalisation layer.",
                                 choices=("LayerNorm", "RMSNorm"))
     position_embedding_type: str = option(
-        "learned_absolute", "Position embedding.", choices=("learned_absolute", "rope"))
+        "learned_absolute", "Position embedding (none: no positions at all, as "
+                            "--no-position-embedding).",
+        choices=("learned_absolute", "rope", "none"))
     swiglu: bool = option(False, "Use a SwiGLU MLP instead of GeLU.")
+    squared_relu: bool = option(False, "Use a squared-ReLU MLP instead of GeLU.")
+    rotary_percent: float = option(
+        1.0, "With --position-embedding-type rope: fraction of each head's channels rotated.")
+    rotary_base: int = option(10000, "With --position-embedding-type rope: the rotary base.")
+    rotary_interleaved: bool = option(
+        False, "With --position-embedding-type rope: rotate interleaved channel pairs (0,1), "
+               "(2,3), ... instead of the two halves of the rotated channels.")
+    no_position_embedding: bool = option(
+        False, "No position embedding at all (with learned_absolute: no position table).")
+    apply_layernorm_1p: bool = option(
+        False, "Zero-centred norm weights: the stored weight w scales by (1 + w), initialised 0.")
+    qk_layernorm: bool = option(
+        False, "Normalise queries and keys per head (same kind as --normalization).")
+    add_qkv_bias: bool = option(
+        False, "Bias on the query/key/value projection even with --disable-bias-linear.")
+    group_query_attention: bool = option(
+        False, "Grouped-query attention with --num-query-groups key/value heads.")
+    num_query_groups: Optional[int] = option(
+        None, "With --group-query-attention: number of key/value head groups.")
+    kv_channels: Optional[int] = option(
+        None, "Channels per attention head; defaults to hidden-size / num-attention-heads.")
     openai_gelu: bool = option(
         False, "GeLU with the tanh approximation (GPT-2's and Hugging Face's gelu_new).")
     disable_bias_linear: bool = option(False, "Linear layers without bias.")
@@ -89,19 +112,11 @@ class ModelFeatureGate:
     instead: str                        # what to do instead
 
 
-# RMSNorm and bias-free linears have code paths in the model, but no test holds them to the
-# single-process reference under TP/PP yet, so they stay refused until one does.
-MODEL_FEATURE_GATES: tuple[ModelFeatureGate, ...] = (
-    ModelFeatureGate("position_embedding_type", "--position-embedding-type rope",
-                     lambda value: value == "rope",
-                     "use --position-embedding-type learned_absolute (the default)"),
-    ModelFeatureGate("swiglu", "--swiglu", bool,
-                     "remove it (the MLP is GeLU with --ffn-hidden-size)"),
-    ModelFeatureGate("normalization", "--normalization RMSNorm", lambda value: value == "RMSNorm",
-                     "use --normalization LayerNorm (the default)"),
-    ModelFeatureGate("disable_bias_linear", "--disable-bias-linear", bool,
-                     "remove it (linear layers have biases)"),
-)
+# Model features that are refused (the table is read by argument validation and by the model).
+# Empty: every model flag of ModelConfig is implemented and held to the single-process reference
+# under TP, PP and Chimera (tests/numerics/test_modern_block.py, tests/distributed/
+# test_tensor_parallel.py and test_pipeline_numerics.py).
+MODEL_FEATURE_GATES: tuple[ModelFeatureGate, ...] = ()
 
 
 def refused_model_features(model_config: "ModelConfig") -> list[str]:
@@ -160,7 +175,10 @@ class ParallelConfig:
     p2p_packing: str = option(
         "auto", "Pack all tensors bound for one peer into one message: auto (C++ if it builds, "
                 "else Python), cpp, python or off.", choices=("auto", "cpp", "python", "off"))
-    sequence_parallel: bool = option(False, "Megatron sequence parallelism (not supported yet).")
+    sequence_parallel: bool = option(
+        False, "Megatron sequence parallelism: norms, dropout and the residual stream are split "
+               "along the sequence over the tensor-parallel ranks (turned off, with a warning, "
+               "when tensor-model-parallel-size is 1).")
     distributed_backend: Optional[str] = option(
         None, "torch.distributed backend; default nccl when CUDA is available, else gloo.",
         choices=("nccl", "gloo"))

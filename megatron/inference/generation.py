@@ -20,7 +20,8 @@ from megatron.core.tensor_parallel.utils import gather_along_dim
 
 @dataclass
 class KVCache:
-    """Per-layer ``(keys, values)`` of shape ``[b, heads/tp, positions, head_dim]``."""
+    """Per-layer ``(keys, values)`` of shape ``[b, groups/tp, positions, head_dim]`` (groups:
+    the key/value heads, the attention heads without grouped-query attention)."""
 
     layers: dict = field(default_factory=dict)
     length: int = 0
@@ -44,15 +45,20 @@ class SamplingParams:
                              f"0 < top_p <= 1, top_k >= 0")
 
 
-def _attention_with_cache(attention, hidden, cache: KVCache, layer_key) -> torch.Tensor:
+def _attention_with_cache(attention, hidden, cache: KVCache, layer_key,
+                          start: int) -> torch.Tensor:
+    """The layer's attention over the cached and the new positions (``start``: the first new
+    token's position; RoPE rotates by it; grouped-query keys/values are cached per group)."""
     seq_len, batch, _ = hidden.shape
-    qkv = attention.linear_qkv(hidden).view(seq_len, batch, attention.heads_per_rank, 3,
-                                            attention.head_dim)
-    query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
+    query, key, value = (t.permute(1, 2, 0, 3)
+                         for t in attention.query_key_value(hidden, position_offset=start))
     if layer_key in cache.layers:
         past_key, past_value = cache.layers[layer_key]
         key, value = torch.cat([past_key, key], dim=2), torch.cat([past_value, value], dim=2)
     cache.layers[layer_key] = (key, value)
+    if attention.queries_per_group > 1:
+        key = key.repeat_interleave(attention.queries_per_group, dim=1)
+        value = value.repeat_interleave(attention.queries_per_group, dim=1)
     total = key.shape[2]
     query_positions = torch.arange(total - seq_len, total, device=hidden.device)
     visible = torch.arange(total, device=hidden.device)[None, :] <= query_positions[:, None]
@@ -75,11 +81,13 @@ def forward_with_cache(model, tokens: torch.Tensor, cache: KVCache) -> torch.Ten
                          f"--max-new-tokens")
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
     embedding = model.embedding
-    hidden = embedding.word_embeddings(tokens) + embedding.position_embeddings(positions)
+    hidden = embedding.word_embeddings(tokens)
+    if embedding.position_embeddings is not None:  # learned positions (not RoPE)
+        hidden = hidden + embedding.position_embeddings(positions)
     hidden = hidden.transpose(0, 1)  # [s, b, h]
     for key, layer in model.decoder.layers.items():
         hidden = hidden + _attention_with_cache(layer.self_attention,
-                                                layer.input_layernorm(hidden), cache, key)
+                                                layer.input_layernorm(hidden), cache, key, start)
         hidden = hidden + layer.mlp(layer.pre_mlp_layernorm(hidden))
     hidden = model.decoder.final_layernorm(hidden)
     weight = embedding.word_embeddings.weight if model.tied_output else None

@@ -55,8 +55,6 @@ class UnsupportedFeature:
 # Features that exist as Megatron flags (and config fields) but are not implemented: using them would
 # silently train something other than what the user asked for, so validation rejects them.
 NOT_SUPPORTED_YET: tuple[UnsupportedFeature, ...] = (
-    UnsupportedFeature("parallel", "sequence_parallel", "--sequence-parallel", bool,
-                       "remove it (tensor parallelism without sequence parallelism is supported)"),
     # The model's gates: one table shared with the model (megatron.core.config).
     *(UnsupportedFeature("model", gate.field, gate.shown, gate.is_used, gate.instead)
       for gate in MODEL_FEATURE_GATES),
@@ -152,10 +150,11 @@ def _validate_model(config: MegatronConfig) -> None:
                               "make_vocab_size_divisible_by"))
     require_positive(model, ("ffn_hidden_size", "max_position_embeddings", "vocab_size"),
                       allow_none=True)
-    if model.hidden_size % model.num_attention_heads:
+    if model.kv_channels is None and model.hidden_size % model.num_attention_heads:
         raise ValueError(f"--hidden-size {model.hidden_size} is not divisible by "
                          f"--num-attention-heads {model.num_attention_heads}; choose a head count "
-                         f"that divides the hidden size")
+                         f"that divides the hidden size (or give --kv-channels)")
+    _validate_modern_block(model)
     if model.ffn_hidden_size is None:
         model.ffn_hidden_size = 4 * model.hidden_size
     if model.max_position_embeddings is None:
@@ -172,6 +171,28 @@ def _validate_model(config: MegatronConfig) -> None:
         raise ValueError(f"--init-method-std {model.init_method_std} must be > 0")
 
 
+def _validate_modern_block(model: ModelConfig) -> None:
+    """Rules of the Llama-style options (grouped-query attention, RoPE, MLP activation)."""
+    require_positive(model, ("kv_channels", "num_query_groups"), allow_none=True)
+    if model.group_query_attention:
+        if model.num_query_groups is None:
+            raise ValueError("--group-query-attention needs --num-query-groups (the number of "
+                             "key/value heads)")
+        if model.num_attention_heads % model.num_query_groups:
+            raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible "
+                             f"by --num-query-groups {model.num_query_groups}; every key/value "
+                             f"group needs the same number of query heads")
+    if model.swiglu and model.squared_relu:
+        raise ValueError("--swiglu and --squared-relu both choose the MLP activation; give one")
+    if not 0.0 < model.rotary_percent <= 1.0:
+        raise ValueError(f"--rotary-percent {model.rotary_percent} must lie in (0, 1]")
+
+
+def query_groups(model: ModelConfig) -> int:
+    """Key/value heads: --num-query-groups with --group-query-attention, else the head count."""
+    return model.num_query_groups if model.group_query_attention else model.num_attention_heads
+
+
 def _check_gpt_tensor_parallel_split(config: MegatronConfig) -> None:
     """GPT's sizes split over the tensor-parallel ranks (runs after _validate_parallel)."""
     model, tp = config.model, config.parallel.tensor_model_parallel_size
@@ -179,6 +200,14 @@ def _check_gpt_tensor_parallel_split(config: MegatronConfig) -> None:
         raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
                          f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole "
                          f"heads: change the head count or the tensor-parallel size")
+    if query_groups(model) % tp:
+        raise ValueError(f"--num-query-groups {query_groups(model)} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole "
+                         f"key/value groups")
+    if config.parallel.sequence_parallel and model.seq_length % tp:
+        raise ValueError(f"--seq-length {model.seq_length} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; --sequence-parallel splits the "
+                         f"sequence evenly over the tensor-parallel ranks")
     if model.ffn_hidden_size % tp:
         raise ValueError(f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
                          f"--tensor-model-parallel-size {tp}; choose an FFN size that splits evenly")
@@ -198,6 +227,10 @@ def _validate_parallel(config: MegatronConfig, world_size: int,
             f"processes or change the parallel sizes (world size = TP x PP x DP)")
     parallel.world_size = world_size
     parallel.data_parallel_size = world_size // (tp * pp)
+    if parallel.sequence_parallel and tp == 1:
+        logger.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
+                       "turning it off")
+        parallel.sequence_parallel = False
     if parallel.distributed_timeout_minutes <= 0:
         raise ValueError(f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes} "
                          f"must be > 0")

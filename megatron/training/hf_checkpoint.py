@@ -4,9 +4,10 @@ hf`` / ``--source-format hf``).
 Export merges our checkpoint in any layout (TP, PP, interleaved, Chimera) to full weights with
 :func:`~megatron.training.checkpoint_conversion.merge_full_state` and writes a ``GPT2LMHeadModel``
 directory (``config.json``, ``model.safetensors``, and ``vocab.json`` / ``merges.txt`` when the run
-used the GPT-2 BPE tokenizer). Import reads such a directory, builds our config from its
-``config.json`` and writes a weights-only checkpoint of the chosen layout, loadable with
-``--finetune``.
+used the GPT-2 BPE tokenizer); a Llama-style model (RoPE, SwiGLU, RMSNorm) becomes a
+``LlamaForCausalLM`` instead (:mod:`megatron.training.hf_llama`). Import reads such a directory
+(GPT-2 or Llama), builds our config from its ``config.json`` and writes a weights-only checkpoint
+of the chosen layout, loadable with ``--finetune``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from megatron.training.checkpoint_conversion import (
 from megatron.training.hf_conversion import (
     HFConversionError, hf_config_dict, hf_to_ours_state, model_flags_from_hf, ours_to_hf_state,
     read_hf_directory, write_hf_directory)
+from megatron.training.hf_llama import (
+    LlamaConversionError, is_llama_style, llama_config_dict, llama_to_ours_state,
+    model_flags_from_llama, ours_to_llama_state)
 
 HF_TOKENIZER_FILES = ("vocab.json", "merges.txt")
 # validation needs a batch size, an iteration count and a learning rate; the written checkpoint is
@@ -78,19 +82,27 @@ def _tokenizer_files(config) -> list[tuple[str, str]]:
 
 def export_to_hf(load: str, save: str, iteration: Optional[int] = None, log=print,
                  registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> str:
-    """Write ``load``'s iteration (default: the tracker's) as a Hugging Face GPT-2 into ``save``
-    (``registry``: the schedule families the checkpoint's layout may name)."""
+    """Write ``load``'s iteration (default: the tracker's) as a Hugging Face GPT-2 (or, for a
+    Llama-style model, Llama) into ``save`` (``registry``: the schedule families the checkpoint's
+    layout may name)."""
     source = read_checkpoint(load, iteration)
     full = merge_full_state(source, registry)
     vocab = vocabulary_size(source.config)
+    model_config = source.config.model
+    llama = is_llama_style(model_config)
     try:
-        hf_state = ours_to_hf_state(full, source.config.model, vocab)
+        if llama:
+            hf_state = ours_to_llama_state(full, model_config, vocab)
+            hf_config = llama_config_dict(model_config, vocab)
+        else:
+            hf_state = ours_to_hf_state(full, model_config, vocab)
+            hf_config = hf_config_dict(model_config, vocab)
         tokenizer_files = _tokenizer_files(source.config)
-        write_hf_directory(save, hf_state, hf_config_dict(source.config.model, vocab),
-                           tokenizer_files)
-    except HFConversionError as error:
+        write_hf_directory(save, hf_state, hf_config, tokenizer_files)
+    except (HFConversionError, LlamaConversionError) as error:
         raise ConversionError(str(error)) from None
-    log(f"exported {load} iteration {source.iteration} to {save}: GPT2LMHeadModel, vocabulary "
+    log(f"exported {load} iteration {source.iteration} to {save}: "
+        f"{'LlamaForCausalLM' if llama else 'GPT2LMHeadModel'}, vocabulary "
         f"{vocab}, {len(hf_state)} tensors"
         + (", tokenizer files" if tokenizer_files else ", no tokenizer files"))
     return save
@@ -104,9 +116,13 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
     from megatron.training.config_validation import set_padded_vocab_size
     from megatron.training.tokenizer import build_tokenizer
 
-    flags = model_flags_from_hf(hf_config) + [
-        "--seq-length", str(seq_length or hf_config["n_positions"]),
-        "--make-vocab-size-divisible-by", str(divisible_by)]
+    if hf_config["model_type"] == "llama":
+        flags = model_flags_from_llama(hf_config) + [
+            "--seq-length", str(seq_length or hf_config["max_position_embeddings"])]
+    else:
+        flags = model_flags_from_hf(hf_config) + [
+            "--seq-length", str(seq_length or hf_config["n_positions"])]
+    flags += ["--make-vocab-size-divisible-by", str(divisible_by)]
     if all(os.path.isfile(os.path.join(hf_dir, name)) for name in HF_TOKENIZER_FILES):
         tokenizer_dir = os.path.join(save, "tokenizer")
         os.makedirs(tokenizer_dir, exist_ok=True)
@@ -118,7 +134,10 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
     else:
         flags += ["--mock-data", "--vocab-size", str(hf_config["vocab_size"])]
     try:
-        config = parse_args(flags + PLACEHOLDER_TRAINING_FLAGS + layout_flags(target, registry),
+        # with tokenizer files the data source is the user's (--data-path); validating the
+        # weights-only checkpoint's config needs one, so mock data stands in
+        data = [] if "--mock-data" in flags else ["--mock-data"]
+        config = parse_args(flags + PLACEHOLDER_TRAINING_FLAGS + data + layout_flags(target, registry),
                             world_size=target.tensor_model_parallel_size
                             * target.pipeline_model_parallel_size, registry=registry)
     except (ValueError, SystemExit) as error:
@@ -137,14 +156,17 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
 def import_from_hf(hf_dir: str, save: str, target: TargetLayout, *,
                    seq_length: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                    log=print, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> str:
-    """Write the Hugging Face GPT-2 in ``hf_dir`` as a weights-only checkpoint (iteration 0) of
+    """Write the Hugging Face GPT-2 or Llama in ``hf_dir`` as a weights-only checkpoint (iteration 0) of
     ``target``'s layout into ``save``. Returns the iteration directory."""
     try:
         hf_config, hf_state = read_hf_directory(hf_dir)
         config, train_flags = _import_config(hf_config, hf_dir, save, target, seq_length,
                                              make_vocab_size_divisible_by, registry)
-        full = hf_to_ours_state(hf_state, config.model)
-    except HFConversionError as error:
+        if hf_config["model_type"] == "llama":
+            full = llama_to_ours_state(hf_state, config.model)
+        else:
+            full = hf_to_ours_state(hf_state, config.model)
+    except (HFConversionError, LlamaConversionError) as error:
         raise ConversionError(str(error)) from None
     chunks = split_for_layout(full, config, registry)
     written = write_weights_checkpoint(save, 0, config, chunks, {}, note=f"hf:{hf_dir}",

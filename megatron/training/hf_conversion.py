@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 export and import of full (merged) weights.
+"""Hugging Face GPT-2 export and import of full (merged) weights (Llama: :mod:`megatron.training.hf_llama`).
 
 Our names and shapes (see :mod:`megatron.core.models.gpt`) map to ``GPT2LMHeadModel``'s:
 
@@ -89,9 +89,23 @@ def check_exportable(model_config) -> None:
         problems.append("--disable-bias-linear (GPT-2's linear layers have biases)")
     if model_config.swiglu or model_config.position_embedding_type != "learned_absolute":
         problems.append("--swiglu / rope (GPT-2 has a GeLU MLP and learned positions)")
+    others = [flag for flag, used in (
+        ("--squared-relu", model_config.squared_relu),
+        ("--no-position-embedding", model_config.no_position_embedding),
+        ("--apply-layernorm-1p", model_config.apply_layernorm_1p),
+        ("--qk-layernorm", model_config.qk_layernorm),
+        ("--add-qkv-bias", model_config.add_qkv_bias),
+        ("--group-query-attention", model_config.group_query_attention),
+        ("--kv-channels", model_config.kv_channels is not None and
+         model_config.kv_channels * model_config.num_attention_heads != model_config.hidden_size),
+    ) if used]
+    if others:
+        problems.append(f"{', '.join(others)} (GPT-2 has none of these)")
     if problems:
         raise HFConversionError(f"this model cannot be exported as a Hugging Face GPT-2: "
-                                f"{'; '.join(problems)}; export only GPT-2-shaped models")
+                                f"{'; '.join(problems)}; export only GPT-2-shaped models (or "
+                                f"Llama-style ones: rope + --swiglu + --normalization RMSNorm "
+                                f"export as LlamaForCausalLM)")
 
 
 def ours_to_hf_state(full: dict, model_config, vocab_size: int) -> dict:
@@ -186,9 +200,10 @@ def read_hf_directory(hf_dir: str) -> tuple[dict, dict]:
                                 f"Face model directory (e.g. one saved with save_pretrained)")
     with open(config_path) as handle:
         config = json.load(handle)
-    if config.get("model_type") != "gpt2":
+    if config.get("model_type") not in ("gpt2", "llama"):
         raise HFConversionError(f"{hf_dir} holds a {config.get('model_type')!r} model; only "
-                                f"GPT-2 (model_type 'gpt2') can be imported")
+                                f"GPT-2 and Llama (model_type 'gpt2' or 'llama') can be "
+                                f"imported")
     safetensors_path = os.path.join(hf_dir, HF_WEIGHTS_FILE)
     bin_path = os.path.join(hf_dir, "pytorch_model.bin")
     if os.path.isfile(safetensors_path):
@@ -198,9 +213,10 @@ def read_hf_directory(hf_dir: str) -> tuple[dict, dict]:
         state = torch.load(bin_path, map_location="cpu", weights_only=True)
     else:
         raise HFConversionError(f"{hf_dir} has neither {HF_WEIGHTS_FILE} nor pytorch_model.bin")
-    # GPT2Model (no LM head) checkpoints name tensors without the "transformer." prefix
-    state = {(name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"):
-             value for name, value in state.items()}
+    if config["model_type"] == "gpt2":
+        # GPT2Model (no LM head) checkpoints name tensors without the "transformer." prefix
+        state = {(name if name.startswith(("transformer.", "lm_head.")) else
+                  f"transformer.{name}"): value for name, value in state.items()}
     return config, state
 
 

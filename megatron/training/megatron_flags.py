@@ -4,7 +4,7 @@ ones that are known but not implemented.
 Megatron launch scripts carry many flags that only tune CUDA kernels, logging side channels or
 checkpoint formats. Those are **accepted and logged once as ignored** (:data:`COMPATIBILITY_FLAGS`):
 leaving them out cannot change what is trained. Flags for features this project does not have
-(mixture of experts, context parallelism, rotary embeddings, retro, vision, ...) would silently
+(mixture of experts, context parallelism, retro, vision, ...) would silently
 train a different model if ignored, so they are **known but not implemented**
 (:data:`UNIMPLEMENTED_FLAGS`): the parser accepts their syntax only so that one run can report every
 problem together, each one named as "not implemented" rather than "unknown".
@@ -260,8 +260,6 @@ _BIENCODER = "biencoder and ICT/REALM retrieval models are not implemented"
 _BERT = "BERT models are not implemented (this project trains GPT)"
 _ENCODER_DECODER = "encoder-decoder (T5) models are not implemented"
 _BERT_T5_DATA = "read only by Megatron's BERT, T5 and ICT datasets, which are not implemented"
-_ROTARY = "rotary embeddings are not implemented"
-_QUERY_GROUPS = "attention is multi-head (no query groups)"
 _EQUAL_STAGES = "stages always hold equal numbers of layers"
 _CONSTANT_WEIGHT_DECAY = "weight decay is constant (--weight-decay)"
 _ONE_LEARNING_RATE = "all parameters share one learning rate"
@@ -318,20 +316,14 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
                "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
                "--standalone-embedding-stage"),
     # Architecture details.
-    *_rejected(_QUERY_GROUPS, "--group-query-attention", "--num-query-groups"),
-    UnimplementedFlag("--kv-channels", "the head size is always hidden-size / heads"),
-    *_rejected(_ROTARY, "--use-rotary-position-embeddings", "--rotary-percent", "--rotary-base",
-               "--rotary-interleaved", "--rotary-seq-len-interpolation-factor"),
-    UnimplementedFlag("--no-position-embedding", "the model always has learned positions"),
-    UnimplementedFlag("--qk-layernorm", "there is no query/key normalisation"),
-    UnimplementedFlag("--apply-layernorm-1p", "LayerNorm weights are not zero-centred"),
+    UnimplementedFlag("--use-rotary-position-embeddings",
+                      "a legacy spelling; use --position-embedding-type rope"),
+    UnimplementedFlag("--rotary-seq-len-interpolation-factor",
+                      "rotary position interpolation is not implemented"),
     UnimplementedFlag("--apply-residual-connection-post-layernorm",
                       "residuals always branch before the LayerNorm"),
     UnimplementedFlag("--fp32-residual-connection", "the residual stream is in the model dtype"),
     UnimplementedFlag("--fp16-lm-cross-entropy", "the cross entropy is always computed in fp32"),
-    UnimplementedFlag("--squared-relu", "the MLP uses GeLU"),
-    UnimplementedFlag("--add-qkv-bias", "a bias on the query/key/value projection alone is not "
-                                        "implemented"),
     UnimplementedFlag("--init-method-xavier-uniform", "initialisation is normal(0, std)"),
     UnimplementedFlag("--data-parallel-random-init",
                       "every data-parallel replica starts from the same weights"),
@@ -383,7 +375,6 @@ VALUES_NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
         "HuggingFaceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer", "MistralTokenizer",
         "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer")},
     "--position-embedding-type": {
-        "none": "a GPT without position embeddings is not implemented",
         "relative": "relative position embeddings are not implemented"},
     "--distributed-backend": {"ccl": "only the nccl and gloo backends are supported"},
 }

@@ -7,7 +7,11 @@ each holding ``args`` (its argparse namespace) and ``model``: in the legacy layo
 ``embedding.…`` / ``decoder.layers.i.…`` / ``output_layer.weight`` names like ours (Transformer
 Engine's fused ``layer_norm_weight`` names are accepted, ``_extra_state`` entries are dropped).
 Layer numbers are local to each pipeline stage. Tensor-parallel shards are merged with Megatron's
-partitioning (the same as ours: the QKV rows are ``[heads, 3, head_dim]``).
+partitioning (the same as ours: the QKV rows are ``[groups, heads/groups + 2, head_dim]``, i.e.
+``[heads, 3, head_dim]`` without grouped-query attention), except SwiGLU's ``linear_fc1``: a
+Megatron-LM rank holds ``[gate_r; up_r]`` stacked along the rows, which becomes its block of our
+``[2, ffn, h]`` (gate, up). The modern block's options (RoPE, SwiGLU, RMSNorm, GQA, ...) carry over
+from the checkpoint's ``args``.
 """
 
 from __future__ import annotations
@@ -105,13 +109,17 @@ def _check_args(args) -> None:
     if get("virtual_pipeline_model_parallel_size"):
         problems.append("a virtual (interleaved) pipeline checkpoint: convert it to "
                         "--virtual-pipeline-model-parallel-size 1 with Megatron-LM first")
-    if get("group_query_attention") or (get("num_query_groups") and
-                                        get("num_query_groups") != args.num_attention_heads):
-        problems.append("grouped-query attention")
-    if get("swiglu") or get("position_embedding_type", "learned_absolute") != "learned_absolute":
-        problems.append("SwiGLU or rotary positions (GPT-2 has neither)")
-    if get("normalization", "LayerNorm") != "LayerNorm" or get("add_bias_linear", True) is False:
-        problems.append("RMSNorm or linear layers without bias")
+    if get("num_experts"):
+        problems.append("mixture of experts")
+    if get("multi_latent_attention"):
+        problems.append("multi-latent attention")
+    if get("position_embedding_type", "learned_absolute") not in ("learned_absolute", "rope",
+                                                                 "none"):
+        problems.append(f"position embedding {get('position_embedding_type')!r}")
+    if get("rotary_seq_len_interpolation_factor"):
+        problems.append("rotary position interpolation")
+    if get("apply_residual_connection_post_layernorm"):
+        problems.append("residual connections after the LayerNorm")
     if problems:
         raise ConversionError(f"this Megatron-LM checkpoint cannot be imported: "
                               f"{'; '.join(problems)}")
@@ -144,6 +152,12 @@ def read_megatron_lm(root: str, iteration: Optional[int] = None) -> tuple:
                                   f"the checkpoint is incomplete")
         ordered = [by_rank[rank] for rank in range(tp_size)]
         dim = _partition_dim(name)
+        if getattr(args, "swiglu", False) and name.endswith(("linear_fc1.weight",
+                                                              "linear_fc1.bias")):
+            # each rank's [gate_r; up_r] rows -> its block of our [2, ffn, ...]
+            full[name] = torch.cat([shard.reshape(2, -1, *shard.shape[1:]) for shard in ordered],
+                                   dim=1)
+            continue
         full[name] = ordered[0] if dim is None else torch.cat(ordered, dim=dim)
     return args, full
 
@@ -155,7 +169,8 @@ def _config_flags(args, seq_length: Optional[int]) -> list[str]:
                                       or 4 * args.hidden_size),
              "--max-position-embeddings", str(args.max_position_embeddings),
              "--seq-length", str(seq_length or args.seq_length),
-             "--layernorm-epsilon", repr(getattr(args, "layernorm_epsilon", 1e-5)),
+             "--layernorm-epsilon", repr(getattr(args, "norm_epsilon", None)
+                                         or getattr(args, "layernorm_epsilon", 1e-5)),
              "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
              "--lr", "1e-4", "--mock-data", "--vocab-size", str(args.padded_vocab_size),
              "--make-vocab-size-divisible-by", "1"]
@@ -163,6 +178,38 @@ def _config_flags(args, seq_length: Optional[int]) -> list[str]:
         flags.append("--openai-gelu")
     if getattr(args, "untie_embeddings_and_output_weights", False):
         flags.append("--untie-embeddings-and-output-weights")
+    return flags + _modern_block_flags(args)
+
+
+def _modern_block_flags(args) -> list[str]:
+    """Our flags for the checkpoint's RoPE / SwiGLU / RMSNorm / GQA / bias options."""
+    def get(name, default=None):
+        return getattr(args, name, default)
+    flags = []
+    position = get("position_embedding_type", "learned_absolute")
+    if position != "learned_absolute":
+        flags += ["--position-embedding-type", position]
+    if position == "rope":
+        flags += ["--rotary-percent", repr(float(get("rotary_percent", 1.0))),
+                  "--rotary-base", str(int(get("rotary_base", 10000)))]
+        if get("rotary_interleaved"):
+            flags.append("--rotary-interleaved")
+    if get("add_position_embedding", True) is False:
+        flags.append("--no-position-embedding")
+    switches = {"swiglu": "--swiglu", "squared_relu": "--squared-relu",
+                "apply_layernorm_1p": "--apply-layernorm-1p", "qk_layernorm": "--qk-layernorm",
+                "add_qkv_bias": "--add-qkv-bias"}
+    flags += [flag for name, flag in switches.items() if get(name)]
+    if get("normalization", "LayerNorm") != "LayerNorm":
+        flags += ["--normalization", get("normalization")]
+    if get("add_bias_linear", True) is False:
+        flags.append("--disable-bias-linear")
+    groups = get("num_query_groups")
+    if get("group_query_attention") and groups and groups != args.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(groups)]
+    kv_channels = get("kv_channels")
+    if kv_channels and kv_channels * args.num_attention_heads != args.hidden_size:
+        flags += ["--kv-channels", str(kv_channels)]
     return flags
 
 
@@ -189,5 +236,5 @@ def import_megatron_lm(load: str, save: str, target: TargetLayout, *,
     written = write_weights_checkpoint(save, 0, config, split_for_layout(full, config), {},
                                        note=f"megatron-lm:{load}")
     log(f"imported Megatron-LM checkpoint {load} into {written}; model flags: "
-        f"{' '.join(flags[:14])}")
+        f"{' '.join(flags[:14] + _modern_block_flags(args))}")
     return written

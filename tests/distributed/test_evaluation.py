@@ -3,14 +3,12 @@ loop on the same samples; LAMBADA-style last-word accuracy on a tiny JSON-lines 
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import pretrain_gpt
-from data_helpers import gpt2_files
+from data_helpers import gpt2_corpus
 from megatron.core.parallel_state import ParallelState
 from megatron.inference.evaluation import last_word_accuracy, read_last_word_examples
 from megatron.inference.loading import load_model, model_from_full_state
@@ -21,23 +19,12 @@ from megatron.training.training import pretrain
 from inference_helpers import random_full_weights, write_checkpoint
 
 torch.set_num_threads(1)
-REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--max-position-embeddings 16 --make-vocab-size-divisible-by 32 --seed 1234").split()
 
 
 def _corpus(tmp_path):
-    vocab, merges = gpt2_files(tmp_path)
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"the cat {i} sat on the mat and ran"}) + "\n"
-                              for i in range(60)))
-    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
-                    "--json-keys", "text", "--output-prefix", str(tmp_path / "corpus"),
-                    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-                    "--merge-file", merges, "--append-eod", "--workers", "1"], cwd=REPO,
-                   check=True, timeout=120, capture_output=True)
-    return ["--data-path", str(tmp_path / "corpus_text_document"), "--tokenizer-type",
-            "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    return gpt2_corpus(tmp_path)
 
 
 def test_perplexity_equals_exp_of_the_training_validation_loss(tmp_path, capsys):

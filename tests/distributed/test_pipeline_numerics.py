@@ -25,12 +25,13 @@ def reference(batch_flags: str) -> dict:
     return train_one_step(0, 1, batch_flags.split())
 
 
-def assert_matches_reference(results: list[dict], expected: dict) -> None:
+def assert_matches_reference(results: list[dict], expected: dict,
+                             fields: tuple[str, ...] = ("grads", "params")) -> None:
     for result in results:
         if result["loss"] is not None:
             assert result["loss"] == pytest.approx(expected["loss"], rel=LOSS_TOLERANCE)
         assert result["grad_norm"] == pytest.approx(expected["grad_norm"], rel=TOLERANCE)
-    for field in ("grads", "params"):
+    for field in fields:
         copies = merge_copies(results, field)
         reference_values = {name: value for (_, name), value in expected[field].items()}
         assert set(copies) == set(reference_values), f"{field}: parameter sets differ"
@@ -174,3 +175,48 @@ def test_tied_embedding_copies_stay_identical_after_the_step():
     assert len(copies) == 4  # Chimera D=4: stage 0 and stage 3 of both pipelines
     for copy in copies[1:]:
         assert torch.equal(copy, copies[0])
+
+
+# The modern block (issue 27): the Llama-style combination and the remaining options, alone and
+# with sequence parallelism, under 1F1B, Chimera and data parallelism (float64, dropout on).
+LLAMA_FLAGS = ("--position-embedding-type rope --swiglu --normalization RMSNorm "
+               "--disable-bias-linear --group-query-attention --num-query-groups 2 "
+               "--ffn-hidden-size 48")
+OTHER_FLAGS = ("--position-embedding-type rope --rotary-percent 0.5 --rotary-interleaved "
+               "--rotary-base 500 --squared-relu --apply-layernorm-1p --qk-layernorm "
+               "--disable-bias-linear --add-qkv-bias --kv-channels 12")
+TP2_PP2 = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+MODERN_LAYOUTS = [
+    (LLAMA_FLAGS, f"{TP2_PP2} --pipeline-schedule 1f1b", 4),
+    (LLAMA_FLAGS, "--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 2),
+    (LLAMA_FLAGS, "--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4),  # DP 2
+    (LLAMA_FLAGS, f"{TP2_PP2} --pipeline-schedule chimera --sequence-parallel", 4),
+    (OTHER_FLAGS, f"{TP2_PP2} --pipeline-schedule 1f1b", 4),
+    (OTHER_FLAGS, "--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4),  # DP 2
+    (OTHER_FLAGS, f"{TP2_PP2} --pipeline-schedule chimera --sequence-parallel", 4),
+    ("", f"{TP2_PP2} --pipeline-schedule 1f1b --sequence-parallel", 4),
+    ("", f"{TP2_PP2} --pipeline-schedule chimera --sequence-parallel", 4),
+    ("", f"{TP2_PP2} --pipeline-schedule chimera --sequence-parallel "
+         "--use-distributed-optimizer", 4),
+    ("", f"{TP2_PP2} --num-layers-per-virtual-pipeline-stage 2 --sequence-parallel", 4),
+    ("", f"{TP2_PP2} --pipeline-schedule gpipe --sequence-parallel", 4),
+    (LLAMA_FLAGS, f"{TP2_PP2} --pipeline-schedule chimera --sequence-parallel "
+                  "--split-backward", 4),
+    (LLAMA_FLAGS, f"{TP2_PP2} --pipeline-schedule chimera --chimera-variant backward-halving "
+                  "--sequence-parallel --recompute-granularity selective", 4),
+    (LLAMA_FLAGS, "--tensor-model-parallel-size 2 --sequence-parallel "
+                  "--use-distributed-optimizer", 4),  # TP 2 x DP 2, no pipeline
+]
+
+
+@pytest.mark.parametrize("model_flags,flags,world_size", MODERN_LAYOUTS,
+                         ids=[f"{w}ranks:{'llama' if m == LLAMA_FLAGS else 'other' if m else 'gpt2'}"
+                              f":{f.replace('--', '')}" for m, f, w in MODERN_LAYOUTS])
+def test_modern_block_and_sequence_parallel_reproduce_single_process(model_flags, flags,
+                                                                     world_size):
+    results = run_distributed(train_one_step, world_size,
+                              f"{model_flags} {flags} {BATCH_N4}".split(), timeout=240)
+    # The distributed optimizer leaves each rank only its shard's reduced gradient: compare the
+    # gradient norm and the stepped parameters.
+    fields = ("params",) if "distributed-optimizer" in flags else ("grads", "params")
+    assert_matches_reference(results, reference(f"{model_flags} {BATCH_N4}"), fields)

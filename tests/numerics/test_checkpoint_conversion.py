@@ -132,13 +132,14 @@ def _reference_loss(config, full):
     return _loss([model], config)
 
 
-def _load_target(root, config, flags="--finetune"):
-    """Build every rank of ``config``'s layout and load ``root`` into it with the Checkpointer.
-    Returns ({(pipeline, stage): chunk}, {(tp, pp): chunks}, training states, log lines)."""
+def _load_target(root, config, flags="--finetune", model_flags=""):
+    """Build every rank of ``config``'s layout (with ``model_flags``) and load ``root`` into it with
+    the Checkpointer. Returns ({(pipeline, stage): chunk}, {(tp, pp): chunks}, training states,
+    log lines)."""
     parallel = config.parallel
     load_config = _config(parallel.tensor_model_parallel_size,
                           parallel.pipeline_model_parallel_size, parallel.pipeline_schedule,
-                          f"--load {root} {flags}")
+                          f"--load {root} {flags} {model_flags}")
     modules, by_rank, states, lines = {}, {}, [], []
     for tp_rank in range(parallel.tensor_model_parallel_size):
         for pp_rank in range(parallel.pipeline_model_parallel_size):
@@ -176,6 +177,23 @@ def test_pipeline_checkpoint_to_single_process(tmp_path, source):
     modules, _, states, lines = _load_target(tmp_path / "dst", target, "--no-load-optim")
     assert states == [TrainingState(ITERATION, *CONSUMED)]
     assert any("weights only" in line for line in lines)
+    for name, value in modules[(0, 0)].state_dict().items():
+        assert torch.equal(value, full[name]), name
+    assert torch.equal(_loss([modules[(0, 0)]], target), _reference_loss(target, full))
+
+
+def test_llama_style_sequence_parallel_checkpoint_to_single_process(tmp_path):
+    """Stacked SwiGLU weights, GQA rows and sequence-parallel runs convert like any other."""
+    llama = ("--position-embedding-type rope --swiglu --normalization RMSNorm "
+             "--disable-bias-linear --group-query-attention --num-query-groups 2 "
+             "--ffn-hidden-size 48 --untie-embeddings-and-output-weights")
+    config = _config(2, 2, "chimera", extra=f"{llama} --sequence-parallel")
+    full = _random_full_weights(config)
+    assert full["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2, 48, 32)
+    _write_source(tmp_path / "src", config, full)
+    convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"), TargetLayout(), log=print)
+    target = _config(extra=llama)
+    modules, _, _, _ = _load_target(tmp_path / "dst", target, "--no-load-optim", llama)
     for name, value in modules[(0, 0)].state_dict().items():
         assert torch.equal(value, full[name]), name
     assert torch.equal(_loss([modules[(0, 0)]], target), _reference_loss(target, full))

@@ -8,7 +8,7 @@ import torch
 from megatron.inference.generation import (
     KVCache, SamplingParams, forward_with_cache, full_logits, generate, next_token)
 from megatron.inference.loading import load_model
-from inference_helpers import VOCAB, random_full_weights, tiny_config, write_checkpoint
+from inference_helpers import LLAMA, VOCAB, random_full_weights, tiny_config, write_checkpoint
 
 torch.set_num_threads(1)
 PROMPT = [3, 17, 42, 5, 9]
@@ -42,6 +42,26 @@ def test_greedy_generation_equals_recomputation_without_cache(pipeline_checkpoin
     assert len(set(generated)) > 1  # not a degenerate constant output
     # the sequence limit (16 positions) stops generation
     assert len(generate(model, PROMPT, 100, SamplingParams(), vocab_size=VOCAB)) == 16 - 5
+
+
+@pytest.mark.parametrize("layout", [(1, 1, None), (1, 2, "chimera")], ids=["pp1", "chimera-pp2"])
+def test_llama_style_cached_generation_equals_the_full_forward_pass(tmp_path, layout):
+    """RoPE rotates cached keys by their position and grouped-query attention caches one key/value
+    per group: the cached logits and greedy generation match the uncached forward pass."""
+    config = tiny_config(*layout, extra=LLAMA)
+    model, _ = load_model(write_checkpoint(tmp_path / "ckpt", config,
+                                           random_full_weights(config, scale=0.3)))
+    tokens = torch.tensor([PROMPT + [11, 12, 13]])
+    cache = KVCache()
+    pieces = [forward_with_cache(model, tokens[:, :5], cache)]
+    pieces += [forward_with_cache(model, tokens[:, i:i + 1], cache) for i in range(5, 8)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full_logits(model, tokens),
+                               atol=1e-5, rtol=0)
+    generated = generate(model, PROMPT, 6, SamplingParams(), vocab_size=VOCAB)
+    sequence = list(PROMPT)
+    for _ in range(6):
+        sequence.append(int(full_logits(model, torch.tensor([sequence]))[0, -1, :VOCAB].argmax()))
+    assert generated == sequence[len(PROMPT):]
 
 
 def test_sampling_is_reproducible_and_filtered():

@@ -17,7 +17,7 @@ from megatron.training.checkpoint_conversion import (
     ConversionError, TargetLayout, merge_full_state, read_checkpoint)
 from megatron.training.hf_checkpoint import export_to_hf, import_from_hf
 from megatron.training.hf_conversion import HFConversionError, check_exportable
-from inference_helpers import VOCAB, random_full_weights, tiny_config, write_checkpoint
+from inference_helpers import LLAMA, VOCAB, random_full_weights, tiny_config, write_checkpoint
 
 torch.set_num_threads(1)
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -133,3 +133,78 @@ def test_imported_gpt2_fine_tunes_with_the_printed_flags(tmp_path):
                       checkpointing=Checkpointer(config, log=log.append), log=log.append)
     assert any("successfully loaded" in line for line in log)
     assert math.isfinite(result.history[-1].losses["lm loss"])
+
+
+# ---- Llama (issue 27) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout,extra", [
+    ((2, 1, None), ""), ((1, 2, "chimera"), "--kv-channels 16 --rotary-base 500"),
+    ((2, 2, "chimera"), "--group-query-attention --num-query-groups 4")],
+    ids=["tp2-gqa2", "chimera-pp2-kv-channels", "chimera-tp2xpp2-groups-equal-heads"])
+def test_llama_export_loads_in_transformers_with_our_logits(tmp_path, layout, extra):
+    from transformers import LlamaForCausalLM
+    config = tiny_config(*layout, extra=f"{LLAMA} {extra}")
+    full = random_full_weights(config, scale=0.2)
+    write_checkpoint(tmp_path / "ckpt", config, full)
+    export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), log=print)
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["model_type"] == "llama" and hf_config["vocab_size"] == VOCAB
+    hf_model = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        theirs = hf_model(TOKENS).logits
+    ours = full_logits(model_from_full_state(full, tiny_config(extra=f"{LLAMA} {extra}")),
+                       TOKENS)[..., :VOCAB]
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    assert ours.abs().max() > 0.1
+
+    # import back (into another layout): the same tensors exactly
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "back"),
+                   TargetLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                pipeline_schedule="chimera"),
+                   seq_length=16, make_vocab_size_divisible_by=32, log=print)
+    merged = merge_full_state(read_checkpoint(str(tmp_path / "back")))
+    assert merged.keys() == full.keys()
+    for name, value in full.items():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert torch.equal(merged[name][:VOCAB], value[:VOCAB]), name
+        else:
+            assert torch.equal(merged[name], value), name
+
+
+def test_random_llama_imports_with_its_logits_and_round_trips_exactly(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(5)
+    hf_model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=1000.0)).eval()
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"),
+                   TargetLayout(tensor_model_parallel_size=2), make_vocab_size_divisible_by=8,
+                   log=print)
+    model, config = load_model(str(tmp_path / "ckpt"))
+    assert config.model.group_query_attention and config.model.num_query_groups == 2
+    assert config.model.rotary_base == 1000 and config.model.swiglu
+    tokens = TOKENS % 50
+    with torch.no_grad():
+        theirs = hf_model(tokens).logits
+    torch.testing.assert_close(full_logits(model, tokens)[..., :50], theirs, atol=1e-4, rtol=0)
+    export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), log=print)
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(back) == set(original)
+    for name, value in original.items():
+        assert torch.equal(back[name], value), name
+
+
+def test_models_neither_gpt2_nor_llama_are_refused_with_the_flag_to_change(tmp_path):
+    config = tiny_config(extra=f"{LLAMA} --qk-layernorm")
+    write_checkpoint(tmp_path / "ckpt", config, random_full_weights(config))
+    with pytest.raises(ConversionError, match="--qk-layernorm has no Llama counterpart"):
+        export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), log=print)
+    gqa = dataclasses.replace(tiny_config().model, group_query_attention=True, num_query_groups=2)
+    with pytest.raises(HFConversionError, match="--group-query-attention"):
+        check_exportable(gqa)

@@ -13,7 +13,7 @@ import torch
 from megatron.training.checkpoint_conversion import (
     ConversionError, TargetLayout, merge_full_state, read_checkpoint)
 from megatron.training.megatron_lm_import import _partition_dim
-from inference_helpers import random_full_weights, tiny_config
+from inference_helpers import LLAMA, random_full_weights, tiny_config
 
 torch.set_num_threads(1)
 LEGACY = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm",
@@ -68,7 +68,18 @@ def _nest(flat):
     return tree
 
 
-def _write_megatron_lm(root, full, flavour):
+def _shard(name, value, tp_rank, swiglu):
+    """Rank ``tp_rank``'s Megatron-LM shard of our full tensor ``name``."""
+    dim = _partition_dim(name)
+    if swiglu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+        # ours [2, ffn, ...] -> Megatron-LM's per-rank rows [gate_r; up_r]
+        block = value.chunk(2, dim=1)[tp_rank]
+        return block.reshape(-1, *block.shape[2:]).clone()
+    return value if dim is None else value.chunk(2, dim=dim)[tp_rank].clone()
+
+
+def _write_megatron_lm(root, full, flavour, args=None):
+    args = args or _args()
     for tp_rank in range(2):
         for pp_rank in range(2):
             flat = {}
@@ -76,8 +87,7 @@ def _write_megatron_lm(root, full, flavour):
                 theirs = _stage_names(name, pp_rank, flavour)
                 if theirs is None:
                     continue
-                dim = _partition_dim(name)
-                flat[theirs] = value if dim is None else value.chunk(2, dim=dim)[tp_rank].clone()
+                flat[theirs] = _shard(name, value, tp_rank, getattr(args, "swiglu", False))
             head = full["embedding.word_embeddings.weight"].chunk(2)[tp_rank].clone()
             if flavour == "legacy":
                 model = _nest(flat)
@@ -91,7 +101,7 @@ def _write_megatron_lm(root, full, flavour):
             path = os.path.join(root, "iter_0000010", f"mp_rank_{tp_rank:02d}_{pp_rank:03d}",
                                 "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path))
-            torch.save({"args": _args(), "checkpoint_version": 3.0, "iteration": 10,
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 10,
                         "model": model}, path)
     (root / "latest_checkpointed_iteration.txt").write_text("10")
 
@@ -115,9 +125,35 @@ def test_unsupported_megatron_lm_checkpoints_are_refused(tmp_path):
     from megatron.training.megatron_lm_import import import_megatron_lm
     path = tmp_path / "mlm" / "release" / "mp_rank_00" / "model_optim_rng.pt"
     os.makedirs(path.parent)
-    torch.save({"args": _args(swiglu=True), "model": {}}, path)
+    torch.save({"args": _args(num_experts=8), "model": {}}, path)
     (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").write_text("release")
-    with pytest.raises(ConversionError, match="SwiGLU"):
+    with pytest.raises(ConversionError, match="mixture of experts"):
         import_megatron_lm(str(tmp_path / "mlm"), str(tmp_path / "out"), TargetLayout())
     with pytest.raises(ConversionError, match="no latest_checkpointed_iteration"):
         import_megatron_lm(str(tmp_path / "none"), str(tmp_path / "out"), TargetLayout())
+
+
+@pytest.mark.parametrize("flavour", ["legacy", "mcore"])
+def test_llama_style_megatron_lm_checkpoint_imports_with_the_same_weights(tmp_path, flavour):
+    """RoPE, SwiGLU (Megatron-LM's per-rank [gate; up] rows), RMSNorm, no biases, GQA: the
+    options come from the checkpoint's args and the weights arrive unchanged."""
+    from megatron.training.megatron_lm_import import import_megatron_lm
+    config = tiny_config(2, 2, extra=LLAMA + " --rotary-base 500")
+    full = random_full_weights(config)
+    full.pop("output_layer.weight")  # the args below tie the output layer to the embedding
+    args = _args(position_embedding_type="rope", rotary_base=500, rotary_percent=1.0,
+                 swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                 group_query_attention=True, num_query_groups=2, ffn_hidden_size=48,
+                 kv_channels=8, add_position_embedding=False, norm_epsilon=1e-5)
+    _write_megatron_lm(tmp_path / "mlm", full, flavour, args)
+    import_megatron_lm(str(tmp_path / "mlm"), str(tmp_path / "ours"),
+                       TargetLayout(tensor_model_parallel_size=2), log=print)
+    imported = read_checkpoint(str(tmp_path / "ours"))
+    model = imported.config.model
+    assert (model.position_embedding_type, model.rotary_base, model.swiglu, model.normalization,
+            model.disable_bias_linear, model.num_query_groups) == ("rope", 500, True, "RMSNorm",
+                                                                   True, 2)
+    merged = merge_full_state(imported)
+    assert merged.keys() == full.keys()
+    for name, value in full.items():
+        assert torch.equal(merged[name], value), name

@@ -290,9 +290,11 @@ def test_parameter_attributes():
     (dict(padded_vocab_size=None), 1, "padded_vocab_size"),
     (dict(padded_vocab_size=97), 2, "padded vocabulary"),
     (dict(seq_length=32), 1, "max-position-embeddings"),
-    (dict(swiglu=True), 1, "swiglu"),
-    (dict(normalization="RMSNorm"), 1, "--normalization RMSNorm is not supported yet"),
-    (dict(disable_bias_linear=True), 1, "--disable-bias-linear is not supported yet"),
+    (dict(swiglu=True, squared_relu=True), 1, "squared-relu"),
+    (dict(group_query_attention=True), 1, "needs --num-query-groups"),
+    (dict(group_query_attention=True, num_query_groups=3), 1, "multiple of num-query-groups"),
+    (dict(group_query_attention=True, num_query_groups=2), 4, "num-query-groups"),
+    (dict(position_embedding_type="rope", rotary_percent=0.1), 1, "rotary-percent"),
 ])
 def test_bad_configurations_explain_themselves(overrides, tp_size, message):
     with pytest.raises(ValueError, match=message):

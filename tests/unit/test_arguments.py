@@ -184,16 +184,17 @@ def test_every_problem_is_reported_in_one_message(capsys):
     """Unknown flags, unimplemented Megatron flags, unsupported config features and invalid
     combinations: all in one exit, each saying which kind of problem it is."""
     argv = [item for item in TINY if item not in ("--lr", "1e-3")]
-    argv += ["--num-experts", "8", "--sequence-parallel", "--swiglu", "--hiden-size", "64",
-             "--fp16", "--bf16"]
+    argv += ["--num-experts", "8", "--context-parallel-size", "2",
+             "--use-rotary-position-embeddings", "--hiden-size", "64", "--fp16", "--bf16"]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv, world_size=1)
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
-    assert "6 problems" in message
+    assert "6 problems" in message, message
     for expected in ("--num-experts is not implemented: mixture of experts",
                      "unknown flag --hiden-size (did you mean --hidden-size?)",
-                     "--sequence-parallel is not supported yet", "--swiglu is not supported yet",
+                     "--context-parallel-size is not implemented: context parallelism",
+                     "--use-rotary-position-embeddings is not implemented: a legacy spelling",
                      "--fp16 and --bf16 are mutually exclusive", "--lr (peak learning rate) is "
                      "required"):
         assert expected in message, expected

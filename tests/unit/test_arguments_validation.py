@@ -1,6 +1,7 @@
 """Tier 0: cross-flag validation before any process group — each bad combination gives its own
 message, derived fields are filled as Megatron does, and the pipeline-schedule flags of issue 4."""
 
+import dataclasses
 import sys
 import types
 
@@ -118,7 +119,9 @@ BAD_COMBINATIONS = [
     (TINY + ["--hidden-dropout", "1.5"], 1, ["--hidden-dropout 1.5"]),
     (TINY + ["--distributed-timeout-minutes", "0"], 1, ["--distributed-timeout-minutes"]),
     # Features that are flags but not implemented: rejected, never silently ignored.
-    (TINY + ["--sequence-parallel"], 1, ["--sequence-parallel is not supported yet"]),
+    (TINY + ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "63",
+             "--max-position-embeddings", "64"], 2,
+     ["--seq-length 63 is not divisible by --tensor-model-parallel-size 2"]),
     (TINY + ["--rampup-batch-size", "4", "5", "100"], 1, ["not a multiple of the increment 5"]),
     (TINY + ["--rampup-batch-size", "4", "4"], 1, ["takes three numbers"]),
     (TINY + ["--rampup-batch-size", "4", "4", "100"], 4, ["must be multiples of --micro-batch"]),
@@ -130,10 +133,15 @@ BAD_COMBINATIONS = [
      ["--lr-decay-samples / --lr-warmup-samples belong to samples-based"]),
     (replaced(TINY, "--train-iters", "5") + ["--train-samples", "80", "--lr-warmup-iters", "1"], 1,
      ["with --train-samples use --lr-decay-samples"]),
-    (TINY + ["--position-embedding-type", "rope"], 1, ["--position-embedding-type rope"]),
-    (TINY + ["--swiglu"], 1, ["--swiglu is not supported yet"]),
-    (TINY + ["--normalization", "RMSNorm"], 1, ["--normalization RMSNorm is not supported yet"]),
-    (TINY + ["--disable-bias-linear"], 1, ["--disable-bias-linear is not supported yet"]),
+    (TINY + ["--position-embedding-type", "rope", "--rotary-percent", "0"], 1,
+     ["--rotary-percent 0.0 must lie in (0, 1]"]),
+    (TINY + ["--swiglu", "--squared-relu"], 1, ["--swiglu and --squared-relu"]),
+    (TINY + ["--group-query-attention"], 1, ["--group-query-attention needs --num-query-groups"]),
+    (TINY + ["--group-query-attention", "--num-query-groups", "3"], 1,
+     ["--num-attention-heads 4 is not divisible by --num-query-groups 3"]),
+    (TINY + ["--group-query-attention", "--num-query-groups", "2",
+             "--tensor-model-parallel-size", "4"], 4,
+     ["--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"]),
 ]
 
 
@@ -307,4 +315,18 @@ def test_model_feature_gates_are_one_table_for_validation_and_the_model():
                              if feature.section == "model"}
     assert refused_by_validation == gated
     assert refused_model_features(ModelConfig()) == []
-    assert len(refused_model_features(ModelConfig(swiglu=True, normalization="RMSNorm"))) == 2
+    # every gate's own feature is refused (the table is empty now that the modern block exists)
+    assert all(refused_model_features(dataclasses.replace(
+        ModelConfig(), **{gate.field: True})) for gate in MODEL_FEATURE_GATES
+               if gate.is_used(True))
+
+
+def test_sequence_parallel_without_tensor_parallelism_is_turned_off_with_a_warning(caplog):
+    import logging
+    with caplog.at_level(logging.WARNING):
+        config = parse_args(TINY + ["--sequence-parallel"], world_size=1)
+    assert config.parallel.sequence_parallel is False
+    assert any("--sequence-parallel has no effect" in r.getMessage() for r in caplog.records)
+    config = parse_args(TINY + ["--sequence-parallel", "--tensor-model-parallel-size", "2"],
+                        world_size=2)
+    assert config.parallel.sequence_parallel is True

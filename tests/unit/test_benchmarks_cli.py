@@ -103,3 +103,12 @@ def test_a2sgd_benchmark_arguments_and_variants():
     args = a2sgd_benchmark.parse_arguments([])
     assert (args.iters, args.dp, args.sync_interval) == (50, [2, 4], 10)
     assert [g for _, g in a2sgd_benchmark.VARIANTS] == [None, "model", "bucket", "tensor"]
+
+
+def test_sequence_parallel_memory_quick(capsys):
+    import sequence_parallel_memory
+    assert sequence_parallel_memory.main(["--quick"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[:2] for row in rows] == [["gpt2", "0"], ["gpt2", "1"], ["llama", "0"],
+                                         ["llama", "1"]]
+    assert all(float(row[4]) > 1.0 for row in rows)  # sequence parallelism stores less

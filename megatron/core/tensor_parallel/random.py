@@ -213,7 +213,9 @@ class DropoutContext:
     ``dropout``: the counter-based generator; ``sample_ids``: global sample ids ``[b]``;
     ``enabled``: training mode; ``first_sample``: the micro-batch's first global sample id (a
     python int, keys the fused attention dropout's stream); ``layout_invariant_attention``: draw
-    attention-dropout masks from the counter-based hash instead (--layout-invariant-attention-dropout).
+    attention-dropout masks from the counter-based hash instead (--layout-invariant-attention-dropout);
+    ``sequence_shard``: under sequence parallelism, (first position, full sequence length) of the
+    block of the sequence this rank's hidden states hold (None: the whole sequence).
     """
 
     dropout: CounterBasedDropout
@@ -221,11 +223,18 @@ class DropoutContext:
     enabled: bool
     first_sample: int = 0
     layout_invariant_attention: bool = False
+    sequence_shard: Optional[tuple[int, int]] = None
 
     def hidden(self, hidden: torch.Tensor, probability: float, layer_number: int,
                site: int) -> torch.Tensor:
-        """Dropout on a replicated ``[s, b, h]`` hidden state (no-op when disabled)."""
+        """Dropout on a ``[s, b, h]`` hidden state, replicated or (``sequence_shard``) one block
+        of the sequence; no-op when disabled."""
         if not self.enabled or probability == 0.0:
             return hidden
-        return self.dropout.apply_to_hidden(hidden, probability, layer_number, site,
-                                            self.sample_ids)
+        if self.sequence_shard is None:
+            return self.dropout.apply_to_hidden(hidden, probability, layer_number, site,
+                                                self.sample_ids)
+        first, length = self.sequence_shard
+        return self.dropout.apply(
+            hidden.transpose(0, 1), probability, layer_number, site, self.sample_ids,
+            full_shape=(length, hidden.shape[2]), offsets=(first, 0)).transpose(0, 1)

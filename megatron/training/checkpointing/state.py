@@ -122,7 +122,10 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                       "max_position_embeddings", "padded_vocab_size",
                       "untie_embeddings_and_output_weights", "normalization",
-                      "position_embedding_type", "swiglu", "disable_bias_linear")
+                      "position_embedding_type", "swiglu", "disable_bias_linear",
+                      "squared_relu", "rotary_percent", "rotary_base", "rotary_interleaved",
+                      "no_position_embedding", "apply_layernorm_1p", "qk_layernorm",
+                      "add_qkv_bias", "group_query_attention", "num_query_groups", "kv_channels")
 
 
 def _check_model_flags(path: str, saved: dict, current: dict) -> None:

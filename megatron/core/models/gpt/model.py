@@ -1,7 +1,10 @@
-"""GPT-2 with tensor parallelism, buildable whole or as a pipeline chunk with the full model's names.
+"""GPT (GPT-2, or the Llama-style modern block) with tensor and optionally sequence parallelism,
+buildable whole or as a pipeline chunk with the full model's names.
 
     tokens [b, s] --embedding--> [s, b, h] --decoder.layers.i--> ... --final_layernorm-->
     --output layer (word embedding^T by default)--> logits [b, s, V/tp] --> per-token loss [b, s]
+
+Under sequence parallelism the hidden states between the tensor-parallel regions are [s/tp, b, h].
 
 A chunk (``layer_range``, ``pre_process``, ``post_process``) holds only its part; parameter names
 never depend on the chunk (``decoder.layers.<global i>.…``) and initial values depend only on the
@@ -25,6 +28,8 @@ from megatron.core.models.gpt.transformer import TransformerBlock
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear, VocabParallelEmbedding, set_parameter_attributes)
+from megatron.core.tensor_parallel.mappings import (
+    reduce_scatter_to_sequence_parallel_region, sum_gradient_over_tensor_parallel_ranks)
 from megatron.core.tensor_parallel.random import (
     SITE_EMBEDDING, CounterBasedDropout, DropoutContext, stable_seed)
 from megatron.core.tensor_parallel.utils import divide, full_shape, tensor_parallel_group
@@ -52,10 +57,24 @@ def resolve_model_config(model_config, tensor_parallel_size: int = 1):
     if config.seq_length > config.max_position_embeddings:
         raise ValueError(f"seq-length {config.seq_length} exceeds max-position-embeddings "
                          f"{config.max_position_embeddings}; raise --max-position-embeddings")
-    divide(config.hidden_size, config.num_attention_heads,
-           "hidden-size (must be a multiple of num-attention-heads)")
-    divide(config.num_attention_heads, tensor_parallel_size,
-           "num-attention-heads (must be a multiple of tensor-model-parallel-size)")
+    if config.kv_channels is None:
+        divide(config.hidden_size, config.num_attention_heads,
+               "hidden-size (must be a multiple of num-attention-heads, or give --kv-channels)")
+    elif config.kv_channels < 1:
+        raise ValueError(f"kv-channels {config.kv_channels} must be >= 1")
+    groups = config.num_attention_heads
+    if config.group_query_attention:
+        if config.num_query_groups is None:
+            raise ValueError("--group-query-attention needs --num-query-groups (the number of "
+                             "key/value heads)")
+        groups = config.num_query_groups
+        divide(config.num_attention_heads, groups,
+               "num-attention-heads (must be a multiple of num-query-groups)")
+    divide(groups, tensor_parallel_size,
+           "num-query-groups (key/value heads; without --group-query-attention the "
+           "num-attention-heads) (must be a multiple of tensor-model-parallel-size)")
+    if config.swiglu and config.squared_relu:
+        raise ValueError("--swiglu and --squared-relu both choose the MLP activation; give one")
     divide(config.ffn_hidden_size, tensor_parallel_size,
            "ffn-hidden-size (must be a multiple of tensor-model-parallel-size)")
     divide(config.padded_vocab_size, tensor_parallel_size,
@@ -63,50 +82,73 @@ def resolve_model_config(model_config, tensor_parallel_size: int = 1):
     return config
 
 
+def has_learned_positions(config) -> bool:
+    """Whether the model holds a learned position table (not with RoPE, type none or
+    --no-position-embedding)."""
+    return config.position_embedding_type == "learned_absolute" and not config.no_position_embedding
+
+
 class PositionEmbedding(torch.nn.Module):
-    """Learned absolute position embeddings, replicated over TP ranks."""
+    """Learned absolute position embeddings, replicated over TP ranks (under sequence
+    parallelism each rank looks up its block of positions and the gradient is summed over TP)."""
 
     def __init__(self, max_positions: int, hidden_size: int, *, init_std: float, params_dtype,
-                 device=None):
+                 device=None, gradient_group=None):
         super().__init__()
+        self.gradient_group = gradient_group
         self.weight = set_parameter_attributes(
             torch.nn.Parameter(torch.empty(max_positions, hidden_size, dtype=params_dtype,
                                            device=device)),
             tensor_model_parallel=False, initializer=("normal", init_std))
+        self.weight.sequence_parallel_grad = gradient_group is not None
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(position_ids, self.weight)
+        weight = self.weight
+        if self.gradient_group is not None:
+            weight = sum_gradient_over_tensor_parallel_ranks(weight, self.gradient_group)
+        return F.embedding(position_ids, weight)
 
 
 class GPTEmbedding(torch.nn.Module):
     """Word (vocabulary-parallel) + position embeddings and embedding dropout.
 
     On a last-stage-only chunk with tied weights it holds just ``word_embeddings`` (the copy the
-    output layer uses).
+    output layer uses). With RoPE or --no-position-embedding there is no position table. Under
+    sequence parallelism the word embeddings' partial sums are reduce-scattered along the
+    sequence, and each rank adds the positions and applies dropout to its block of the sequence.
     """
 
-    def __init__(self, config, parallel_state, *, with_positions: bool, params_dtype, device=None):
+    def __init__(self, config, parallel_state, *, with_positions: bool, params_dtype, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
+        self.group = tensor_parallel_group(parallel_state)
+        self.sequence_parallel = sequence_parallel and self.group is not None
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, parallel_state,
-            init_std=config.init_method_std, params_dtype=params_dtype, device=device)
+            init_std=config.init_method_std, params_dtype=params_dtype, device=device,
+            reduce_output=not self.sequence_parallel)
         self.position_embeddings = (
             PositionEmbedding(config.max_position_embeddings, config.hidden_size,
                               init_std=config.init_method_std, params_dtype=params_dtype,
-                              device=device)
-            if with_positions else None)
+                              device=device,
+                              gradient_group=self.group if self.sequence_parallel else None)
+            if with_positions and has_learned_positions(config) else None)
 
     def forward(self, token_ids: torch.Tensor, dropout: DropoutContext) -> torch.Tensor:
-        seq_len = token_ids.shape[1]
-        positions = torch.arange(seq_len, device=token_ids.device)
-        embedded = self.word_embeddings(token_ids) + self.position_embeddings(positions)
+        embedded = self.word_embeddings(token_ids)  # [b, s, h]
+        if self.sequence_parallel:  # partial sums -> this rank's block of the sequence
+            embedded = reduce_scatter_to_sequence_parallel_region(embedded, self.group, 1)
+        first = dropout.sequence_shard[0] if dropout.sequence_shard else 0
+        if self.position_embeddings is not None:
+            positions = torch.arange(first, first + embedded.shape[1], device=token_ids.device)
+            embedded = embedded + self.position_embeddings(positions)
         hidden = embedded.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         return dropout.hidden(hidden, self.hidden_dropout, 0, SITE_EMBEDDING)
 
 
 class GPTModel(torch.nn.Module):
-    """GPT-2, whole (``layer_range=None``) or one pipeline chunk.
+    """The GPT model, whole (``layer_range=None``) or one pipeline chunk.
 
     Args:
         model_config: :class:`megatron.core.config.ModelConfig` with ``padded_vocab_size`` set.
@@ -118,13 +160,22 @@ class GPTModel(torch.nn.Module):
         post_process: holds the final norm and the output layer; returns logits or the loss.
         params_dtype: dtype of the parameters.
         device: where the parameters live (default CPU).
+        sequence_parallel: Megatron's sequence parallelism (ignored when TP is 1): hidden states
+            between the tensor-parallel regions are ``[s/tp, b, h]``, this rank's block of the
+            sequence (a pipeline chunk receives and returns such blocks).
     """
 
     def __init__(self, model_config, recompute_config, parallel_state, seed: int, *,
                  layer_range: Optional[range] = None, pre_process: bool = True,
-                 post_process: bool = True, params_dtype=torch.float32, device=None):
+                 post_process: bool = True, params_dtype=torch.float32, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         config = resolve_model_config(model_config, parallel_state.tp_size)
+        self.sequence_parallel = sequence_parallel and parallel_state.tp_size > 1
+        if self.sequence_parallel:
+            divide(config.seq_length, parallel_state.tp_size,
+                   "seq-length (must be a multiple of tensor-model-parallel-size under "
+                   "--sequence-parallel)")
         self.config = config
         self.parallel_state = parallel_state
         self.seed = seed
@@ -138,7 +189,8 @@ class GPTModel(torch.nn.Module):
                              f"range({config.num_layers})")
         self.layer_range = layer_range
         self.group = tensor_parallel_group(parallel_state)
-        common = dict(params_dtype=params_dtype, device=device)
+        common = dict(params_dtype=params_dtype, device=device,
+                      sequence_parallel=self.sequence_parallel)
 
         if pre_process or (post_process and self.tied_output):
             self.embedding = GPTEmbedding(config, parallel_state, with_positions=pre_process,
@@ -164,8 +216,11 @@ class GPTModel(torch.nn.Module):
         self.input_tensor = tensor
 
     def input_activation_shape(self, microbatch: dict) -> tuple[int, ...]:
-        """Pipeline stage contract: shape ``[s, b, h]`` of the hidden state this chunk receives."""
+        """Pipeline stage contract: shape ``[s, b, h]`` of the hidden state this chunk receives
+        (``[s/tp, b, h]`` under sequence parallelism)."""
         batch, sequence = microbatch["tokens"].shape
+        if self.sequence_parallel:
+            sequence //= self.parallel_state.tp_size
         return (sequence, batch, self.config.hidden_size)
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
@@ -191,7 +246,8 @@ class GPTModel(torch.nn.Module):
         dropout = DropoutContext(
             self.dropout, sample_ids.to(inputs.device), self.training,
             first_sample=int(sample_ids[0]) if self.training and batch else 0,
-            layout_invariant_attention=self.config.layout_invariant_attention_dropout)
+            layout_invariant_attention=self.config.layout_invariant_attention_dropout,
+            sequence_shard=self._sequence_shard(inputs))
 
         if self.pre_process:
             if inputs.dim() != 2 or inputs.shape[1] > self.config.max_position_embeddings:
@@ -206,10 +262,28 @@ class GPTModel(torch.nn.Module):
             return hidden
 
         weight = self.embedding.word_embeddings.weight if self.tied_output else None
-        logits = self.output_layer(hidden.transpose(0, 1), weight=weight)  # [b, s, V/tp]
+        if self.sequence_parallel:  # the layer all-gathers the sequence: [s, b, V/tp]
+            logits = self.output_layer(hidden, weight=weight).transpose(0, 1)
+        else:
+            logits = self.output_layer(hidden.transpose(0, 1), weight=weight)  # [b, s, V/tp]
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.group)
+
+    def _sequence_shard(self, inputs: torch.Tensor) -> Optional[tuple[int, int]]:
+        """(first position, full length) of this rank's block of the sequence under sequence
+        parallelism (None without it)."""
+        if not self.sequence_parallel:
+            return None
+        tp_size = self.parallel_state.tp_size
+        if self.pre_process:
+            length = inputs.shape[1]
+            block = divide(length, tp_size, "sequence length (must be a multiple of "
+                                            "tensor-model-parallel-size under --sequence-parallel)")
+        else:
+            block = inputs.shape[0]
+            length = block * tp_size
+        return self.parallel_state.tp_rank * block, length
 
     def num_parameters(self) -> int:
         """Number of elements of this chunk's parameters counted at their FULL (unsharded) size."""

@@ -1,4 +1,4 @@
-"""Pre-LN GPT-2 transformer layers and the block that runs (and recomputes) a range of them.
+"""Pre-LN GPT transformer layers and the block that runs (and recomputes) a range of them.
 
 Layers live in ``decoder.layers`` keyed by their GLOBAL index, so a pipeline chunk holding layers
 4..7 has parameters named ``decoder.layers.4.…`` exactly like the full model.
@@ -7,56 +7,35 @@ Layers live in ``decoder.layers`` keyed by their GLOBAL index, so a pipeline chu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core.models.gpt.attention import SelfAttention
 from megatron.core.models.gpt.mlp import MLP
-from megatron.core.tensor_parallel.layers import set_parameter_attributes
+from megatron.core.models.gpt.norm import Norm
 from megatron.core.tensor_parallel.random import (
     SITE_ATTENTION_OUTPUT, SITE_MLP_OUTPUT, DropoutContext)
-
-
-class Norm(torch.nn.Module):
-    """LayerNorm (weight and bias) or RMSNorm (weight only), replicated over TP ranks."""
-
-    def __init__(self, config, *, params_dtype, device=None):
-        super().__init__()
-        if config.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"normalization {config.normalization!r} is not supported; use "
-                             f"LayerNorm or RMSNorm")
-        self.kind = config.normalization
-        self.eps = config.layernorm_epsilon
-        shape = (config.hidden_size,)
-
-        def make(value):
-            param = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
-            return set_parameter_attributes(param, tensor_model_parallel=False,
-                                            initializer=("constant", value), no_weight_decay=True)
-
-        self.weight = make(1.0)
-        self.bias = make(0.0) if self.kind == "LayerNorm" else None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.kind == "LayerNorm":
-            return F.layer_norm(hidden, self.weight.shape, self.weight, self.bias, self.eps)
-        return F.rms_norm(hidden, self.weight.shape, self.weight, self.eps)
+from megatron.core.tensor_parallel.utils import tensor_parallel_group
 
 
 class TransformerLayer(torch.nn.Module):
     """``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))`` on ``[s, b, h]``."""
 
-    def __init__(self, config, layer_index: int, parallel_state, *, params_dtype, device=None):
+    def __init__(self, config, layer_index: int, parallel_state, *, params_dtype, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.layer_number = layer_index + 1  # 1-based like Megatron; 0 is the embedding
         self.hidden_dropout = config.hidden_dropout
         init_std = config.init_method_std
         output_init_std = init_std / (2.0 * config.num_layers) ** 0.5  # GPT-2's scaled init
         common = dict(init_std=init_std, output_init_std=output_init_std,
-                      params_dtype=params_dtype, device=device)
-        self.input_layernorm = Norm(config, params_dtype=params_dtype, device=device)
+                      params_dtype=params_dtype, device=device,
+                      sequence_parallel=sequence_parallel)
+        norm_group = tensor_parallel_group(parallel_state) if sequence_parallel else None
+        self.input_layernorm = Norm(config, params_dtype=params_dtype, device=device,
+                                    gradient_group=norm_group)
         self.self_attention = SelfAttention(config, self.layer_number, parallel_state, **common)
-        self.pre_mlp_layernorm = Norm(config, params_dtype=params_dtype, device=device)
+        self.pre_mlp_layernorm = Norm(config, params_dtype=params_dtype, device=device,
+                                      gradient_group=norm_group)
         self.mlp = MLP(config, parallel_state, **common)
 
     def forward(self, hidden: torch.Tensor, dropout: DropoutContext,
@@ -103,13 +82,17 @@ class TransformerBlock(torch.nn.Module):
     """The layers ``layer_range`` (global indices) and, on the last stage, the final norm."""
 
     def __init__(self, config, layer_range: range, parallel_state, recompute_config, *,
-                 final_layernorm: bool, params_dtype, device=None):
+                 final_layernorm: bool, params_dtype, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.layers = torch.nn.ModuleDict({
             str(index): TransformerLayer(config, index, parallel_state,
-                                         params_dtype=params_dtype, device=device)
+                                         params_dtype=params_dtype, device=device,
+                                         sequence_parallel=sequence_parallel)
             for index in layer_range})
-        self.final_layernorm = (Norm(config, params_dtype=params_dtype, device=device)
+        norm_group = tensor_parallel_group(parallel_state) if sequence_parallel else None
+        self.final_layernorm = (Norm(config, params_dtype=params_dtype, device=device,
+                                     gradient_group=norm_group)
                                 if final_layernorm else None)
         self.granularity, self.method, self.recompute_num_layers = \
             resolve_recompute(recompute_config)
