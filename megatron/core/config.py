@@ -116,18 +116,23 @@ class RecomputeConfig:
               "layers, 'block' only the first recompute-num-layers layers of each stage.",
         choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = option(
-        None, "Layers per recomputed chunk (uniform) or recomputed layers per stage (block).")
+        None, "Layers per recomputed chunk (uniform) or recomputed layers per stage (block).",
+        aliases=("--activations-checkpoint-num-layers", "--checkpoint-num-layers"))
     checkpoint_activations: bool = option(
         False, "Legacy spelling of --recompute-granularity full --recompute-method uniform.")
     recompute_activations: bool = option(
         False, "Legacy spelling of --recompute-granularity selective.")
+    activations_checkpoint_method: Optional[str] = option(
+        None, "Legacy (2021-22) spelling of --recompute-granularity full --recompute-method.",
+        choices=("uniform", "block"))
 
 
 @dataclass
 class ParallelConfig:
     """Process layout: tensor, data and pipeline parallelism and the pipeline schedule."""
 
-    tensor_model_parallel_size: int = option(1, "Tensor-parallel size.")
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel size.",
+                                             aliases=("--model-parallel-size",))
     pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (pipeline depth D).")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per virtual pipeline stage; selects the interleaved 1F1B schedule.")
@@ -188,7 +193,8 @@ class ParallelConfig:
 class TrainingConfig:
     """Batch sizes, iteration counts, precision and seeds."""
 
-    micro_batch_size: int = option(1, "Samples per micro-batch on one data-parallel rank.")
+    micro_batch_size: int = option(1, "Samples per micro-batch on one data-parallel rank.",
+                                   aliases=("--batch-size",))
     global_batch_size: Optional[int] = option(
         None, "Samples per iteration over all data-parallel ranks; default micro-batch-size * "
               "data-parallel size.")
@@ -239,7 +245,8 @@ class OptimizerConfig:
     lr_warmup_samples: int = option(
         0, "Linear warm-up samples (samples-based training, with --train-samples).")
     lr_warmup_fraction: Optional[float] = option(
-        None, "Warm-up as a fraction of the decay iterations (overrides --lr-warmup-iters).")
+        None, "Warm-up as a fraction of the decay iterations (overrides --lr-warmup-iters).",
+        aliases=("--warmup",))
     weight_decay: float = option(0.01, "Weight decay (not applied to biases and norms).")
     clip_grad: float = option(1.0, "Clip gradients to this global norm (0 disables).")
     adam_beta1: float = option(0.9, "Adam beta1.")
@@ -249,7 +256,7 @@ class OptimizerConfig:
     loss_scale: Optional[float] = option(
         None, "Static loss scale for fp16; dynamic scaling when unset.")
     initial_loss_scale: float = option(2.0 ** 32, "Initial dynamic loss scale.")
-    min_loss_scale: float = option(1.0, "Minimum dynamic loss scale.")
+    min_loss_scale: float = option(1.0, "Minimum dynamic loss scale.", aliases=("--min-scale",))
     loss_scale_window: int = option(1000, "Iterations without overflow before the scale grows.")
     hysteresis: int = option(2, "Overflows tolerated before the scale shrinks.")
     accumulate_allreduce_grads_in_fp32: bool = option(
@@ -282,7 +289,8 @@ class CheckpointConfig:
 
     save: Optional[str] = option(None, "Directory to save checkpoints to.")
     load: Optional[str] = option(None, "Directory to load checkpoints from.")
-    save_interval: Optional[int] = option(None, "Save every this many iterations.")
+    save_interval: Optional[int] = option(None, "Save every this many iterations.",
+                                          aliases=("--persistent-save-interval",))
     no_load_optim: bool = option(False, "Do not load optimizer state.")
     no_load_rng: bool = option(False, "Do not load RNG state.")
     exit_on_missing_checkpoint: bool = option(
@@ -296,6 +304,15 @@ class CheckpointConfig:
                "--no-load-rng (or --finetune).")
     finetune: bool = option(
         False, "Load weights only and start at iteration 0.")
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False, "On --load, take the learning-rate schedule (--lr, --min-lr, warm-up, decay length "
+               "and style) from the checkpoint instead of the flags.",
+        aliases=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"))
+    override_opt_param_scheduler: bool = option(
+        False, "On --load, keep the learning-rate schedule of the flags even where the "
+               "checkpoint's differs (without either flag the flags are used and each difference "
+               "is logged).",
+        aliases=("--override-opt_param-scheduler", "--override-lr-scheduler"))
     allow_overwrite_checkpoints: bool = option(
         False, "Start even though --save holds checkpoints this run does not resume from "
                "(they may be overwritten); without it such a run stops before training.")

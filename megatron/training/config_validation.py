@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, schedule_layout
+from megatron.training.megatron_leniency import apply_megatron_leniency
 from megatron.training.batch_validation import (require_positive, validate_batch,
                                                validate_iterations_schedule,
                                                validate_precision_and_evaluation,
@@ -132,6 +133,19 @@ def _translate_legacy_recompute(config: MegatronConfig) -> None:
                              "given; drop one of the two")
         recompute.recompute_granularity = "selective"
         recompute.recompute_activations = False
+    if recompute.activations_checkpoint_method is not None:
+        # Megatron-LM 2021-22: the method alone selected full recomputation.
+        if recompute.recompute_granularity not in (None, "full"):
+            raise ValueError("--activations-checkpoint-method means --recompute-granularity full "
+                             f"but --recompute-granularity {recompute.recompute_granularity} was "
+                             "given; drop one of the two")
+        if recompute.recompute_method not in (None, recompute.activations_checkpoint_method):
+            raise ValueError(f"--activations-checkpoint-method "
+                             f"{recompute.activations_checkpoint_method} and --recompute-method "
+                             f"{recompute.recompute_method} contradict each other; give only one")
+        recompute.recompute_granularity = "full"
+        recompute.recompute_method = recompute.activations_checkpoint_method
+        recompute.activations_checkpoint_method = None
 
 
 def _validate_model(config: MegatronConfig) -> None:
@@ -317,9 +331,16 @@ def _validate_recompute(config: MegatronConfig) -> None:
                 recompute.recompute_num_layers > layers_per_stage:
             raise ValueError(f"--recompute-num-layers {recompute.recompute_num_layers} exceeds the "
                              f"{layers_per_stage} layers of a pipeline stage; lower it")
-    elif recompute.recompute_method is not None or recompute.recompute_num_layers is not None:
-        raise ValueError("--recompute-method and --recompute-num-layers only apply to "
-                         "--recompute-granularity full; add it or drop them")
+    elif recompute.recompute_granularity == "selective" and recompute.recompute_method is not None:
+        raise ValueError("--recompute-method only applies to --recompute-granularity full (selective "
+                         "recomputation has no method, as in Megatron-LM); drop it")
+    else:
+        # Megatron-LM ignores them without full granularity; so do we, saying so.
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(recompute, name) is not None:
+                logger.warning("%s is ignored: it only applies to --recompute-granularity full",
+                               _flag(name))
+                setattr(recompute, name, None)
 
 
 def _validate_optimizer(config: MegatronConfig) -> None:
@@ -435,6 +456,11 @@ def _validate_data(config: MegatronConfig) -> None:
 
 def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
     require_positive(config.logging, ("log_interval",))
+    if config.checkpoint.use_checkpoint_opt_param_scheduler and \
+            config.checkpoint.override_opt_param_scheduler:
+        raise ValueError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler "
+                         "contradict each other (the checkpoint's schedule vs the flags'); give "
+                         "only one")
     require_positive(config.checkpoint, ("save_interval",), allow_none=True)
     require_positive(config.training, ("exit_interval",), allow_none=True)
     if config.checkpoint.save_interval is not None and config.checkpoint.save is None:
@@ -449,6 +475,7 @@ def validate_config(config: MegatronConfig, world_size: int) -> MegatronConfig:
     processes of the run (``TP x PP x DP``). The input config is not modified.
     """
     config = copy.deepcopy(config)
+    apply_megatron_leniency(config)
     problems = not_supported_problems(config)
     failed: set[str] = set()
     for name, step, needs in _VALIDATION_STEPS:

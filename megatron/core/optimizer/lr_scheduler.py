@@ -77,10 +77,28 @@ class OptimizerParamScheduler:
                 "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
                 "lr_decay_style": self.lr_decay_style}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the position; the schedule's shape comes from the current flags (as Megatron)."""
+    # The schedule's shape as the checkpoint stores it (besides the position, num_steps).
+    SHAPE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+    def load_state_dict(self, state: dict, *, use_checkpoint_values: bool = False) -> list[str]:
+        """Restore the position and, with ``use_checkpoint_values`` (Megatron's
+        ``--use-checkpoint-opt_param-scheduler``), the schedule's shape from ``state``; otherwise
+        the shape stays the one of the current flags (``--override-opt_param-scheduler``).
+
+        Returns one line per shape value in which flags and checkpoint differ, saying which one
+        is used (the caller logs them)."""
+        differences = []
+        for key in self.SHAPE_KEYS:
+            if key in state and state[key] != getattr(self, key):
+                kept = state[key] if use_checkpoint_values else getattr(self, key)
+                differences.append(f"{key}: flags {getattr(self, key)}, checkpoint {state[key]}; "
+                                   f"using {kept} (from the "
+                                   f"{'checkpoint' if use_checkpoint_values else 'flags'})")
+                if use_checkpoint_values:
+                    setattr(self, key, type(getattr(self, key))(state[key]))
         self.num_steps = 0
         self.step(int(state["num_steps"]))
+        return differences
 
 
 def build_lr_scheduler(optimizer, optimizer_config, training_config) -> OptimizerParamScheduler:

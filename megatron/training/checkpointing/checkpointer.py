@@ -347,7 +347,13 @@ class Checkpointer:
             return training_state_class()
         if not checkpoint_config.no_load_optim:
             _load_optimizer_state(components.optimizer, payload["optimizer"])
-            components.lr_scheduler.load_state_dict(payload["opt_param_scheduler"])
+            differences = components.lr_scheduler.load_state_dict(
+                payload["opt_param_scheduler"],
+                use_checkpoint_values=checkpoint_config.use_checkpoint_opt_param_scheduler)
+            if differences and parallel_state.rank == 0 and \
+                    not checkpoint_config.override_opt_param_scheduler:
+                self.log("  learning-rate schedule of the checkpoint differs from the flags: "
+                         + "; ".join(differences))
             a2sgd.load_reducer_state(components.gradient_reducers,
                                      payload.get("gradient_reducer_state"), parallel_state.dp_rank)
         if payload.get("weights_only"):

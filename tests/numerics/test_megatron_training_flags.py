@@ -1,0 +1,62 @@
+"""Megatron-LM flags that change training or its operation, each shown to take effect (every test
+fails if its flag were parsed and then ignored). One process, tiny model, mock data."""
+
+import pytest
+
+import pretrain_gpt
+from megatron.core.parallel_state import ParallelState
+from megatron.training.arguments import parse_args
+from megatron.training.checkpointing import Checkpointer
+from megatron.training.training import pretrain
+
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --vocab-size 64 --mock-data --seed 1234 "
+        "--micro-batch-size 2 --global-batch-size 4 --log-interval 1 "
+        "--lr-decay-style linear --train-iters 6 --eval-interval 100 --eval-iters 1")
+
+
+def _run(extra: str):
+    config = parse_args(f"{TINY} {extra}".split(), world_size=1)
+    lines = []
+    result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                      pretrain_gpt.forward_step, parallel_state=ParallelState.single_process(),
+                      checkpointing=Checkpointer(config, log=lines.append), log=lines.append)
+    return result, lines
+
+
+def _learning_rates(result) -> list[float]:
+    return [record.learning_rate for record in result.history]
+
+
+@pytest.fixture
+def saved_at_3(tmp_path):
+    """A run with --lr 1e-3 decaying linearly to 0 over 6 iterations, saved at iteration 3."""
+    save = tmp_path / "ckpt"
+    first, _ = _run(f"--lr 1e-3 --min-lr 0 --save {save} --exit-interval 3")
+    assert first.exited_early
+    straight, _ = _run("--lr 1e-3 --min-lr 0")
+    return save, _learning_rates(straight)
+
+
+def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(saved_at_3):
+    save, straight = saved_at_3
+    resumed, _ = _run(f"--lr 5e-2 --min-lr 1e-2 --load {save} "
+                      f"--use-checkpoint-opt_param-scheduler")
+    assert _learning_rates(resumed) == pytest.approx(straight[3:], rel=1e-12)
+
+
+def test_without_it_the_flags_schedule_is_used_and_the_difference_logged(saved_at_3):
+    save, straight = saved_at_3
+    resumed, lines = _run(f"--lr 5e-2 --min-lr 1e-2 --load {save}")
+    rates = _learning_rates(resumed)
+    assert all(rate >= 1e-2 for rate in rates) and rates != pytest.approx(straight[3:])
+    assert any("schedule of the checkpoint differs" in line and "max_lr" in line
+               for line in lines)
+    _, lines = _run(f"--lr 5e-2 --min-lr 1e-2 --load {save} --override-opt_param-scheduler")
+    assert not any("schedule of the checkpoint differs" in line for line in lines)
+
+
+def test_the_two_scheduler_flags_contradict_each_other():
+    with pytest.raises(ValueError, match="contradict"):
+        parse_args(f"{TINY} --lr 1e-3 --use-checkpoint-opt_param-scheduler "
+                   f"--override-opt_param-scheduler".split(), world_size=1)
