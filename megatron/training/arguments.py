@@ -32,7 +32,8 @@ from megatron.training.config_validation import (DEFAULT_MOCK_VOCAB_SIZE, NOT_SU
                                                  set_padded_vocab_size, validate_config)
 from megatron.training.megatron_flags import (COMPATIBILITY_FLAGS, MEGATRON_COMMIT,
                                               UNIMPLEMENTED_FLAGS, CompatibilityFlag,
-                                              invalid_choice_problem, renamed_flag)
+                                              RENAMED_FLAGS, invalid_choice_problem,
+                                              renamed_flag)
 from megatron.training.launch_env import world_size_from_environment
 
 logger = logging.getLogger(__name__)
@@ -415,6 +416,10 @@ def flags_markdown() -> str:
               "| flag | why |", "|---|---|"]
     for unimplemented in UNIMPLEMENTED_FLAGS:
         lines.append(f"| `{unimplemented.flag}` | {_markdown_cell(unimplemented.reason)} |")
+    lines += ["", "### earlier spellings (Megatron-LM's history), classified like today's flag", "",
+              "| earlier spelling | today's flag |", "|---|---|"]
+    for old, new in RENAMED_FLAGS.items():
+        lines.append(f"| `{old}` | `{new}` |")
     lines += ["", f"Mock-data vocabulary without a tokenizer: `--vocab-size`, default "
                   f"{DEFAULT_MOCK_VOCAB_SIZE}.", ""]
     return "\n".join(lines)

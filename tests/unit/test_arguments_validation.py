@@ -111,14 +111,16 @@ BAD_COMBINATIONS = [
      ["--checkpoint-activations means --recompute-granularity full"]),
     (TINY + ["--checkpoint-activations", "--recompute-activations"], 1, ["contradict"]),
     (TINY + ["--recompute-granularity", "full"], 1, ["needs --recompute-method"]),
-    (TINY + ["--recompute-method", "block"], 1, ["only apply to --recompute-granularity full"]),
+    (TINY + ["--recompute-granularity", "selective", "--recompute-method", "block"], 1,
+     ["only applies to --recompute-granularity full"]),
     (TINY + "--recompute-granularity full --recompute-method block --recompute-num-layers 5 "
             "--pipeline-model-parallel-size 2".split(), 2, ["exceeds the 4 layers"]),
     (replaced(TINY, "--micro-batch-size", "0"), 1, ["--micro-batch-size must be a positive"]),
     (TINY + ["--hidden-dropout", "1.5"], 1, ["--hidden-dropout 1.5"]),
     (TINY + ["--distributed-timeout-minutes", "0"], 1, ["--distributed-timeout-minutes"]),
     # Features that are flags but not implemented: rejected, never silently ignored.
-    (TINY + ["--sequence-parallel"], 1, ["--sequence-parallel is not supported yet"]),
+    (TINY + ["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2,
+     ["--sequence-parallel is not supported yet"]),
     (TINY + ["--rampup-batch-size", "4", "5", "100"], 1, ["not a multiple of the increment 5"]),
     (TINY + ["--rampup-batch-size", "4", "4"], 1, ["takes three numbers"]),
     (TINY + ["--rampup-batch-size", "4", "4", "100"], 4, ["must be multiples of --micro-batch"]),
