@@ -215,6 +215,10 @@ class TrainingConfig:
         False, "On SIGTERM, save (if --save) at the end of the current iteration on every rank "
                "and exit normally.")
     seed: int = option(1234, "Random seed.")
+    deterministic_mode: bool = option(
+        False, "Bitwise-reproducible runs: PyTorch deterministic algorithms (an op without one "
+               "raises), deterministic cuDNN, and NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+               "where unset (set values must be deterministic ones).")
     fp16: bool = option(False, "Train in float16 with dynamic loss scaling.")
     bf16: bool = option(False, "Train in bfloat16.")
     check_for_nan_in_loss_and_grad: bool = option(

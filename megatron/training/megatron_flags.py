@@ -271,7 +271,6 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     UnimplementedFlag("--init-method-xavier-uniform", "initialisation is normal(0, std)"),
     UnimplementedFlag("--data-parallel-random-init",
                       "every data-parallel replica starts from the same weights"),
-    UnimplementedFlag("--deterministic-mode", "selecting deterministic kernels is not implemented"),
     # Data.
     UnimplementedFlag("--eod-mask-loss", "the loss mask does not depend on end-of-document tokens"),
     UnimplementedFlag("--reset-position-ids", "positions are not reset at document boundaries"),

@@ -34,6 +34,7 @@ from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.distributed import a2sgd
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
+from megatron.training.determinism import apply_deterministic_mode
 from megatron.training.flops import gpt_flops_per_iteration, throughput_tflops_per_gpu
 from megatron.training.iteration_health import IterationHealth
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
@@ -482,6 +483,8 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
         raise ValueError("--save/--load need a checkpointing hook, and this entry point has none; "
                          "drop --save/--load or use a pretrain_gpt.py with checkpoint support")
     runtime_class = runtime_class or select_runtime_class(config)
+    if config.training.deterministic_mode:
+        apply_deterministic_mode()  # before any communicator or cuBLAS handle exists
     if tensorboard_writer is None:
         check_logging_packages(config.logging)  # before any process group exists
     if parallel_state is None:

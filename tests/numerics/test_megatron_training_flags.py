@@ -1,7 +1,10 @@
 """Megatron-LM flags that change training or its operation, each shown to take effect (every test
 fails if its flag were parsed and then ignored). One process, tiny model, mock data."""
 
+import os
+
 import pytest
+import torch
 
 import pretrain_gpt
 from megatron.core.parallel_state import ParallelState
@@ -60,3 +63,37 @@ def test_the_two_scheduler_flags_contradict_each_other():
     with pytest.raises(ValueError, match="contradict"):
         parse_args(f"{TINY} --lr 1e-3 --use-checkpoint-opt_param-scheduler "
                    f"--override-opt_param-scheduler".split(), world_size=1)
+
+
+@pytest.fixture
+def restore_determinism(monkeypatch):
+    """--deterministic-mode changes process-wide state; put it back after the test."""
+    for name in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        monkeypatch.delenv(name, raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark)
+    yield monkeypatch
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]
+
+
+def test_deterministic_mode_twice_gives_identical_losses(restore_determinism):
+    torch.use_deterministic_algorithms(False)
+    first, _ = _run("--lr 1e-3 --deterministic-mode")
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert os.environ["NCCL_ALGO"] == "Ring"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    second, _ = _run("--lr 1e-3 --deterministic-mode")
+    losses = [[record.losses["lm loss"] for record in run.history] for run in (first, second)]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+
+def test_deterministic_mode_refuses_a_nondeterministic_environment(restore_determinism):
+    restore_determinism.setenv("NCCL_ALGO", "Tree")
+    with pytest.raises(ValueError, match="NCCL_ALGO='Tree'"):
+        _run("--lr 1e-3 --deterministic-mode")
+    restore_determinism.setenv("NCCL_ALGO", "Ring")
+    restore_determinism.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG"):
+        _run("--lr 1e-3 --deterministic-mode")
