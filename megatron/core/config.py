@@ -169,6 +169,10 @@ class ParallelConfig:
         False, "Shard the fp32 weights' optimizer step and Adam state over all replicas of each "
                "stage (data parallel; under Chimera both pipeline directions too): gradients are "
                "reduce-scattered, each rank steps its shard, parameters are all-gathered.")
+    overlap_param_gather: bool = option(
+        False, "With --use-distributed-optimizer: start the all-gather of the updated parameters "
+               "after the step and wait for each model chunk's part just before its next forward "
+               "pass (as Megatron), instead of waiting at the end of the step.")
     overlap_grad_reduce: bool = option(
         False, "Overlap the data-parallel gradient reduction with the backward pass (without a "
                "pipeline; pipeline schedules place their reductions themselves, see "

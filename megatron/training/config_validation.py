@@ -250,6 +250,9 @@ def _resolve_pipeline_schedule(config: MegatronConfig) -> None:
                          f"{parallel.split_backward_extra_activations} must be >= 0")
     if parallel.dp_gradient_reducer == "a2sgd" and parallel.a2sgd_sync_interval < 1:
         raise ValueError(f"--a2sgd-sync-interval must be >= 1 (got {parallel.a2sgd_sync_interval})")
+    if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter "
+                         "all-gather; add --use-distributed-optimizer or drop it")
     if parallel.dp_gradient_reducer == "a2sgd" and parallel.use_distributed_optimizer:
         raise ValueError("--dp-gradient-reducer a2sgd and --use-distributed-optimizer both replace "
                          "the data-parallel gradient all-reduce; choose one")

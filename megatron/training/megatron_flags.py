@@ -249,7 +249,6 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     # Parallelism and process layout.
     UnimplementedFlag("--context-parallel-size", "context parallelism is not implemented"),
     UnimplementedFlag("--use-torch-fsdp2", "FSDP is not implemented"),
-    UnimplementedFlag("--overlap-param-gather", "needs the distributed optimizer"),
     *_rejected(reasons.EQUAL_STAGES, "--decoder-first-pipeline-num-layers",
                "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
                "--standalone-embedding-stage"),

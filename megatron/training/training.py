@@ -114,7 +114,7 @@ def setup_model_and_optimizer(config, parallel_state, runtime, model_provider,
     reducers = runtime.build_gradient_reducers(model_chunks)
     optimizer = build_optimizer(config, model_parameters(model_chunks), parallel_state,
                                 owns_grad_norm=runtime.owns_grad_norm,
-                                gradient_reducers=reducers)
+                                gradient_reducers=reducers, model_chunks=model_chunks)
     scheduler = build_lr_scheduler(optimizer.optimizer, config.optimizer, config.training)
     a2sgd.attach_loss_scale(reducers, lambda: optimizer.loss_scale)
     return TrainingComponents(
@@ -514,6 +514,7 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
     result = train(components, forward_step_func, train_dataset, valid_dataset, state, log=log,
                    checkpointing=checkpointing, start_time=start_time,
                    tensorboard_writer=tensorboard_writer)
+    components.optimizer.finish_parameter_gather()  # the trained weights, settled on every rank
     runtime.report(log if is_logging_rank(parallel_state) else None)  # collective
     if not result.exited_early:
         _final_evaluations(components, forward_step_func, valid_dataset, test_dataset, result,

@@ -169,6 +169,10 @@ class MegatronOptimizer:
     def after_update(self) -> None:
         """Hook after the parameters changed (the distributed optimizer gathers its shards)."""
 
+    def finish_parameter_gather(self) -> None:
+        """Wait for parameter updates still in flight (``--overlap-param-gather``); call it
+        before reading the parameters outside a forward pass. Nothing is in flight here."""
+
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.grad_scaler is not None:
@@ -183,7 +187,8 @@ class MegatronOptimizer:
 
 def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state, *,
                     owns_grad_norm: Optional[Callable[[torch.nn.Parameter], bool]] = None,
-                    gradient_reducers: Iterable = ()) -> MegatronOptimizer:
+                    gradient_reducers: Iterable = (),
+                    model_chunks: Iterable = ()) -> MegatronOptimizer:
     """The run's optimizer from ``config.optimizer`` and ``config.training`` (precision).
 
     With ``--use-distributed-optimizer`` the sharded reducers among ``gradient_reducers`` decide
@@ -194,7 +199,7 @@ def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state
     if getattr(config.parallel, "use_distributed_optimizer", False):
         from megatron.core.optimizer.distributed import build_distributed_optimizer
         return build_distributed_optimizer(config, params, parallel_state, owns_grad_norm,
-                                           list(gradient_reducers))
+                                           list(gradient_reducers), list(model_chunks))
     groups = build_param_groups(params, optimizer_config.weight_decay)
     optimizer, implementation = torch_optimizer(groups, optimizer_config)
     return MegatronOptimizer(

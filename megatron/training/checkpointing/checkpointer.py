@@ -75,6 +75,7 @@ class Checkpointer:
         the previous checkpoint and the tracker are then unchanged. Three agreed steps: prepare
         the staging directory, write every (tensor, pipeline) position's file, publish.
         """
+        components.optimizer.finish_parameter_gather()  # --overlap-param-gather: weights settled
         root = self.config.checkpoint.save
         if not root:
             raise ValueError("Checkpointer.save needs --save DIR; pass --save")
