@@ -299,6 +299,9 @@ class CheckpointConfig:
     load: Optional[str] = option(None, "Directory to load checkpoints from.")
     save_interval: Optional[int] = option(None, "Save every this many iterations.",
                                           aliases=("--persistent-save-interval",))
+    save_retain_interval: Optional[int] = option(
+        None, "Keep only the checkpoints of iterations that are multiples of this, plus the "
+              "latest; the others under --save are deleted after each save.")
     no_load_optim: bool = option(False, "Do not load optimizer state.")
     no_load_rng: bool = option(False, "Do not load RNG state.")
     exit_on_missing_checkpoint: bool = option(

@@ -464,7 +464,7 @@ def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
         raise ValueError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler "
                          "contradict each other (the checkpoint's schedule vs the flags'); give "
                          "only one")
-    require_positive(config.checkpoint, ("save_interval",), allow_none=True)
+    require_positive(config.checkpoint, ("save_interval", "save_retain_interval"), allow_none=True)
     require_positive(config.training, ("exit_interval",), allow_none=True)
     if config.checkpoint.save_interval is not None and config.checkpoint.save is None:
         logger.warning("--save-interval %d is given without --save: no checkpoints will be written",

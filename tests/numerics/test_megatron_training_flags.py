@@ -97,3 +97,17 @@ def test_deterministic_mode_refuses_a_nondeterministic_environment(restore_deter
     restore_determinism.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
     with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG"):
         _run("--lr 1e-3 --deterministic-mode")
+
+
+def test_save_retain_interval_keeps_its_multiples_and_the_latest(tmp_path):
+    save = tmp_path / "ckpt"
+    _, lines = _run(f"--lr 1e-3 --save {save} --save-interval 1 --save-retain-interval 4 "
+                    f"--train-iters 6")
+    kept = sorted(path.name for path in save.iterdir() if path.name.startswith("iter_"))
+    assert kept == ["iter_0000004", "iter_0000006"]
+    assert any("not kept by --save-retain-interval 4" in line for line in lines)
+    # Without the flag every saved checkpoint stays.
+    other = tmp_path / "all"
+    _run(f"--lr 1e-3 --save {other} --save-interval 2 --train-iters 6")
+    assert sorted(p.name for p in other.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004", "iter_0000006"]

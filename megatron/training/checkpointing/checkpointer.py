@@ -13,6 +13,7 @@ import time
 from typing import Callable, Optional
 
 from megatron.core.distributed import a2sgd
+from megatron.training.checkpointing.retention import prune_checkpoints
 from megatron.training.checkpointing.collectives import (_all_gather,
                                                         _gather_rng_states_over_data_parallel,
                                                         _raise_for_failures, _raise_if_any_failed)
@@ -97,6 +98,9 @@ class Checkpointer:
         if is_first:
             self.log(f"  successfully saved checkpoint at iteration {state.iteration:7d} to "
                      f"{root} ({time.perf_counter() - started:.2f} s)")
+            if self.config.checkpoint.save_retain_interval is not None:
+                prune_checkpoints(root, state.iteration, self.config.checkpoint.save_retain_interval,
+                                  self.log)
         return final_dir
 
     def _prepare_staging(self, components, root: str, staging_dir: str) -> None:
