@@ -242,6 +242,12 @@ class OptimizerConfig:
     optimizer: str = option("adam", "Optimizer (adam means AdamW).", choices=("adam", "sgd"))
     lr: Optional[float] = option(None, "Peak learning rate.")
     min_lr: float = option(0.0, "Minimum learning rate after decay.")
+    decoupled_lr: Optional[float] = option(
+        None, "Peak learning rate of the input embedding and output layer (their own schedule "
+              "of the same shape); default: --lr.")
+    decoupled_min_lr: Optional[float] = option(
+        None, "Minimum learning rate of the input embedding and output layer with "
+              "--decoupled-lr; default: --min-lr.")
     lr_decay_style: str = option("linear", "Learning-rate decay.",
                                  choices=("constant", "linear", "cosine"))
     lr_decay_iters: Optional[int] = option(

@@ -357,6 +357,19 @@ def _validate_optimizer(config: MegatronConfig) -> None:
         validate_samples_schedule(config)
     else:
         validate_iterations_schedule(config)
+    if optimizer.decoupled_min_lr is not None and optimizer.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the peak of the embedding and "
+                         "output layer's schedule); add it or drop --decoupled-min-lr")
+    if optimizer.decoupled_lr is not None:
+        floor = optimizer.min_lr if optimizer.decoupled_min_lr is None else \
+            optimizer.decoupled_min_lr
+        if optimizer.decoupled_lr <= 0 or not 0 <= floor <= optimizer.decoupled_lr:
+            raise ValueError(f"need 0 <= --decoupled-min-lr (or --min-lr) ({floor}) <= "
+                             f"--decoupled-lr ({optimizer.decoupled_lr}) and --decoupled-lr > 0")
+        if config.parallel.use_distributed_optimizer:
+            raise ValueError("--decoupled-lr with --use-distributed-optimizer is not supported "
+                             "yet (the sharded optimizer steps flat shards that mix the embedding "
+                             "with other weights); drop one of the two")
     if optimizer.clip_grad < 0:
         raise ValueError(f"--clip-grad {optimizer.clip_grad} must be >= 0 (0 disables clipping)")
     for name in ("adam_beta1", "adam_beta2"):

@@ -34,7 +34,8 @@ ROTARY = "rotary embeddings are not implemented"
 QUERY_GROUPS = "attention is multi-head (no query groups)"
 EQUAL_STAGES = "stages always hold equal numbers of layers"
 CONSTANT_WEIGHT_DECAY = "weight decay is constant (--weight-decay)"
-ONE_LEARNING_RATE = "all parameters share one learning rate"
+ONE_LEARNING_RATE = ("parameter groups with settings of their own are not implemented (only the "
+                     "embedding and output layer's --decoupled-lr)")
 ONE_DATA_PATH = "use --data-path with --split"
 TOKENIZERS = ("only the GPT2BPETokenizer, SentencePieceTokenizer and NullTokenizer tokenizers are "
               "implemented")

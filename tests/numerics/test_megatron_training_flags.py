@@ -111,3 +111,36 @@ def test_save_retain_interval_keeps_its_multiples_and_the_latest(tmp_path):
     _run(f"--lr 1e-3 --save {other} --save-interval 2 --train-iters 6")
     assert sorted(p.name for p in other.iterdir() if p.name.startswith("iter_")) == [
         "iter_0000002", "iter_0000004", "iter_0000006"]
+
+
+def _group_lrs(result) -> dict:
+    """name -> the lr of the param group holding it, after training."""
+    optimizer = result.components.optimizer.optimizer
+    lr_of = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    return {name: lr_of[id(param)] for chunk in result.components.model_chunks
+            for name, param in chunk.named_parameters()}
+
+
+def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule():
+    flags = ("--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 "
+             "--untie-embeddings-and-output-weights")
+    plain, _ = _run(flags)
+    decoupled, _ = _run(f"{flags} --decoupled-lr 4e-3 --decoupled-min-lr 4e-4")
+    scheduler = decoupled.components.lr_scheduler
+    expected_decoupled = scheduler.get_lr(param_group={"max_lr": 4e-3, "min_lr": 4e-4})
+    lrs = _group_lrs(decoupled)
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert lrs[name] == pytest.approx(expected_decoupled) and lrs[name] > 1e-4, name
+    assert lrs["embedding.position_embeddings.weight"] == pytest.approx(scheduler.get_lr())
+    assert lrs["decoder.layers.0.mlp.linear_fc1.weight"] == pytest.approx(scheduler.get_lr())
+    assert set(_group_lrs(plain).values()) == {scheduler.get_lr()}
+    # The updates differ: the embedding moved with the larger learning rate.
+    assert [r.losses["lm loss"] for r in plain.history][:2] == \
+        [r.losses["lm loss"] for r in decoupled.history][:2]  # lr 0 at the first step
+    assert [r.losses["lm loss"] for r in plain.history][3:] != \
+        [r.losses["lm loss"] for r in decoupled.history][3:]
+
+
+def test_decoupled_min_lr_without_decoupled_lr_is_refused():
+    with pytest.raises(ValueError, match="--decoupled-min-lr needs --decoupled-lr"):
+        parse_args(f"{TINY} --lr 1e-3 --decoupled-min-lr 1e-5".split(), world_size=1)

@@ -48,29 +48,32 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self, num_steps: Optional[int] = None) -> float:
-        """Learning rate after ``num_steps`` samples (default: the current count)."""
+    def get_lr(self, num_steps: Optional[int] = None, param_group: Optional[dict] = None) -> float:
+        """Learning rate after ``num_steps`` samples (default: the current count), for a param
+        group that may carry its own ``max_lr`` / ``min_lr`` (``--decoupled-lr``)."""
         steps = self.num_steps if num_steps is None else num_steps
+        group = param_group or {}
+        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and steps <= self.lr_warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * steps / self.lr_warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * steps / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if steps > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         decay_ratio = (steps - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coefficient = 1.0 - decay_ratio
         else:  # cosine
             coefficient = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+        return min_lr + coefficient * (max_lr - min_lr)
 
     def step(self, increment: int) -> float:
-        """Advance by ``increment`` samples and write the new lr into the param groups."""
+        """Advance by ``increment`` samples and write the new lr into the param groups; returns
+        the main schedule's lr."""
         self.num_steps += increment
-        lr = self.get_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+            group["lr"] = self.get_lr(param_group=group)
+        return self.get_lr()
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,

@@ -201,6 +201,11 @@ def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state
         return build_distributed_optimizer(config, params, parallel_state, owns_grad_norm,
                                            list(gradient_reducers), list(model_chunks))
     groups = build_param_groups(params, optimizer_config.weight_decay)
+    if getattr(optimizer_config, "decoupled_lr", None) is not None:
+        from megatron.core.optimizer.decoupled_lr import (embedding_or_output_parameters,
+                                                          split_decoupled_groups)
+        groups = split_decoupled_groups(groups, embedding_or_output_parameters(model_chunks),
+                                        optimizer_config)
     optimizer, implementation = torch_optimizer(groups, optimizer_config)
     return MegatronOptimizer(
         optimizer, params, parallel_state, clip_grad=optimizer_config.clip_grad,
