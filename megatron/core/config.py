@@ -206,6 +206,13 @@ class TrainingConfig:
         None, "Batch-size ramp-up START INCREMENT RAMP_SAMPLES: the global batch grows from START "
               "by INCREMENT in equal steps over the first RAMP_SAMPLES samples (every schedule: the "
               "pipeline is planned per micro-batch count).")
+    step_batch_size_schedule: Optional[str] = option(
+        None, "Step-wise global batch size \"THRESHOLD:BS THRESHOLD:BS ...\" (instead of "
+              "--global-batch-size): from THRESHOLD tokens on (suffixes K, M, B, T; the first "
+              "threshold 0) the global batch size is BS.")
+    batch_size_steps: Optional[list[int]] = option(
+        None, "The step schedule in samples, flattened threshold, batch size, ... (derived).",
+        derived=True)
     train_iters: Optional[int] = option(None, "Number of training iterations.")
     train_samples: Optional[int] = option(
         None, "Number of training samples (alternative to --train-iters).")

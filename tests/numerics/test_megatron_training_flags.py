@@ -144,3 +144,38 @@ def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule():
 def test_decoupled_min_lr_without_decoupled_lr_is_refused():
     with pytest.raises(ValueError, match="--decoupled-min-lr needs --decoupled-lr"):
         parse_args(f"{TINY} --lr 1e-3 --decoupled-min-lr 1e-5".split(), world_size=1)
+
+
+def test_step_batch_size_schedule_changes_the_global_batch_at_its_threshold():
+    # Thresholds count tokens: 256 tokens = 16 samples of --seq-length 16.
+    flags = "--lr 1e-3 --train-samples 40"
+    flags = flags.split() + ["--step-batch-size-schedule", "0:4 256:8"]
+    config = parse_args(TINY.replace("--global-batch-size 4 ", "").replace(
+        "--train-iters 6 ", "").split() + flags, world_size=1)
+    assert config.training.train_iters == 7  # 4 batches of 4 samples, then 3 of 8
+    lines = []
+    result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                      pretrain_gpt.forward_step, parallel_state=ParallelState.single_process(),
+                      log=lines.append)
+    sizes = [int(line.split("global batch size:")[1].split("|")[0])
+             for line in lines if "global batch size:" in line]
+    assert sizes == [4, 4, 4, 4, 8, 8, 8]
+    assert result.state.consumed_train_samples == 40
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ("64:4 256:8", "the first threshold must be 0"),
+    ("0:4 0:8", "thresholds must increase"),
+    ("0:4 256:6", "not divisible by --micro-batch-size"),
+    ("0:4 x:8", "is not a number")])
+def test_a_bad_step_schedule_is_refused_with_the_reason(schedule, message):
+    argv = TINY.replace("--global-batch-size 4 ", "").split() + [
+        "--lr", "1e-3", "--step-batch-size-schedule", schedule]
+    with pytest.raises(ValueError, match=message):
+        parse_args(argv, world_size=1)
+
+
+def test_step_schedule_and_global_batch_size_exclude_each_other():
+    with pytest.raises(ValueError, match="give only one"):
+        parse_args(TINY.split() + ["--lr", "1e-3", "--step-batch-size-schedule", "0:4"],
+                   world_size=1)
