@@ -166,7 +166,7 @@ def test_step_batch_size_schedule_changes_the_global_batch_at_its_threshold():
 @pytest.mark.parametrize("schedule, message", [
     ("64:4 256:8", "the first threshold must be 0"),
     ("0:4 0:8", "thresholds must increase"),
-    ("0:4 256:6", "not divisible by --micro-batch-size"),
+    ("0:4 256:5", "not divisible by --micro-batch-size"),
     ("0:4 x:8", "is not a number")])
 def test_a_bad_step_schedule_is_refused_with_the_reason(schedule, message):
     argv = TINY.replace("--global-batch-size 4 ", "").split() + [
