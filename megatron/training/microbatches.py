@@ -31,7 +31,7 @@ from megatron.training.batch_size_schedule import step_batch_size_at
 
 def global_batch_size_at(training_config, consumed_samples: int) -> int:
     """The global batch size of the iteration that starts after ``consumed_samples`` samples."""
-    if training_config.batch_size_steps:
+    if getattr(training_config, "batch_size_steps", None):
         return step_batch_size_at(training_config.batch_size_steps, consumed_samples)
     rampup, full = training_config.rampup_batch_size, training_config.global_batch_size
     if not rampup:
@@ -46,7 +46,7 @@ def global_batch_size_at(training_config, consumed_samples: int) -> int:
 def ramp_batch_sizes(training_config) -> list[int]:
     """Every global batch size a run uses: the --rampup-batch-size steps, then the full size (or
     the --step-batch-size-schedule's sizes)."""
-    if training_config.batch_size_steps:
+    if getattr(training_config, "batch_size_steps", None):
         return sorted(set(training_config.batch_size_steps[1::2]))
     full = training_config.global_batch_size
     if not training_config.rampup_batch_size:
@@ -58,7 +58,7 @@ def ramp_batch_sizes(training_config) -> list[int]:
 def iterations_for_samples(training_config, train_samples: int) -> int:
     """Iterations that consume ``train_samples`` samples (Megatron's count: the ramp-up phase
     iteration by iteration, then whole full-size batches)."""
-    if training_config.batch_size_steps:
+    if getattr(training_config, "batch_size_steps", None):
         return batch_size_schedule.iterations_for_samples(training_config.batch_size_steps,
                                                           train_samples)
     full = training_config.global_batch_size
