@@ -344,6 +344,8 @@ def config_to_argv(config: MegatronConfig) -> list[str]:
         value = getattr(getattr(config, spec.section), spec.name)
         if value == spec.default() or value is None:
             continue
+        if spec.name == "global_batch_size" and config.training.step_batch_size_schedule:
+            continue  # derived from the step schedule (the two flags exclude each other)
         if spec.value_type is bool:
             argv.append(spec.flag)
         else:
