@@ -218,6 +218,9 @@ class TrainingConfig:
         None, "Number of training samples (alternative to --train-iters).")
     eval_interval: int = option(1000, "Run validation every this many iterations.")
     eval_iters: int = option(100, "Validation iterations per evaluation.")
+    eval_global_batch_size: Optional[int] = option(
+        None, "Samples per validation iteration over all data-parallel ranks; default "
+              "--global-batch-size.")
     exit_interval: Optional[int] = option(
         None, "Save (if --save) and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[float] = option(

@@ -39,6 +39,13 @@ def validate_batch(config: MegatronConfig) -> None:
             f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
             f"{parallel.data_parallel_size} = {per_step}; use a multiple of {per_step}")
     training.num_microbatches = training.global_batch_size // per_step
+    if training.eval_global_batch_size is not None:
+        require_positive(training, ("eval_global_batch_size",))
+        if training.eval_global_batch_size % per_step:
+            raise ValueError(
+                f"--eval-global-batch-size {training.eval_global_batch_size} is not divisible by "
+                f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
+                f"{parallel.data_parallel_size} = {per_step}; use a multiple of {per_step}")
 
     _validate_rampup(config, per_step)
     if training.train_iters is None and training.train_samples is None:

@@ -304,15 +304,18 @@ def _check_schedule_options(config: MegatronConfig) -> None:
     parallel, training = config.parallel, config.training
     name, options = schedule_from_config(parallel)
     per_step = training.micro_batch_size * parallel.data_parallel_size
-    for batch_size in ramp_batch_sizes(training):
+    evaluation = [training.eval_global_batch_size] if training.eval_global_batch_size else []
+    for batch_size in ramp_batch_sizes(training) + evaluation:
         count = batch_size // per_step
         try:
             check_schedule_options(name, parallel.pipeline_model_parallel_size, count,
                                    micro_batch_size=training.micro_batch_size, **options)
         except ValueError as error:
-            ramp = (f" (global batch size {batch_size} of the --rampup-batch-size ramp; pick a "
-                    f"START and INCREMENT whose every step suits the schedule)"
-                    if batch_size != training.global_batch_size else "")
+            source = ("--eval-global-batch-size" if batch_size in evaluation else
+                      "--step-batch-size-schedule" if training.step_batch_size_schedule else
+                      "--rampup-batch-size ramp")
+            ramp = (f" (global batch size {batch_size} of the {source}; pick sizes that suit "
+                    f"the schedule)" if batch_size != training.global_batch_size else "")
             raise ValueError(
                 f"--pipeline-schedule {parallel.pipeline_schedule} with "
                 f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} and "

@@ -81,4 +81,3 @@ WEIGHT_DECAY_RULE = "weight decay applies to weight matrices, never to biases an
 EVALUATION_OPTIONS = ("evaluation runs --eval-iters batches every --eval-interval iterations, with "
                       "the training micro-batch size, on one validation set")
 VOCAB_PADDING = "the vocabulary is always padded per --make-vocab-size-divisible-by"
-PENDING = "not implemented yet"

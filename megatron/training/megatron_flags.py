@@ -340,7 +340,6 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
                       "checkpoints carry this project's own format version"),
     UnimplementedFlag("--use-regular-masking", "the attention mask is always causal"),
     # Megatron's own checks refuse these values; so does validation here.
-    *_rejected(reasons.PENDING, "--eval-global-batch-size"),
     *RECENT_UNIMPLEMENTED_FLAGS,
 )
 

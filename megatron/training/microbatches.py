@@ -43,6 +43,12 @@ def global_batch_size_at(training_config, consumed_samples: int) -> int:
     return min(full, start + int(consumed_samples / (ramp_samples / increments)) * increment)
 
 
+def eval_batch_size(training_config) -> int:
+    """Samples per validation iteration: --eval-global-batch-size, else --global-batch-size."""
+    return getattr(training_config, "eval_global_batch_size", None) or \
+        training_config.global_batch_size
+
+
 def ramp_batch_sizes(training_config) -> list[int]:
     """Every global batch size a run uses: the --rampup-batch-size steps, then the full size (or
     the --step-batch-size-schedule's sizes)."""

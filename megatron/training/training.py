@@ -44,7 +44,8 @@ from megatron.training.logging_utils import (IntervalStats, build_tensorboard_wr
                                              format_iteration_line, format_validation_lines,
                                              memory_report,
                                              write_training_scalars, write_validation_scalars)
-from megatron.training.microbatches import build_microbatches, global_batch_size_at
+from megatron.training.microbatches import (build_microbatches, eval_batch_size,
+                                            global_batch_size_at)
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.timers import Timers
@@ -202,10 +203,12 @@ def evaluate(components: TrainingComponents, forward_step_func, dataset, first_s
     for chunk in components.model_chunks:
         chunk.eval()
     totals: dict = {}
-    global_batch_size = components.config.training.global_batch_size
+    global_batch_size = eval_batch_size(components.config.training)
     try:
         for step in range(eval_iters):
-            microbatches = iteration_microbatches(components, dataset, first_sample + step * global_batch_size)
+            microbatches = iteration_microbatches(components, dataset,
+                                                  first_sample + step * global_batch_size,
+                                                  global_batch_size)
             loss_dicts = components.runtime.forward_backward(
                 forward_step_func=forward_step_func, model_chunks=components.model_chunks,
                 microbatches=microbatches, scale_loss=components.optimizer.scale_loss,
@@ -246,7 +249,7 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
     first = state.consumed_valid_samples if advance else 0
     losses = evaluate(components, forward_step_func, dataset, first, eval_iters)
     if advance:
-        state.consumed_valid_samples += eval_iters * components.config.training.global_batch_size
+        state.consumed_valid_samples += eval_iters * eval_batch_size(components.config.training)
     result.validation.append((prefix, losses))
     write_validation_scalars(tensorboard_writer, state.iteration, losses)
     if is_logging_rank(components.parallel_state):
@@ -440,8 +443,8 @@ def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
     eval_runs = (training.train_iters // training.eval_interval + 1) if training.eval_interval \
         else 1
     num_samples = (training.train_iters * global_batch_size,
-                   eval_runs * training.eval_iters * global_batch_size,
-                   training.eval_iters * global_batch_size)
+                   eval_runs * training.eval_iters * eval_batch_size(training),
+                   training.eval_iters * eval_batch_size(training))
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     datasets = None
     if not distributed or parallel_state.rank == 0:

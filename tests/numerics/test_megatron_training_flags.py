@@ -179,3 +179,16 @@ def test_step_schedule_and_global_batch_size_exclude_each_other():
     with pytest.raises(ValueError, match="give only one"):
         parse_args(TINY.split() + ["--lr", "1e-3", "--step-batch-size-schedule", "0:4"],
                    world_size=1)
+
+
+def test_eval_global_batch_size_sets_the_validation_batch():
+    flags = "--lr 1e-3 --eval-interval 3 --eval-iters 2"
+    plain, _ = _run(flags)
+    larger, _ = _run(f"{flags} --eval-global-batch-size 8")
+    assert plain.state.consumed_valid_samples == 2 * 2 * 4 + 2 * 4  # 2 runs + the final one
+    assert larger.state.consumed_valid_samples == 3 * 2 * 8
+    plain_loss = [losses["lm loss"] for _, losses in plain.validation]
+    larger_loss = [losses["lm loss"] for _, losses in larger.validation]
+    assert plain_loss != larger_loss  # other samples were evaluated
+    with pytest.raises(ValueError, match="--eval-global-batch-size 5 is not divisible"):
+        parse_args(f"{TINY} {flags} --eval-global-batch-size 5".split(), world_size=1)
