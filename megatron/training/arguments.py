@@ -344,7 +344,7 @@ def config_to_argv(config: MegatronConfig) -> list[str]:
         value = getattr(getattr(config, spec.section), spec.name)
         if value == spec.default() or value is None:
             continue
-        if spec.name == "global_batch_size" and config.training.step_batch_size_schedule:
+        if spec.name == "global_batch_size" and config.training.batch_size_steps:
             continue  # derived from the step schedule (the two flags exclude each other)
         if spec.value_type is bool:
             argv.append(spec.flag)
