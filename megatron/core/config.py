@@ -235,6 +235,10 @@ class TrainingConfig:
                "where unset (set values must be deterministic ones).")
     fp16: bool = option(False, "Train in float16 with dynamic loss scaling.")
     bf16: bool = option(False, "Train in bfloat16.")
+    calculate_per_token_loss: bool = option(
+        False, "The loss (and its gradient) is the sum of the token losses over the number of "
+               "loss-mask tokens in the global batch, instead of the mean of the micro-batches' "
+               "mean losses (they differ when loss masks differ between samples).")
     check_for_nan_in_loss_and_grad: bool = option(
         False, "Stop (error naming the iteration and rank) when the loss or gradient norm is NaN "
                "or infinite, instead of skipping the update.")

@@ -280,7 +280,6 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     UnimplementedFlag("--lr-warmup-init", "warm-up always starts at learning rate 0"),
     *_rejected(reasons.CONSTANT_WEIGHT_DECAY, "--start-weight-decay", "--end-weight-decay",
                "--weight-decay-incr-style"),
-    UnimplementedFlag("--calculate-per-token-loss", "the loss is averaged per micro-batch"),
     # Checkpoints and run control.
     UnimplementedFlag("--use-checkpoint-args", "give the model flags on the command line"),
     UnimplementedFlag("--pretrained-checkpoint", "use --load with --finetune"),

@@ -44,6 +44,8 @@ from megatron.training.logging_utils import (IntervalStats, build_tensorboard_wr
                                              format_iteration_line, format_validation_lines,
                                              memory_report,
                                              write_training_scalars, write_validation_scalars)
+from megatron.training.per_token_loss import (TOKENS_KEY, per_token_correction,
+                                              per_token_forward_step)
 from megatron.training.microbatches import (build_microbatches, eval_batch_size,
                                             global_batch_size_at)
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
@@ -171,6 +173,9 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
     optimizer.zero_grad()
     learning_rate = optimizer.param_groups[0]["lr"]
     clock = timers.instruction_clock() if timers is not None else None
+    per_token = _per_token_reference(components)
+    if per_token:
+        forward_step_func = per_token_forward_step(forward_step_func, per_token)
     with _timed(timers, "forward-backward"):
         loss_dicts = components.runtime.forward_backward(
             forward_step_func=forward_step_func, model_chunks=components.model_chunks,
@@ -183,18 +188,39 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
     with _timed(timers, "all-grads-sync"):
         for reducer in components.gradient_reducers:
             reducer.wait()
+    correction = _per_token_correction(components, loss_dicts, per_token)
+    if correction != 1.0:
+        optimizer.scale_gradients(correction)  # --calculate-per-token-loss
     with _timed(timers, "optimizer"):
         result = optimizer.step()
     a2sgd.finish_a2sgd_step(components.gradient_reducers, result.update_successful)
     if result.update_successful:
         components.lr_scheduler.step(global_batch_size or
                                      components.config.training.global_batch_size)
-    losses = reduce_losses(loss_dicts, components.parallel_state, components.device)
+    losses = {key: value * correction for key, value in
+              reduce_losses(loss_dicts, components.parallel_state, components.device).items()}
     got_nan = any(not math.isfinite(v) for v in losses.values()) or (
         result.grad_norm is not None and not math.isfinite(result.grad_norm))
     return IterationRecord(iteration=0, losses=losses, learning_rate=learning_rate,
                            grad_norm=result.grad_norm, loss_scale=optimizer.loss_scale,
                            skipped=not result.update_successful, got_nan=got_nan)
+
+
+def _per_token_reference(components: TrainingComponents) -> int:
+    """--calculate-per-token-loss: the reference token count of a micro-batch (0 when off)."""
+    config = components.config
+    if not config.training.calculate_per_token_loss:
+        return 0
+    return config.training.micro_batch_size * config.model.seq_length
+
+
+def _per_token_correction(components: TrainingComponents, loss_dicts, reference: int) -> float:
+    """The factor from the micro-batches' averaged loss to the per-token loss (1.0 when off)."""
+    if not reference:
+        return 1.0
+    tokens = reduce_losses(loss_dicts, components.parallel_state, components.device,
+                           keys=(TOKENS_KEY,))[TOKENS_KEY]
+    return per_token_correction(tokens, reference)
 
 
 def evaluate(components: TrainingComponents, forward_step_func, dataset, first_sample: int,
@@ -204,6 +230,9 @@ def evaluate(components: TrainingComponents, forward_step_func, dataset, first_s
         chunk.eval()
     totals: dict = {}
     global_batch_size = eval_batch_size(components.config.training)
+    per_token = _per_token_reference(components)
+    if per_token:
+        forward_step_func = per_token_forward_step(forward_step_func, per_token)
     try:
         for step in range(eval_iters):
             microbatches = iteration_microbatches(components, dataset,
@@ -213,9 +242,10 @@ def evaluate(components: TrainingComponents, forward_step_func, dataset, first_s
                 forward_step_func=forward_step_func, model_chunks=components.model_chunks,
                 microbatches=microbatches, scale_loss=components.optimizer.scale_loss,
                 gradient_reducers=(), forward_only=True, autocast=components.autocast)
+            correction = _per_token_correction(components, loss_dicts, per_token)
             for key, value in reduce_losses(loss_dicts, components.parallel_state,
                                             components.device).items():
-                totals[key] = totals.get(key, 0.0) + value
+                totals[key] = totals.get(key, 0.0) + value * correction
     finally:
         for chunk in components.model_chunks:
             chunk.train()

@@ -4,6 +4,7 @@ fails if its flag were parsed and then ignored). One process, tiny model, mock d
 import os
 
 import pytest
+import numpy as np
 import torch
 
 import pretrain_gpt
@@ -192,3 +193,54 @@ def test_eval_global_batch_size_sets_the_validation_batch():
     assert plain_loss != larger_loss  # other samples were evaluated
     with pytest.raises(ValueError, match="--eval-global-batch-size 5 is not divisible"):
         parse_args(f"{TINY} {flags} --eval-global-batch-size 5".split(), world_size=1)
+
+
+class _UnevenLossMask:
+    """A dataset whose samples carry loss masks of different lengths (odd samples: 3 tokens)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        sample = dict(self.dataset[index])
+        mask = np.ones(len(sample["text"]) - 1, dtype=np.float32)
+        if index % 2:
+            mask[3:] = 0
+        sample["loss_mask"] = mask
+        return sample
+
+
+def _uneven_datasets(config, parallel_state, num_samples):
+    return tuple(None if d is None else _UnevenLossMask(d) for d in
+                 pretrain_gpt.datasets_provider(config, parallel_state, num_samples))
+
+
+def _losses_with_uneven_masks(extra: str):
+    config = parse_args(f"{TINY} --lr 1e-2 --attention-dropout 0 --hidden-dropout 0 {extra}"
+                        .split(), world_size=1)
+    result = pretrain(config, pretrain_gpt.model_provider, _uneven_datasets,
+                      pretrain_gpt.forward_step, parallel_state=ParallelState.single_process(),
+                      log=lambda _: None)
+    return [record.losses["lm loss"] for record in result.history]
+
+
+def test_calculate_per_token_loss_weighs_every_token_equally():
+    # One micro-batch of 4 samples: its mean over the loss mask is the per-token loss.
+    whole = _losses_with_uneven_masks("--micro-batch-size 4")
+    # Four micro-batches of one sample (masks of 15 and 3 tokens): the mean of their means
+    # over-weighs the short samples' tokens; the per-token loss is the same as in one batch.
+    per_token = _losses_with_uneven_masks("--micro-batch-size 1 --calculate-per-token-loss")
+    averaged = _losses_with_uneven_masks("--micro-batch-size 1")
+    assert per_token == pytest.approx(whole, rel=1e-5)
+    assert averaged[0] != pytest.approx(whole[0], rel=1e-3)
+    assert averaged[1:] != pytest.approx(whole[1:], rel=1e-3)
+
+
+def test_per_token_loss_changes_nothing_when_every_token_counts():
+    plain, _ = _run("--lr 1e-3")
+    per_token, _ = _run("--lr 1e-3 --calculate-per-token-loss")
+    assert [r.losses["lm loss"] for r in per_token.history] == \
+        [r.losses["lm loss"] for r in plain.history]

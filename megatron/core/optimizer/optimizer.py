@@ -124,6 +124,13 @@ class MegatronOptimizer:
         if grads:
             torch._foreach_zero_(grads)  # one call instead of one per parameter
 
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient this optimizer steps by ``factor`` (before :meth:`step`; used
+        by --calculate-per-token-loss once the global batch's token count is known)."""
+        grads = self._grads()
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
