@@ -35,6 +35,14 @@ KNOWN_GAPS = {
         "interleaved 1F1B with a micro-batch count (5) that is not a multiple of PP (4)",
 }
 
+# Configurations that Megatron-LM refuses too, with the reason.
+MEGATRON_REFUSES_TOO = {
+    "canonical/train_gpt3_175b_distributed.sh@779c5b7":
+        "the script expands its argument arrays unquoted, so the --step-batch-size-schedule value "
+        "\"0:16 2.4B:320 ...\" reaches the parser as six words, and it gives --global-batch-size "
+        "as well, which Megatron-LM refuses with a step schedule",
+}
+
 
 def problems_of(config: dict) -> list[str]:
     """Every problem parse and validation report for one launch configuration."""
@@ -76,8 +84,9 @@ def test_no_flag_of_the_collection_is_unknown(verdicts):
 def test_every_configuration_with_only_our_features_parses_and_validates(verdicts):
     failing = {name: problems for name, problems in verdicts.items()
                if problems and not any(lacks_a_feature(p) for p in problems)}
-    assert set(failing) == set(KNOWN_GAPS), {name: failing[name] for name in
-                                             set(failing) ^ set(KNOWN_GAPS) if name in failing}
+    expected = set(KNOWN_GAPS) | set(MEGATRON_REFUSES_TOO)
+    assert set(failing) == expected, {name: failing.get(name, "passes")
+                                      for name in set(failing) ^ expected}
 
 
 def test_how_many_configurations_are_accepted(verdicts):
@@ -88,4 +97,4 @@ def test_how_many_configurations_are_accepted(verdicts):
     assert accepted["functional-2026"] + accepted["functional-2024"] >= MEASURED_FUNCTIONAL
 
 
-MEASURED_FUNCTIONAL = 123  # 55 of 118 (2026) + 68 of 113 (2024), before step schedules etc.
+MEASURED_FUNCTIONAL = 131  # 59 of 118 (2026) + 72 of 113 (2024): 242 of the 348 configs in all
