@@ -338,8 +338,8 @@ def _validate_recompute(config: MegatronConfig) -> None:
             raise ValueError(f"--recompute-num-layers {recompute.recompute_num_layers} exceeds the "
                              f"{layers_per_stage} layers of a pipeline stage; lower it")
     elif recompute.recompute_granularity == "selective" and recompute.recompute_method is not None:
-        raise ValueError("--recompute-method only applies to --recompute-granularity full (selective "
-                         "recomputation has no method, as in Megatron-LM); drop it")
+        raise ValueError("--recompute-method only applies to --recompute-granularity full "
+                         "(selective recomputation has no method, as in Megatron-LM); drop it")
     else:
         # Megatron-LM ignores them without full granularity; so do we, saying so.
         for name in ("recompute_method", "recompute_num_layers"):

@@ -99,8 +99,8 @@ class Checkpointer:
             self.log(f"  successfully saved checkpoint at iteration {state.iteration:7d} to "
                      f"{root} ({time.perf_counter() - started:.2f} s)")
             if self.config.checkpoint.save_retain_interval is not None:
-                prune_checkpoints(root, state.iteration, self.config.checkpoint.save_retain_interval,
-                                  self.log)
+                prune_checkpoints(root, state.iteration,
+                                  self.config.checkpoint.save_retain_interval, self.log)
         return final_dir
 
     def _prepare_staging(self, components, root: str, staging_dir: str) -> None:
