@@ -81,3 +81,9 @@ WEIGHT_DECAY_RULE = "weight decay applies to weight matrices, never to biases an
 EVALUATION_OPTIONS = ("evaluation runs --eval-iters batches every --eval-interval iterations, with "
                       "the training micro-batch size, on one validation set")
 VOCAB_PADDING = "the vocabulary is always padded per --make-vocab-size-divisible-by"
+SYNCHRONOUS_CHECKPOINT = ("checkpoints are saved synchronously by the training ranks themselves, "
+                          "each writing its own file (same content; no background worker)")
+NON_PERSISTENT_CHECKPOINT = ("only the checkpoints of --save every --save-interval are written; there "
+                             "are no extra non-persistent (local or in-memory) ones")
+CHECKPOINT_REPLICATION = ("checkpoint files are written once, to --save; they are not replicated to "
+                          "other nodes")

@@ -156,7 +156,7 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     *_switches(reasons.CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format",
                "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
                "--ckpt-assume-constant-structure"),
-    CompatibilityFlag("--async-save", "checkpoints are saved synchronously (same content)"),
+    CompatibilityFlag("--async-save", reasons.SYNCHRONOUS_CHECKPOINT),
     # Data reading.
     *_switches("dataset .bin files are always memory-mapped", "--no-mmap-bin-files",
                "--mmap-bin-files"),
