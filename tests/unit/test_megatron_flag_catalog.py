@@ -4,7 +4,8 @@ reason); none of them is an "unknown flag".
 
 The lists are tests/golden/megatron_flags_d98e8a6.txt (every option string of Megatron-LM's parser
 at d98e8a6, August 2026, with its value syntax) and tests/golden/megatron_flags_removed.txt (the
-spellings Megatron-LM's history accepted and it has since dropped).
+spellings Megatron-LM's history accepted and it has since dropped). The first is written by
+tools/megatron_lm/dump_flags.py.
 """
 
 import logging

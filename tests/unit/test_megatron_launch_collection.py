@@ -6,7 +6,8 @@ path, world size, argv): the MODEL_ARGS of every pretraining GPT functional test
 d98e8a6 (August 2026) and at 3efa8c2 (October 2024), every version of its canonical GPT example
 scripts, its current GPT example scripts and the SC21 (PTD-P paper) scripts with every option
 combination expanded. The world size is the script's own (nodes x GPUs) where it has one, else
-the smallest of 8, 16, 32, ... GPUs that fits its TP x PP and batch sizes.
+the smallest of 8, 16, 32, ... GPUs that fits its TP x PP and batch sizes. The file is written by
+tools/megatron_lm/build_launch_configs.py from a Megatron-LM git directory.
 
 A configuration "asks for a feature we lack" when a problem reported for it says "not
 implemented" or "not supported yet" (mixture of experts, rotary embeddings, sequence parallelism
