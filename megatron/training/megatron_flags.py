@@ -9,13 +9,18 @@ train a different model if ignored, so they are **known but not implemented**
 (:data:`UNIMPLEMENTED_FLAGS`): the parser accepts their syntax only so that one run can report every
 problem together, each one named as "not implemented" rather than "unknown".
 
-Together with the config fields these cover every option of Megatron-LM's argument list
-(``megatron/training/arguments.py``; the list and the commit it was read at are in
-tests/unit/test_megatron_flag_catalog.py, which checks that none of them is "unknown").
+Together with the config fields these cover every option of Megatron-LM's argument parser at
+:data:`MEGATRON_COMMIT` (tests/golden/megatron_flags_d98e8a6.txt) and the spellings its history
+accepted and dropped (tests/golden/megatron_flags_removed.txt); tests/unit/test_megatron_flag_catalog.py
+checks that none of them is "unknown". This module holds the flags up to May 2024 (307dcf3) and
+the earlier spellings; :mod:`megatron.training.megatron_flags_recent` the ones added since.
+:data:`RENAMED_FLAGS` maps each earlier spelling to today's flag, and is the only source of "did
+you mean" suggestions.
 
-Flags are grouped by reason; a reason shared by several flags is a constant, so that the log
-line, ``--help`` and docs/flags.md say the same thing for all of them. The classification of flags
-that *are* config fields lives with the fields (:mod:`megatron.core.config`,
+Flags are grouped by reason; a reason shared by several flags is a constant
+(:mod:`megatron.training.flag_reasons`), so that the log line, ``--help`` and docs/flags.md say
+the same thing for all of them. The classification of flags that *are* config fields lives with
+the fields (:mod:`megatron.core.config`,
 :data:`megatron.training.config_validation.NOT_SUPPORTED_YET`). docs/flags.md is generated from all
 of them.
 """
@@ -30,11 +35,9 @@ from megatron.training.flag_kinds import with_value as _with_value
 from megatron.training.megatron_flags_recent import (RECENT_COMPATIBILITY_FLAGS,
                                                       RECENT_UNIMPLEMENTED_FLAGS)
 
-
 # ---- accepted for compatibility, ignored -----------------------------------------------------
 # Ignoring any of these cannot change the trained weights: kernels, communication performance,
 # logging side channels, memory housekeeping, checkpoint file formats, profilers, start-up.
-
 
 COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     # CUDA kernels and implementation switches.
