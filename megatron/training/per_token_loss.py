@@ -24,9 +24,10 @@ def per_token_forward_step(forward_step_func: Callable, reference_tokens: int) -
 
     def forward_step(microbatch: dict, model):
         output, loss_func = forward_step_func(microbatch, model)
-        tokens = microbatch["loss_mask"].sum()
 
         def per_token_loss_func(output_tensor):
+            # Read here, where the loss is computed (a last pipeline stage has the loss mask).
+            tokens = microbatch["loss_mask"].sum()
             loss, reported = loss_func(output_tensor)
             scale = tokens / reference_tokens
             return loss * scale, {**{key: value * scale for key, value in reported.items()},
