@@ -14,6 +14,8 @@
 #   c. smoke   : pretrain_gpt.py --mock-data for a few iterations on CUDA (1 GPU, or 2 with DP=2) and on
 #                the CPU (gloo, 1 process), same seed, dropout off: the lm loss values must agree
 #                within a relative ${LOSS_RTOL:-1e-3} (fp32 both sides; TF32 is off by default in torch)
+#   e. determ. : pretrain_gpt.py --deterministic-mode twice on the device (dropout on): identical
+#                lm loss values (torch deterministic algorithms must cover every op it runs)
 #   d. measure : tools/performance_model.py --measure writes a hardware profile for this device,
 #                and the planner reads it back with --profile
 # Environment: PYTHON (default python3), OUT, GPU_CHECK_DEVICE (cuda | cpu), GPU_PEAK_TFLOPS (MFU of
@@ -125,6 +127,17 @@ step smoke-cpu 80 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1
 step smoke-compare 20 "$PY" benchmarks/gpu_check.py compare-losses \
     "$OUT/$FIRST_NAME.log" "$OUT/smoke-cpu.log" "$OUT/smoke.json" --rtol "$RTOL"
 grep -h "^loss comparison" "$OUT/smoke-compare.log" >> "$SUMMARY" 2>/dev/null
+
+# ---- e. --deterministic-mode: two runs on the device print identical losses (dropout on) ------
+for RUN in 1 2; do
+    # shellcheck disable=SC2086
+    step "deterministic-$RUN" 80 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        pretrain_gpt.py $SMOKE_FLAGS $FIRST_BACKEND --attention-dropout 0.1 --hidden-dropout 0.1 \
+        --deterministic-mode
+done
+step deterministic-compare 20 "$PY" benchmarks/gpu_check.py compare-losses \
+    "$OUT/deterministic-1.log" "$OUT/deterministic-2.log" "$OUT/deterministic.json" --rtol 0
+grep -h "^loss comparison" "$OUT/deterministic-compare.log" >> "$SUMMARY" 2>/dev/null
 
 # ---- d. calibration: --measure writes a profile, --profile reads it --------------------------
 # shellcheck disable=SC2086

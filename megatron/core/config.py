@@ -137,18 +137,23 @@ class RecomputeConfig:
               "layers, 'block' only the first recompute-num-layers layers of each stage.",
         choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = option(
-        None, "Layers per recomputed chunk (uniform) or recomputed layers per stage (block).")
+        None, "Layers per recomputed chunk (uniform) or recomputed layers per stage (block).",
+        aliases=("--activations-checkpoint-num-layers", "--checkpoint-num-layers"))
     checkpoint_activations: bool = option(
         False, "Legacy spelling of --recompute-granularity full --recompute-method uniform.")
     recompute_activations: bool = option(
         False, "Legacy spelling of --recompute-granularity selective.")
+    activations_checkpoint_method: Optional[str] = option(
+        None, "Legacy (2021-22) spelling of --recompute-granularity full --recompute-method.",
+        choices=("uniform", "block"))
 
 
 @dataclass
 class ParallelConfig:
     """Process layout: tensor, data and pipeline parallelism and the pipeline schedule."""
 
-    tensor_model_parallel_size: int = option(1, "Tensor-parallel size.")
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel size.",
+                                             aliases=("--model-parallel-size",))
     pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (pipeline depth D).")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per virtual pipeline stage; selects the interleaved 1F1B schedule.")
@@ -188,6 +193,10 @@ class ParallelConfig:
         False, "Shard the fp32 weights' optimizer step and Adam state over all replicas of each "
                "stage (data parallel; under Chimera both pipeline directions too): gradients are "
                "reduce-scattered, each rank steps its shard, parameters are all-gathered.")
+    overlap_param_gather: bool = option(
+        False, "With --use-distributed-optimizer: start the all-gather of the updated parameters "
+               "after the step and wait for each model chunk's part just before its next forward "
+               "pass (as Megatron), instead of waiting at the end of the step.")
     overlap_grad_reduce: bool = option(
         False, "Overlap the data-parallel gradient reduction with the backward pass (without a "
                "pipeline; pipeline schedules place their reductions themselves, see "
@@ -212,7 +221,8 @@ class ParallelConfig:
 class TrainingConfig:
     """Batch sizes, iteration counts, precision and seeds."""
 
-    micro_batch_size: int = option(1, "Samples per micro-batch on one data-parallel rank.")
+    micro_batch_size: int = option(1, "Samples per micro-batch on one data-parallel rank.",
+                                   aliases=("--batch-size",))
     global_batch_size: Optional[int] = option(
         None, "Samples per iteration over all data-parallel ranks; default micro-batch-size * "
               "data-parallel size.")
@@ -220,11 +230,21 @@ class TrainingConfig:
         None, "Batch-size ramp-up START INCREMENT RAMP_SAMPLES: the global batch grows from START "
               "by INCREMENT in equal steps over the first RAMP_SAMPLES samples (every schedule: the "
               "pipeline is planned per micro-batch count).")
+    step_batch_size_schedule: Optional[str] = option(
+        None, "Step-wise global batch size \"THRESHOLD:BS THRESHOLD:BS ...\" (instead of "
+              "--global-batch-size): from THRESHOLD tokens on (suffixes K, M, B, T; the first "
+              "threshold 0) the global batch size is BS.")
+    batch_size_steps: Optional[list[int]] = option(
+        None, "The step schedule in samples, flattened threshold, batch size, ... (derived).",
+        derived=True)
     train_iters: Optional[int] = option(None, "Number of training iterations.")
     train_samples: Optional[int] = option(
         None, "Number of training samples (alternative to --train-iters).")
     eval_interval: int = option(1000, "Run validation every this many iterations.")
     eval_iters: int = option(100, "Validation iterations per evaluation.")
+    eval_global_batch_size: Optional[int] = option(
+        None, "Samples per validation iteration over all data-parallel ranks; default "
+              "--global-batch-size.")
     exit_interval: Optional[int] = option(
         None, "Save (if --save) and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[float] = option(
@@ -233,8 +253,16 @@ class TrainingConfig:
         False, "On SIGTERM, save (if --save) at the end of the current iteration on every rank "
                "and exit normally.")
     seed: int = option(1234, "Random seed.")
+    deterministic_mode: bool = option(
+        False, "Bitwise-reproducible runs: PyTorch deterministic algorithms (an op without one "
+               "raises), deterministic cuDNN, and NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+               "where unset (set values must be deterministic ones).")
     fp16: bool = option(False, "Train in float16 with dynamic loss scaling.")
     bf16: bool = option(False, "Train in bfloat16.")
+    calculate_per_token_loss: bool = option(
+        False, "The loss (and its gradient) is the sum of the token losses over the number of "
+               "loss-mask tokens in the global batch, instead of the mean of the micro-batches' "
+               "mean losses (they differ when loss masks differ between samples).")
     check_for_nan_in_loss_and_grad: bool = option(
         False, "Stop (error naming the iteration and rank) when the loss or gradient norm is NaN "
                "or infinite, instead of skipping the update.")
@@ -252,6 +280,12 @@ class OptimizerConfig:
     optimizer: str = option("adam", "Optimizer (adam means AdamW).", choices=("adam", "sgd"))
     lr: Optional[float] = option(None, "Peak learning rate.")
     min_lr: float = option(0.0, "Minimum learning rate after decay.")
+    decoupled_lr: Optional[float] = option(
+        None, "Peak learning rate of the input embedding and output layer (their own schedule "
+              "of the same shape); default: --lr.")
+    decoupled_min_lr: Optional[float] = option(
+        None, "Minimum learning rate of the input embedding and output layer with "
+              "--decoupled-lr; default: --min-lr.")
     lr_decay_style: str = option("linear", "Learning-rate decay.",
                                  choices=("constant", "linear", "cosine"))
     lr_decay_iters: Optional[int] = option(
@@ -263,7 +297,8 @@ class OptimizerConfig:
     lr_warmup_samples: int = option(
         0, "Linear warm-up samples (samples-based training, with --train-samples).")
     lr_warmup_fraction: Optional[float] = option(
-        None, "Warm-up as a fraction of the decay iterations (overrides --lr-warmup-iters).")
+        None, "Warm-up as a fraction of the decay iterations (overrides --lr-warmup-iters).",
+        aliases=("--warmup",))
     weight_decay: float = option(0.01, "Weight decay (not applied to biases and norms).")
     clip_grad: float = option(1.0, "Clip gradients to this global norm (0 disables).")
     adam_beta1: float = option(0.9, "Adam beta1.")
@@ -273,7 +308,7 @@ class OptimizerConfig:
     loss_scale: Optional[float] = option(
         None, "Static loss scale for fp16; dynamic scaling when unset.")
     initial_loss_scale: float = option(2.0 ** 32, "Initial dynamic loss scale.")
-    min_loss_scale: float = option(1.0, "Minimum dynamic loss scale.")
+    min_loss_scale: float = option(1.0, "Minimum dynamic loss scale.", aliases=("--min-scale",))
     loss_scale_window: int = option(1000, "Iterations without overflow before the scale grows.")
     hysteresis: int = option(2, "Overflows tolerated before the scale shrinks.")
     accumulate_allreduce_grads_in_fp32: bool = option(
@@ -306,7 +341,11 @@ class CheckpointConfig:
 
     save: Optional[str] = option(None, "Directory to save checkpoints to.")
     load: Optional[str] = option(None, "Directory to load checkpoints from.")
-    save_interval: Optional[int] = option(None, "Save every this many iterations.")
+    save_interval: Optional[int] = option(None, "Save every this many iterations.",
+                                          aliases=("--persistent-save-interval",))
+    save_retain_interval: Optional[int] = option(
+        None, "Keep only the checkpoints of iterations that are multiples of this, plus the "
+              "latest; the others under --save are deleted after each save.")
     no_load_optim: bool = option(False, "Do not load optimizer state.")
     no_load_rng: bool = option(False, "Do not load RNG state.")
     exit_on_missing_checkpoint: bool = option(
@@ -320,6 +359,15 @@ class CheckpointConfig:
                "--no-load-rng (or --finetune).")
     finetune: bool = option(
         False, "Load weights only and start at iteration 0.")
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False, "On --load, take the learning-rate schedule (--lr, --min-lr, warm-up, decay length "
+               "and style) from the checkpoint instead of the flags.",
+        aliases=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler"))
+    override_opt_param_scheduler: bool = option(
+        False, "On --load, keep the learning-rate schedule of the flags even where the "
+               "checkpoint's differs (without either flag the flags are used and each difference "
+               "is logged).",
+        aliases=("--override-opt_param-scheduler", "--override-lr-scheduler"))
     allow_overwrite_checkpoints: bool = option(
         False, "Start even though --save holds checkpoints this run does not resume from "
                "(they may be overwritten); without it such a run stops before training.")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import logging
 import sys
 import typing
@@ -34,8 +33,10 @@ from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
 from megatron.training.config_validation import (DEFAULT_MOCK_VOCAB_SIZE, NOT_SUPPORTED_YET,
                                                  ConfigurationError, pad_vocab_size,
                                                  set_padded_vocab_size, validate_config)
-from megatron.training.megatron_flags import (COMPATIBILITY_FLAGS, UNIMPLEMENTED_FLAGS,
-                                              CompatibilityFlag, invalid_choice_problem)
+from megatron.training.megatron_flags import (COMPATIBILITY_FLAGS, MEGATRON_COMMIT,
+                                              UNIMPLEMENTED_FLAGS, CompatibilityFlag,
+                                              RENAMED_FLAGS, invalid_choice_problem,
+                                              renamed_flag)
 from megatron.training.launch_env import world_size_from_environment
 
 logger = logging.getLogger(__name__)
@@ -159,18 +160,19 @@ class _MegatronArgumentParser(argparse.ArgumentParser):
         return namespace
 
     def unknown_flag_problems(self, unknown: list[str]) -> list[str]:
-        """One line per unknown flag, with "did you mean" only for a close match."""
+        """One line per unknown flag; "did you mean" only for a true rename (never a look-alike,
+        which could name a flag of another meaning)."""
         flags = [item.split("=", 1)[0] for item in unknown if item.startswith("-")]
         if unknown and not flags:
             return [f"unexpected argument(s) {' '.join(unknown)}: every value must follow its "
                     f"flag"]
-        known = [option for action in self._actions for option in action.option_strings]
+        known = {option for action in self._actions for option in action.option_strings}
         problems = []
         for flag in flags:
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append(f"unknown flag {flag}{hint}: not a Megatron flag Megatron-Chimera "
-                            f"knows; remove it")
+            renamed = renamed_flag(flag, known)
+            hint = f" (did you mean {renamed}? it is the same flag's spelling)" if renamed else ""
+            problems.append(f"unknown flag {flag}{hint}: neither Megatron-LM (up to "
+                            f"{MEGATRON_COMMIT[:7]}) nor Megatron-Chimera has it")
         return problems
 
 
@@ -381,6 +383,8 @@ def config_to_argv(config: MegatronConfig) -> list[str]:
         value = getattr(getattr(config, spec.section), spec.name)
         if value == spec.default() or value is None:
             continue
+        if spec.name == "global_batch_size" and config.training.batch_size_steps:
+            continue  # derived from the step schedule (the two flags exclude each other)
         if spec.value_type is bool:
             argv.append(spec.flag)
         else:
@@ -453,6 +457,10 @@ def flags_markdown() -> str:
               "| flag | why |", "|---|---|"]
     for unimplemented in UNIMPLEMENTED_FLAGS:
         lines.append(f"| `{unimplemented.flag}` | {_markdown_cell(unimplemented.reason)} |")
+    lines += ["", "### earlier spellings (Megatron-LM's history), classified like today's flag", "",
+              "| earlier spelling | today's flag |", "|---|---|"]
+    for old, new in RENAMED_FLAGS.items():
+        lines.append(f"| `{old}` | `{new}` |")
     lines += ["", f"Mock-data vocabulary without a tokenizer: `--vocab-size`, default "
                   f"{DEFAULT_MOCK_VOCAB_SIZE}.", ""]
     return "\n".join(lines)

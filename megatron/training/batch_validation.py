@@ -29,6 +29,8 @@ def validate_batch(config: MegatronConfig) -> None:
     require_positive(training, ("global_batch_size", "train_iters", "train_samples"),
                       allow_none=True)
     per_step = training.micro_batch_size * parallel.data_parallel_size
+    if training.step_batch_size_schedule is not None:
+        _validate_step_schedule(config, per_step)
     if training.global_batch_size is None:
         training.global_batch_size = per_step
     if training.global_batch_size % per_step:
@@ -37,6 +39,13 @@ def validate_batch(config: MegatronConfig) -> None:
             f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
             f"{parallel.data_parallel_size} = {per_step}; use a multiple of {per_step}")
     training.num_microbatches = training.global_batch_size // per_step
+    if training.eval_global_batch_size is not None:
+        require_positive(training, ("eval_global_batch_size",))
+        if training.eval_global_batch_size % per_step:
+            raise ValueError(
+                f"--eval-global-batch-size {training.eval_global_batch_size} is not divisible by "
+                f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
+                f"{parallel.data_parallel_size} = {per_step}; use a multiple of {per_step}")
 
     _validate_rampup(config, per_step)
     if training.train_iters is None and training.train_samples is None:
@@ -52,6 +61,28 @@ def validate_batch(config: MegatronConfig) -> None:
                              f"{training.train_samples} disagree (that is {iterations} iterations "
                              f"of {training.global_batch_size} samples); give only one")
         training.train_iters = iterations
+
+
+def _validate_step_schedule(config: MegatronConfig, per_step: int) -> None:
+    """--step-batch-size-schedule: Megatron's rules, and every batch size splits into whole
+    micro-batches of this layout. The global batch size becomes the last step's."""
+    from megatron.training.batch_size_schedule import flatten, parse_step_schedule
+    training = config.training
+    schedule = training.step_batch_size_schedule
+    if training.global_batch_size is not None:
+        raise ValueError("--step-batch-size-schedule and --global-batch-size both set the global "
+                         "batch size; give only one")
+    if training.rampup_batch_size is not None:
+        raise ValueError("--step-batch-size-schedule and --rampup-batch-size both change the "
+                         "global batch size during training; give only one")
+    steps = parse_step_schedule(schedule, config.model.seq_length)
+    odd = [size for _, size in steps if size % per_step]
+    if odd:
+        raise ValueError(f"--step-batch-size-schedule {schedule!r}: batch size(s) "
+                         f"{', '.join(map(str, odd))} not divisible by --micro-batch-size x "
+                         f"data-parallel size = {per_step}")
+    training.batch_size_steps = flatten(steps)
+    training.global_batch_size = steps[-1][1]
 
 
 def _validate_rampup(config: MegatronConfig, per_step: int) -> None:

@@ -28,6 +28,7 @@ from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfi
 from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.pipeline_parallel.planning.schedules import (BUILTIN_SCHEDULES, ScheduleRegistry,
                                                                schedule_layout)
+from megatron.training.megatron_leniency import apply_megatron_leniency
 from megatron.training.batch_validation import (require_positive, validate_batch,
                                                validate_iterations_schedule,
                                                validate_precision_and_evaluation,
@@ -139,6 +140,19 @@ def _translate_legacy_recompute(config: MegatronConfig) -> None:
                              "given; drop one of the two")
         recompute.recompute_granularity = "selective"
         recompute.recompute_activations = False
+    if recompute.activations_checkpoint_method is not None:
+        # Megatron-LM 2021-22: the method alone selected full recomputation.
+        if recompute.recompute_granularity not in (None, "full"):
+            raise ValueError("--activations-checkpoint-method means --recompute-granularity full "
+                             f"but --recompute-granularity {recompute.recompute_granularity} was "
+                             "given; drop one of the two")
+        if recompute.recompute_method not in (None, recompute.activations_checkpoint_method):
+            raise ValueError(f"--activations-checkpoint-method "
+                             f"{recompute.activations_checkpoint_method} and --recompute-method "
+                             f"{recompute.recompute_method} contradict each other; give only one")
+        recompute.recompute_granularity = "full"
+        recompute.recompute_method = recompute.activations_checkpoint_method
+        recompute.activations_checkpoint_method = None
 
 
 def _validate_model(config: MegatronConfig) -> None:
@@ -227,10 +241,6 @@ def _validate_parallel(config: MegatronConfig, world_size: int,
             f"processes or change the parallel sizes (world size = TP x PP x DP)")
     parallel.world_size = world_size
     parallel.data_parallel_size = world_size // (tp * pp)
-    if parallel.sequence_parallel and tp == 1:
-        logger.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
-                       "turning it off")
-        parallel.sequence_parallel = False
     if parallel.distributed_timeout_minutes <= 0:
         raise ValueError(f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes} "
                          f"must be > 0")
@@ -259,6 +269,9 @@ def _resolve_pipeline_schedule(config: MegatronConfig,
                          f"{parallel.split_backward_extra_activations} must be >= 0")
     # The chosen gradient reducer's own flag rules (megatron/core/distributed/reducers.py).
     BUILTIN_REDUCERS.get(parallel.dp_gradient_reducer).validate(parallel)
+    if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter "
+                         "all-gather; add --use-distributed-optimizer or drop it")
     if pp > 1 and parallel.overlap_grad_reduce:
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "
@@ -309,16 +322,19 @@ def _check_schedule_options(config: MegatronConfig,
     parallel, training = config.parallel, config.training
     name, options = schedule_from_config(parallel, registry)
     per_step = training.micro_batch_size * parallel.data_parallel_size
-    for batch_size in ramp_batch_sizes(training):
+    evaluation = [training.eval_global_batch_size] if training.eval_global_batch_size else []
+    for batch_size in ramp_batch_sizes(training) + evaluation:
         count = batch_size // per_step
         try:
             check_schedule_options(name, parallel.pipeline_model_parallel_size, count,
                                    micro_batch_size=training.micro_batch_size,
                                    registry=registry, **options)
         except ValueError as error:
-            ramp = (f" (global batch size {batch_size} of the --rampup-batch-size ramp; pick a "
-                    f"START and INCREMENT whose every step suits the schedule)"
-                    if batch_size != training.global_batch_size else "")
+            source = ("--eval-global-batch-size" if batch_size in evaluation else
+                      "--step-batch-size-schedule" if training.step_batch_size_schedule else
+                      "--rampup-batch-size ramp")
+            ramp = (f" (global batch size {batch_size} of the {source}; pick sizes that suit "
+                    f"the schedule)" if batch_size != training.global_batch_size else "")
             raise ValueError(
                 f"--pipeline-schedule {parallel.pipeline_schedule} with "
                 f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} and "
@@ -340,9 +356,16 @@ def _validate_recompute(config: MegatronConfig) -> None:
                 recompute.recompute_num_layers > layers_per_stage:
             raise ValueError(f"--recompute-num-layers {recompute.recompute_num_layers} exceeds the "
                              f"{layers_per_stage} layers of a pipeline stage; lower it")
-    elif recompute.recompute_method is not None or recompute.recompute_num_layers is not None:
-        raise ValueError("--recompute-method and --recompute-num-layers only apply to "
-                         "--recompute-granularity full; add it or drop them")
+    elif recompute.recompute_granularity == "selective" and recompute.recompute_method is not None:
+        raise ValueError("--recompute-method only applies to --recompute-granularity full "
+                         "(selective recomputation has no method, as in Megatron-LM); drop it")
+    else:
+        # Megatron-LM ignores them without full granularity; so do we, saying so.
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(recompute, name) is not None:
+                logger.warning("%s is ignored: it only applies to --recompute-granularity full",
+                               _flag(name))
+                setattr(recompute, name, None)
 
 
 def _validate_optimizer(config: MegatronConfig) -> None:
@@ -356,6 +379,19 @@ def _validate_optimizer(config: MegatronConfig) -> None:
         validate_samples_schedule(config)
     else:
         validate_iterations_schedule(config)
+    if optimizer.decoupled_min_lr is not None and optimizer.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the peak of the embedding and "
+                         "output layer's schedule); add it or drop --decoupled-min-lr")
+    if optimizer.decoupled_lr is not None:
+        floor = optimizer.min_lr if optimizer.decoupled_min_lr is None else \
+            optimizer.decoupled_min_lr
+        if optimizer.decoupled_lr <= 0 or not 0 <= floor <= optimizer.decoupled_lr:
+            raise ValueError(f"need 0 <= --decoupled-min-lr (or --min-lr) ({floor}) <= "
+                             f"--decoupled-lr ({optimizer.decoupled_lr}) and --decoupled-lr > 0")
+        if config.parallel.use_distributed_optimizer:
+            raise ValueError("--decoupled-lr with --use-distributed-optimizer is not supported "
+                             "yet (the sharded optimizer steps flat shards that mix the embedding "
+                             "with other weights); drop one of the two")
     if optimizer.clip_grad < 0:
         raise ValueError(f"--clip-grad {optimizer.clip_grad} must be >= 0 (0 disables clipping)")
     for name in ("adam_beta1", "adam_beta2"):
@@ -463,7 +499,12 @@ def _resolve_gpt_vocabulary(config: MegatronConfig) -> None:
 
 def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
     require_positive(config.logging, ("log_interval",))
-    require_positive(config.checkpoint, ("save_interval",), allow_none=True)
+    if config.checkpoint.use_checkpoint_opt_param_scheduler and \
+            config.checkpoint.override_opt_param_scheduler:
+        raise ValueError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler "
+                         "contradict each other (the checkpoint's schedule vs the flags'); give "
+                         "only one")
+    require_positive(config.checkpoint, ("save_interval", "save_retain_interval"), allow_none=True)
     require_positive(config.training, ("exit_interval",), allow_none=True)
     if config.checkpoint.save_interval is not None and config.checkpoint.save is None:
         logger.warning("--save-interval %d is given without --save: no checkpoints will be written",
@@ -484,6 +525,7 @@ def validate_config(config: MegatronConfig, world_size: int,
     the others after them. The input config is not modified.
     """
     config = copy.deepcopy(config)
+    apply_megatron_leniency(config)
     model_steps = GPT_VALIDATION_STEPS if model_steps is None else tuple(model_steps)
     steps = (_VALIDATION_STEPS[:1] + tuple(step for step in model_steps if not step[2])
              + _VALIDATION_STEPS[1:] + tuple(step for step in model_steps if step[2]))

@@ -9,133 +9,54 @@ train a different model if ignored, so they are **known but not implemented**
 (:data:`UNIMPLEMENTED_FLAGS`): the parser accepts their syntax only so that one run can report every
 problem together, each one named as "not implemented" rather than "unknown".
 
-Together with the config fields these cover every option of Megatron-LM's argument list
-(``megatron/training/arguments.py``; the list and the commit it was read at are in
-tests/unit/test_megatron_flag_catalog.py, which checks that none of them is "unknown").
+Together with the config fields these cover every option of Megatron-LM's argument parser at
+:data:`MEGATRON_COMMIT` (tests/golden/megatron_flags_d98e8a6.txt) and the spellings its history
+accepted and dropped (tests/golden/megatron_flags_removed.txt); tests/unit/test_megatron_flag_catalog.py
+checks that none of them is "unknown". This module holds the flags up to May 2024 (307dcf3) and
+the earlier spellings; :mod:`megatron.training.megatron_flags_recent` the ones added since.
+:data:`RENAMED_FLAGS` maps each earlier spelling to today's flag, and is the only source of "did
+you mean" suggestions.
 
-Flags are grouped by reason; a reason shared by several flags is a constant, so that the log
-line, ``--help`` and docs/flags.md say the same thing for all of them. The classification of flags
-that *are* config fields lives with the fields (:mod:`megatron.core.config`,
+Flags are grouped by reason; a reason shared by several flags is a constant
+(:mod:`megatron.training.flag_reasons`), so that the log line, ``--help`` and docs/flags.md say
+the same thing for all of them. The classification of flags that *are* config fields lives with
+the fields (:mod:`megatron.core.config`,
 :data:`megatron.training.config_validation.NOT_SUPPORTED_YET`). docs/flags.md is generated from all
 of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
-
-def _dest(prefix: str, flag: str) -> str:
-    return prefix + flag.lstrip("-").replace("-", "_").lower()
-
-
-@dataclass(frozen=True)
-class CompatibilityFlag:
-    """A Megatron flag that is not part of our config: accepted so scripts keep working, then
-    reported as ignored in the log (never silently).
-
-    Its value syntax is Megatron's: a switch by default, one value from ``choices``, one free value
-    (``takes_value``) or one or more values (``takes_list``, Megatron's ``nargs='+'``).
-    """
-
-    flag: str
-    reason: str
-    choices: Optional[tuple[str, ...]] = None  # takes one value from these when set
-    takes_value: bool = False                  # takes one free value (e.g. an interval)
-    takes_list: bool = False                   # takes one or more free values
-
-    def __post_init__(self):
-        assert (self.choices is not None) + self.takes_value + self.takes_list <= 1, \
-            f"{self.flag}: choose one value syntax"
-
-    @property
-    def dest(self) -> str:
-        return _dest("compat__", self.flag)
-
-    @property
-    def shown(self) -> str:
-        """The flag with its value syntax, as docs/flags.md shows it."""
-        if self.choices:
-            return f"{self.flag} {{{','.join(self.choices)}}}"
-        if self.takes_list:
-            return f"{self.flag} VALUE [VALUE ...]"
-        return f"{self.flag} VALUE" if self.takes_value else self.flag
-
-
-@dataclass(frozen=True)
-class UnimplementedFlag:
-    """A Megatron flag for a feature that does not exist here (rejected with the reason).
-
-    The parser takes any number of values after it (Megatron's switches, single values and lists
-    alike), so the rest of the command line still parses and is reported in the same message.
-    """
-
-    flag: str
-    reason: str
-
-    @property
-    def dest(self) -> str:
-        return _dest("unimplemented__", self.flag)
-
-
-def _switches(reason: str, *flags: str) -> tuple[CompatibilityFlag, ...]:
-    """Compatibility flags that take no value, all ignored for the same reason."""
-    return tuple(CompatibilityFlag(flag, reason) for flag in flags)
-
-
-def _with_value(reason: str, *flags: str) -> tuple[CompatibilityFlag, ...]:
-    """Compatibility flags that take one free value, all ignored for the same reason."""
-    return tuple(CompatibilityFlag(flag, reason, takes_value=True) for flag in flags)
-
-
-def _rejected(reason: str, *flags: str) -> tuple[UnimplementedFlag, ...]:
-    """Unimplemented flags (any value syntax), all rejected for the same reason."""
-    return tuple(UnimplementedFlag(flag, reason) for flag in flags)
-
+from megatron.training import flag_reasons as reasons
+from megatron.training.flag_kinds import CompatibilityFlag, UnimplementedFlag
+from megatron.training.flag_kinds import rejected as _rejected
+from megatron.training.flag_kinds import switches as _switches
+from megatron.training.flag_kinds import with_value as _with_value
+from megatron.training.megatron_flags_recent import (RECENT_COMPATIBILITY_FLAGS,
+                                                      RECENT_UNIMPLEMENTED_FLAGS)
 
 # ---- accepted for compatibility, ignored -----------------------------------------------------
 # Ignoring any of these cannot change the trained weights: kernels, communication performance,
 # logging side channels, memory housekeeping, checkpoint file formats, profilers, start-up.
-
-_NO_FUSED_KERNEL = "there is no fused CUDA kernel here to switch"
-_TENSORBOARD_SCALARS = ("TensorBoard receives this project's fixed set of scalars every "
-                        "--log-interval iterations")
-_CHECKPOINT_FORMAT = ("checkpoints are always written in this project's per-rank torch format "
-                      "(see docs/checkpointing.md)")
-_GARBAGE_COLLECTOR = "Python's garbage collector runs as usual"
-_PROFILER = "no built-in profiler; wrap the run in torch.profiler or nsys"
-_AUTORESUME = "no ADLR auto-resume service; use --exit-duration-in-mins with --save"
-_TIMERS = "timers synchronise the device, not the ranks (no barrier needed)"
-_TP_OVERLAP = ("tensor-parallel communication is not overlapped with the matrix multiplications "
-               "(a performance switch)")
-_DP_COMMUNICATION = ("data-parallel gradients always use this project's contiguous-buffer "
-                     "reduction (a performance switch)")
-_PIPELINE_P2P = ("pipeline transfers are this project's own point-to-point messages (see "
-                 "--p2p-packing); a performance switch")
-_STRAGGLER = ("there is no straggler detector; per-rank timings are in the timer block "
-              "(--timing-log-option all)")
-_ONE_LOGGER = ("NVIDIA's internal one-logger tracking is not available; metrics go to the log, "
-               "TensorBoard and Weights & Biases")
-_INFERENCE_SERVER = ("read only by Megatron's text-generation server, which training never runs "
-                     "(generate text with tools/generate.py)")
 
 COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     # CUDA kernels and implementation switches.
     CompatibilityFlag("--no-masked-softmax-fusion",
                       "attention uses torch's scaled_dot_product_attention; there is no fused "
                       "softmax kernel to switch off"),
-    CompatibilityFlag("--no-bias-gelu-fusion", "bias and GeLU are not fused; nothing to switch off"),
+    CompatibilityFlag("--no-bias-gelu-fusion",
+                      "bias and GeLU are not fused; nothing to switch off"),
     CompatibilityFlag("--no-bias-dropout-fusion",
                       "bias, dropout and residual add are not fused; nothing to switch off"),
-    CompatibilityFlag("--no-bias-swiglu-fusion", f"{_NO_FUSED_KERNEL} (bias and SwiGLU)"),
-    CompatibilityFlag("--no-rope-fusion", f"{_NO_FUSED_KERNEL} (rotary embeddings)"),
+    CompatibilityFlag("--no-bias-swiglu-fusion", f"{reasons.NO_FUSED_KERNEL} (bias and SwiGLU)"),
+    CompatibilityFlag("--no-rope-fusion", f"{reasons.NO_FUSED_KERNEL} (rotary embeddings)"),
     CompatibilityFlag("--no-gradient-accumulation-fusion",
                       "gradients accumulate with plain PyTorch ops; there is no fused kernel"),
     CompatibilityFlag("--no-async-tensor-model-parallel-allreduce",
                       "tensor-parallel all-reduces are not overlapped with the weight-gradient "
                       "computation anyway"),
-    CompatibilityFlag("--no-persist-layer-norm", f"{_NO_FUSED_KERNEL} (persistent LayerNorm)"),
+    CompatibilityFlag("--no-persist-layer-norm",
+                      f"{reasons.NO_FUSED_KERNEL} (persistent LayerNorm)"),
     CompatibilityFlag("--use-flash-attn",
                       "scaled_dot_product_attention already picks a flash kernel when the device "
                       "has one"),
@@ -150,7 +71,7 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
                       "scaled_dot_product_attention does not overflow there"),
     CompatibilityFlag("--transformer-impl",
                       "this project has a single transformer implementation of its own",
-                      choices=("local", "transformer_engine")),
+                      choices=("local", "transformer_engine", "inference_optimized")),
     CompatibilityFlag("--use-mcore-models", "there is one model implementation (no legacy one)"),
     CompatibilityFlag("--use-legacy-models", "there is one model implementation"),
     CompatibilityFlag("--onnx-safe",
@@ -168,20 +89,20 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
                       "start-up time switch)"),
     CompatibilityFlag("--lazy-mpu-init",
                       "pretrain_gpt.py always sets up its process groups itself (there is no "
-                      "external data-parallel manager)", takes_value=True),
+                      "external data-parallel manager)"),
     CompatibilityFlag("--use-tp-pp-dp-mapping",
                       "ranks are always ordered tensor, data, pipeline (Megatron's default); the "
                       "order only decides which GPU holds which part"),
     # Communication performance.
-    CompatibilityFlag("--DDP-impl", _DP_COMMUNICATION, choices=("local", "torch")),
-    *_switches(_DP_COMMUNICATION, "--no-delay-grad-reduce", "--delay-param-gather"),
-    CompatibilityFlag("--ddp-bucket-size", _DP_COMMUNICATION, takes_value=True),
-    *_switches(_TP_OVERLAP, "--tp-comm-overlap", "--disable-tp-comm-overlap-ag",
+    CompatibilityFlag("--DDP-impl", reasons.DP_COMMUNICATION, choices=("local", "torch")),
+    *_switches(reasons.DP_COMMUNICATION, "--no-delay-grad-reduce", "--delay-param-gather"),
+    CompatibilityFlag("--ddp-bucket-size", reasons.DP_COMMUNICATION, takes_value=True),
+    *_switches(reasons.TP_OVERLAP, "--tp-comm-overlap", "--disable-tp-comm-overlap-ag",
                "--disable-tp-comm-overlap-rs", "--tp-comm-overlap-rs-dgrad",
                "--disable-tp-comm-bulk-dgrad", "--disable-tp-comm-bulk-wgrad",
                "--disable-tp-comm-split-ag", "--disable-tp-comm-split-rs"),
-    CompatibilityFlag("--tp-comm-overlap-cfg", _TP_OVERLAP, takes_value=True),
-    *_switches(_PIPELINE_P2P, "--no-overlap-p2p-communication",
+    CompatibilityFlag("--tp-comm-overlap-cfg", reasons.TP_OVERLAP, takes_value=True),
+    *_switches(reasons.PIPELINE_P2P, "--no-overlap-p2p-communication",
                "--no-scatter-gather-tensors-in-pipeline", "--use-ring-exchange-p2p"),
     CompatibilityFlag("--nccl-communicator-config-path",
                       "NCCL communicators keep their default settings (a performance switch)",
@@ -195,23 +116,25 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     CompatibilityFlag("--no-clone-scatter-output-in-embedding",
                       "whether the embedding output is copied so that its input buffer can be "
                       "freed early (a memory-only switch)"),
-    *_switches(_GARBAGE_COLLECTOR, "--manual-gc"),
-    CompatibilityFlag("--manual-gc-interval", _GARBAGE_COLLECTOR, takes_value=True),
-    *_switches(_GARBAGE_COLLECTOR, "--no-manual-gc-eval"),
+    *_switches(reasons.GARBAGE_COLLECTOR, "--manual-gc"),
+    CompatibilityFlag("--manual-gc-interval", reasons.GARBAGE_COLLECTOR, takes_value=True),
+    *_switches(reasons.GARBAGE_COLLECTOR, "--no-manual-gc-eval"),
     # Logging side channels, diagnostics and profilers.
-    *_switches(_TENSORBOARD_SCALARS, "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+    *_switches(reasons.TENSORBOARD_SCALARS, "--log-timers-to-tensorboard",
+               "--log-memory-to-tensorboard",
                "--log-validation-ppl-to-tensorboard", "--log-batch-size-to-tensorboard",
                "--log-learning-rate-to-tensorboard", "--log-loss-scale-to-tensorboard",
                "--log-world-size-to-tensorboard",
                "--no-log-learnig-rate-to-tensorboard",  # sic: Megatron's spelling
                "--no-log-loss-scale-to-tensorboard"),
-    *_with_value(_TENSORBOARD_SCALARS, "--tensorboard-log-interval", "--tensorboard-queue-size"),
+    *_with_value(reasons.TENSORBOARD_SCALARS, "--tensorboard-log-interval",
+                 "--tensorboard-queue-size"),
     CompatibilityFlag("--log-progress", "no progress.txt is written; see the log lines"),
-    *_switches(_TIMERS, "--barrier-with-L1-time", "--no-barrier-with-level-1-timing"),
-    *_switches(_STRAGGLER, "--log-straggler", "--disable-straggler-on-startup"),
-    *_with_value(_STRAGGLER, "--straggler-ctrlr-port", "--straggler-minmax-count"),
-    *_switches(_ONE_LOGGER, "--enable-one-logger"),
-    *_with_value(_ONE_LOGGER, "--one-logger-project", "--one-logger-entity",
+    *_switches(reasons.TIMERS, "--barrier-with-L1-time", "--no-barrier-with-level-1-timing"),
+    *_switches(reasons.STRAGGLER, "--log-straggler", "--disable-straggler-on-startup"),
+    *_with_value(reasons.STRAGGLER, "--straggler-ctrlr-port", "--straggler-minmax-count"),
+    *_switches(reasons.ONE_LOGGER, "--enable-one-logger", "--enable-onelogger"),
+    *_with_value(reasons.ONE_LOGGER, "--one-logger-project", "--one-logger-entity",
                  "--one-logger-run-name"),
     CompatibilityFlag("--no-check-for-nan-in-loss-and-grad",
                       "this project stops on a NaN or infinite loss only when "
@@ -223,18 +146,20 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     CompatibilityFlag("--test-mode",
                       "there are no built-in tests run alongside training (the tests are under "
                       "tests/)"),
-    *_switches(_PROFILER, "--use-pytorch-profiler", "--profile"),
-    *_with_value(_PROFILER, "--profile-step-start", "--profile-step-end"),
-    CompatibilityFlag("--profile-ranks", _PROFILER, takes_list=True),
-    *_with_value(_INFERENCE_SERVER, "--inference-batch-times-seqlen-threshold",
+    *_switches(reasons.PROFILER, "--use-pytorch-profiler", "--profile"),
+    *_with_value(reasons.PROFILER, "--profile-step-start", "--profile-step-end"),
+    CompatibilityFlag("--profile-ranks", reasons.PROFILER, takes_list=True),
+    *_with_value(reasons.INFERENCE_SERVER, "--inference-batch-times-seqlen-threshold",
                  "--max-tokens-to-oom"),
     # Checkpoint file formats.
-    CompatibilityFlag("--ckpt-format", _CHECKPOINT_FORMAT, choices=("torch", "torch_dist")),
-    CompatibilityFlag("--dist-ckpt-format", _CHECKPOINT_FORMAT, choices=("zarr", "torch_dist")),
-    *_switches(_CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format",
+    CompatibilityFlag("--ckpt-format", reasons.CHECKPOINT_FORMAT,
+                      choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")),
+    CompatibilityFlag("--dist-ckpt-format", reasons.CHECKPOINT_FORMAT, choices=("zarr",
+                      "torch_dist")),
+    *_switches(reasons.CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format",
                "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
                "--ckpt-assume-constant-structure"),
-    CompatibilityFlag("--async-save", "checkpoints are saved synchronously (same content)"),
+    CompatibilityFlag("--async-save", reasons.SYNCHRONOUS_CHECKPOINT),
     # Data reading.
     *_switches("dataset .bin files are always memory-mapped", "--no-mmap-bin-files",
                "--mmap-bin-files"),
@@ -244,47 +169,69 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     CompatibilityFlag("--num-dataset-builder-threads",
                       "dataset indices are built in the training process", takes_value=True),
     # Cluster services.
-    CompatibilityFlag("--adlr-autoresume", _AUTORESUME),
-    CompatibilityFlag("--adlr-autoresume-interval", _AUTORESUME, takes_value=True),
+    CompatibilityFlag("--adlr-autoresume", reasons.AUTORESUME),
+    CompatibilityFlag("--adlr-autoresume-interval", reasons.AUTORESUME, takes_value=True),
+    CompatibilityFlag("--rerun-mode",
+                      "there is no re-run engine: a NaN or infinite loss skips the update, or "
+                      "stops the run with --check-for-nan-in-loss-and-grad (Megatron's "
+                      "--rerun-mode disabled)", choices=("disabled",)),
+    # Spellings of earlier Megatron-LM versions (Megatron's history accepted them).
+    CompatibilityFlag("--distribute-checkpointed-activations",
+                      "recomputed layers save their full inputs (a memory-only switch; today's "
+                      "--distribute-saved-activations)"),
+    *_switches(reasons.NO_FUSED_KERNEL, "--no-scaled-masked-softmax-fusion",
+               "--scaled-masked-softmax-fusion", "--bias-gelu-fusion", "--bias-dropout-fusion"),
+    CompatibilityFlag("--scaled-upper-triang-masked-softmax-fusion", reasons.NO_FUSED_KERNEL,
+                      takes_value=True),
+    *_switches(reasons.DP_COMMUNICATION, "--no-contiguous-buffers-in-local-ddp",
+               "--use-contiguous-buffers-in-ddp", "--align-param-gather"),
+    *_switches(reasons.PIPELINE_P2P, "--overlap-p2p-communication"),
+    *_switches("recomputation and pipeline buffers are managed by this project (a memory-only "
+               "switch)", "--model-parallel-memory-opt", "--deallocate-pipeline-outputs",
+               "--checkpoint-attention"),
+    CompatibilityFlag("--no-query-key-layer-scaling",
+                      "scaled_dot_product_attention does not overflow, so there is no "
+                      "layer-number scaling to switch off"),
+    *_switches(reasons.HOUSEKEEPING, "--mmap-warmup", "--use-gpu-initialization", "--debug",
+               "--legacy-tokenizer"),
+    CompatibilityFlag("--use-pipelining",
+                      "pipeline-parallel stages always run a pipeline schedule (see "
+                      "--pipeline-schedule)"),
+    *_switches(reasons.INFERENCE_SERVER, "--inference-flask-server-logging",
+               "--disable-chunked-prefill", "--initialize-socket-comms"),
+    *_with_value(reasons.INFERENCE_SERVER, "--inference-max-batch-size",
+                 "--inference-wandb-logging-step-interval",
+                 "--inference-dynamic-batching-active-buffer-size-gb",
+                 "--inference-dynamic-batching-buffer-guaranteed-fraction",
+                 "--inference-dynamic-batching-buffer-overflow-factor",
+                 "--inference-dynamic-batching-chunk-size",
+                 "--inference-dynamic-batching-cuda-graph-max-tokens",
+                 "--inference-dynamic-batching-max-requests-override",
+                 "--inference-dynamic-batching-max-tokens-override"),
+    CompatibilityFlag("--s3-cache-path", reasons.HOUSEKEEPING, takes_value=True),
+    *RECENT_COMPATIBILITY_FLAGS,
 )
 
 
 # ---- known Megatron flags, not implemented (rejected) ----------------------------------------
 # Ignoring any of these would train something other than what the flag asks for.
 
-_MOE = "mixture of experts is not implemented"
-_FP8 = "FP8 training is not implemented"
-_RETRO = "retro (retrieval-augmented GPT) is not implemented"
-_VISION = "vision models are not implemented"
-_BIENCODER = "biencoder and ICT/REALM retrieval models are not implemented"
-_BERT = "BERT models are not implemented (this project trains GPT)"
-_ENCODER_DECODER = "encoder-decoder (T5) models are not implemented"
-_BERT_T5_DATA = "read only by Megatron's BERT, T5 and ICT datasets, which are not implemented"
-_EQUAL_STAGES = "stages always hold equal numbers of layers"
-_CONSTANT_WEIGHT_DECAY = "weight decay is constant (--weight-decay)"
-_ONE_LEARNING_RATE = "all parameters share one learning rate"
-_SCHEDULE_FROM_FLAGS = "the schedule always comes from the current flags"
-_ONE_DATA_PATH = "use --data-path with --split"
-
-
-def _removed(replacement: str) -> str:
-    return f"Megatron-LM itself no longer accepts it; use {replacement}"
-
 
 UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     # Model families and features that do not exist here.
-    *_rejected(_MOE, "--num-experts", "--expert-model-parallel-size", "--moe-router-topk",
+    *_rejected(reasons.MOE, "--num-experts", "--expert-model-parallel-size", "--moe-router-topk",
                "--moe-grouped-gemm", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
                "--moe-z-loss-coeff", "--moe-input-jitter-eps", "--moe-token-dispatcher-type",
                "--moe-per-layer-logging", "--moe-expert-capacity-factor",
                "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy",
                "--moe-layer-recompute", "--moe-extended-tp"),
-    *_rejected(_RETRO, "--retro-project-dir", "--retro-add-retriever",
+    *_rejected(reasons.RETRO, "--retro-project-dir", "--retro-add-retriever",
                "--retro-cyclic-train-iters", "--retro-encoder-layers",
                "--retro-encoder-hidden-dropout", "--retro-encoder-attention-dropout",
                "--retro-num-neighbors", "--retro-num-retrieved-chunks", "--retro-attention-gate",
                "--retro-no-verify-neighbor-count"),
-    *_rejected(_VISION, "--num-classes", "--img-h", "--img-w", "--num-channels", "--patch-dim",
+    *_rejected(reasons.VISION, "--num-classes", "--img-h", "--img-w", "--num-channels",
+               "--patch-dim",
                "--classes-fraction", "--data-per-class-fraction", "--no-data-sharding",
                "--head-lr-mult", "--vision-pretraining", "--vision-pretraining-type",
                "--vision-backbone-type", "--swin-backbone-type", "--mask-type", "--mask-factor",
@@ -292,27 +239,30 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
                "--dino-head-hidden-size", "--dino-bottleneck-size", "--dino-freeze-last-layer",
                "--dino-norm-last-layer", "--dino-warmup-teacher-temp", "--dino-teacher-temp",
                "--dino-warmup-teacher-temp-epochs"),
-    *_rejected(_BIENCODER, "--ict-head-size", "--biencoder-projection-dim",
+    *_rejected(reasons.BIENCODER, "--ict-head-size", "--biencoder-projection-dim",
                "--biencoder-shared-query-context-model", "--ict-load", "--bert-load",
                "--titles-data-path", "--query-in-block-prob", "--use-one-sent-docs",
                "--evidence-data-path", "--retriever-report-topk-accuracies",
                "--retriever-score-scaling", "--block-data-path", "--embedding-path",
                "--indexer-batch-size", "--indexer-log-interval", "--retriever-seq-length"),
-    *_rejected(_BERT, "--bert-no-binary-head", "--output-bert-embeddings", "--bert-embedder-type"),
-    *_rejected(_ENCODER_DECODER, "--decoder-num-layers", "--decoder-seq-length",
+    *_rejected(reasons.BERT, "--bert-no-binary-head", "--output-bert-embeddings",
+               "--bert-embedder-type"),
+    *_rejected(reasons.ENCODER_DECODER, "--decoder-num-layers", "--decoder-seq-length",
                "--pipeline-model-parallel-split-rank"),
-    UnimplementedFlag("--encoder-num-layers", f"{_ENCODER_DECODER}; for GPT use --num-layers"),
-    UnimplementedFlag("--encoder-seq-length", f"{_ENCODER_DECODER}; for GPT use --seq-length"),
-    *_rejected(_BERT_T5_DATA, "--mask-prob", "--short-seq-prob", "--sample-rate"),
+    UnimplementedFlag("--encoder-num-layers",
+                      f"{reasons.ENCODER_DECODER}; for GPT use --num-layers"),
+    UnimplementedFlag("--encoder-seq-length",
+                      f"{reasons.ENCODER_DECODER}; for GPT use --seq-length"),
+    *_rejected(reasons.BERT_T5_DATA, "--mask-prob", "--short-seq-prob", "--sample-rate"),
     UnimplementedFlag("--vocab-extra-ids",
                       "extra vocabulary ids (T5's sentinel tokens) are not implemented"),
-    *_rejected(_FP8, "--fp8-format", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
+    *_rejected(reasons.FP8, "--fp8-format", "--fp8-margin", "--fp8-interval",
+               "--fp8-amax-history-len",
                "--fp8-amax-compute-algo", "--no-fp8-wgrad"),
     # Parallelism and process layout.
     UnimplementedFlag("--context-parallel-size", "context parallelism is not implemented"),
     UnimplementedFlag("--use-torch-fsdp2", "FSDP is not implemented"),
-    UnimplementedFlag("--overlap-param-gather", "needs the distributed optimizer"),
-    *_rejected(_EQUAL_STAGES, "--decoder-first-pipeline-num-layers",
+    *_rejected(reasons.EQUAL_STAGES, "--decoder-first-pipeline-num-layers",
                "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
                "--standalone-embedding-stage"),
     # Architecture details.
@@ -327,21 +277,16 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     UnimplementedFlag("--init-method-xavier-uniform", "initialisation is normal(0, std)"),
     UnimplementedFlag("--data-parallel-random-init",
                       "every data-parallel replica starts from the same weights"),
-    UnimplementedFlag("--deterministic-mode", "selecting deterministic kernels is not implemented"),
     # Data.
     UnimplementedFlag("--eod-mask-loss", "the loss mask does not depend on end-of-document tokens"),
     UnimplementedFlag("--reset-position-ids", "positions are not reset at document boundaries"),
     UnimplementedFlag("--reset-attention-mask",
                       "attention is not masked at document boundaries"),
-    *_rejected(_ONE_DATA_PATH, "--train-data-path", "--valid-data-path", "--test-data-path"),
+    *_rejected(reasons.ONE_DATA_PATH, "--train-data-path", "--valid-data-path", "--test-data-path"),
     # Optimizer and schedule.
     UnimplementedFlag("--lr-warmup-init", "warm-up always starts at learning rate 0"),
-    *_rejected(_CONSTANT_WEIGHT_DECAY, "--start-weight-decay", "--end-weight-decay",
+    *_rejected(reasons.CONSTANT_WEIGHT_DECAY, "--start-weight-decay", "--end-weight-decay",
                "--weight-decay-incr-style"),
-    *_rejected(_ONE_LEARNING_RATE, "--decoupled-lr", "--decoupled-min-lr"),
-    *_rejected(_SCHEDULE_FROM_FLAGS, "--override-opt_param-scheduler",
-               "--use-checkpoint-opt_param-scheduler"),
-    UnimplementedFlag("--calculate-per-token-loss", "the loss is averaged per micro-batch"),
     # Checkpoints and run control.
     UnimplementedFlag("--use-checkpoint-args", "give the model flags on the command line"),
     UnimplementedFlag("--pretrained-checkpoint", "use --load with --finetune"),
@@ -351,32 +296,82 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     UnimplementedFlag("--skip-train", "evaluation-only runs are not implemented"),
     UnimplementedFlag("--yaml-cfg", "give the flags on the command line"),
     UnimplementedFlag("--spec", "there is one layer specification"),
-    # Spellings Megatron-LM removed (it rejects them too).
-    UnimplementedFlag("--batch-size", _removed("--micro-batch-size")),
-    UnimplementedFlag("--warmup", _removed("--lr-warmup-iters or --lr-warmup-fraction")),
-    UnimplementedFlag("--model-parallel-size", _removed("--tensor-model-parallel-size")),
+    # Flags of Megatron-LM's history whose meaning is not implemented either.
+    UnimplementedFlag("--fp32-allreduce",
+                      "all-reducing fp16 gradients in fp32 is not implemented; keep fp32 gradient "
+                      "buffers with --accumulate-allreduce-grads-in-fp32"),
+    UnimplementedFlag("--standalone-embed-stage", reasons.EQUAL_STAGES),
+    UnimplementedFlag("--embedding-weights-in-fp32",
+                      "the word embedding is kept in the model dtype"),
+    UnimplementedFlag("--num-unique-layers", "every layer has its own weights (no sharing)"),
+    UnimplementedFlag("--param-sharing-style", "every layer has its own weights (no sharing)"),
+    UnimplementedFlag("--model-spec", "there is one layer specification"),
+    UnimplementedFlag("--use-custom-fsdp", reasons.FSDP),
+    UnimplementedFlag("--expert-parallel", reasons.MOE),
+    *_rejected(reasons.ENCODER_DECODER, "--encoder-tensor-model-parallel-size",
+               "--encoder-pipeline-model-parallel-size"),
+    *_rejected(reasons.BIENCODER, "--allow-trivial-doc", "--async-indexer", "--block-index-path",
+               "--block-top-k", "--faiss-use-gpu", "--hash-data-path", "--index-reload-interval",
+               "--projection-dim", "--report-topk-accuracies", "--shared-query-context-model"),
+    *_rejected(reasons.RETRO, "--retro-workdir"),
+    *_rejected(reasons.VISION, "--img-dim"),
+    *_rejected(reasons.BERT, "--pool-type", "--ner-data-path"),
+    *_rejected(reasons.FP8, "--fp8-e4m3", "--fp8-hybrid",
+               "--keep-fp8-transpose-cache-when-using-custom-fsdp"),
+    *_rejected(reasons.MOE, "--moe-router-topk-limited-devices", "--moe-token-dropping",
+               "--moe-use-legacy-grouped-gemm"),
+    *_rejected(reasons.HYBRID, "--hybrid-attention-ratio", "--hybrid-mlp-ratio"),
+    *_rejected(reasons.CONTEXT_PARALLEL, "--max-seqlen-per-cp-rank"),
+    *_rejected(reasons.OTHER_OPTIMIZERS, "--muon-use-nesterov"),
+    *_rejected(reasons.RL, "--grpo-default-temperature", "--grpo-default-top-p",
+               "--langrl-external-server", "--langrl-inference-server-conversation-template",
+               "--langrl-inference-server-type", "--rl-calculate-intra-group-similarity",
+               "--rl-generation-batch-size", "--rl-num-parallel-generation-batches",
+               "--rl-num-parallel-generations", "--rl-offload-kv-cache-during-training",
+               "--rl-parallel-generation-tasks", "--rl-remove-kv-cache-during-training",
+               "--rl-reset-cuda-graphs", "--rl-sequence-packing-bin-size",
+               "--max-training-rank"),
+    *_rejected(reasons.TOKENIZER_OPTIONS, "--tiktoken-special-tokens",
+               "--tokenizer-hf-include-special-tokens", "--tokenizer-hf-use-fast"),
+    UnimplementedFlag("--data-loader",
+                      "Megatron's 2019 raw/lazy/tfrecords/numpy loaders are gone; datasets are "
+                      "Megatron's indexed .bin/.idx files (--data-path)"),
+    UnimplementedFlag("--input-data-sizes-file",
+                      "Megatron's 2019 numpy loader is gone; use --data-path"),
+    UnimplementedFlag("--renormalize-blend-weights",
+                      "blend weights are used as given (normalised to sum to 1)"),
+    UnimplementedFlag("--load-model-opt-format", "TensorRT model-optimizer checkpoints are not "
+                                                 "implemented"),
+    UnimplementedFlag("--override-checkpoint-version",
+                      "checkpoints carry this project's own format version"),
+    UnimplementedFlag("--use-regular-masking", "the attention mask is always causal"),
+    # Megatron's own checks refuse these values; so does validation here.
+    *RECENT_UNIMPLEMENTED_FLAGS,
 )
 
 
 # Values of flags we do implement, for features we do not: reported as "not implemented" with the
 # reason (together with every other problem of the command line), not as argparse's "invalid
 # choice", which would stop at the first one.
-_TOKENIZERS = ("only the GPT2BPETokenizer, SentencePieceTokenizer and NullTokenizer tokenizers are "
-               "implemented")
-_LR_DECAY = "only constant, linear and cosine learning-rate decay are implemented"
 VALUES_NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
-    "--lr-decay-style": {"inverse-square-root": _LR_DECAY, "WSD": _LR_DECAY},
+    "--lr-decay-style": {"inverse-square-root": reasons.LR_DECAY, "WSD": reasons.LR_DECAY},
     "--dataloader-type": {
         "cyclic": "samples are read in Megatron's 'single' order only; a cyclic loader would "
                   "visit them in another order",
         "external": "an external data loader cannot be plugged in"},
-    "--tokenizer-type": {name: _TOKENIZERS for name in (
+    "--tokenizer-type": {name: reasons.TOKENIZERS for name in (
         "BertWordPieceLowerCase", "BertWordPieceCase", "GPTSentencePieceTokenizer",
         "HuggingFaceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer", "MistralTokenizer",
-        "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer")},
+        "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")},
     "--position-embedding-type": {
-        "relative": "relative position embeddings are not implemented"},
+        "relative": "relative position embeddings are not implemented",
+        "yarn": reasons.MLA, "mrope": "multimodal rotary embeddings are not implemented"},
+    "--optimizer": {name: reasons.OTHER_OPTIMIZERS
+                    for name in ("muon", "dist_muon", "lion", "soap", "adaptive_muon")},
     "--distributed-backend": {"ccl": "only the nccl and gloo backends are supported"},
+    "--rerun-mode": {name: "there is no re-run engine that repeats an iteration to check its result; "
+                           "use --rerun-mode disabled (with --check-for-nan-in-loss-and-grad to "
+                           "stop on a NaN)" for name in ("validate_results", "report_stats")},
 }
 
 
@@ -388,3 +383,44 @@ def invalid_choice_problem(flag: str, value, choices) -> str:
         return f"{flag} {value} is not implemented: {reason}"
     return (f"{flag} {value}: not a valid choice; choose from "
             f"{', '.join(str(choice) for choice in choices)}")
+
+
+# The Megatron-LM commit whose whole argument list is classified (tests/golden/megatron_flags_*.txt).
+MEGATRON_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+
+# True renames in Megatron-LM's history: an earlier spelling and today's flag of the same meaning.
+# Each earlier spelling is classified like today's flag (a config-field alias, an ignored or a
+# rejected flag; tests/unit/test_megatron_flag_catalog.py checks it). "Did you mean" comes from
+# here, or from writing dashes for underscores, and from nowhere else: a look-alike flag can mean
+# something else entirely (--no-ckpt-fully-parallel-save is not --ckpt-fully-parallel-save).
+RENAMED_FLAGS: dict[str, str] = {
+    "--activations-checkpoint-method": "--recompute-method",
+    "--activations-checkpoint-num-layers": "--recompute-num-layers",
+    "--checkpoint-num-layers": "--recompute-num-layers",
+    "--distribute-checkpointed-activations": "--distribute-saved-activations",
+    "--batch-size": "--micro-batch-size",
+    "--model-parallel-size": "--tensor-model-parallel-size",
+    "--warmup": "--lr-warmup-fraction",
+    "--min-scale": "--min-loss-scale",
+    "--layernorm-epsilon": "--norm-epsilon",
+    "--local_rank": "--local-rank",
+    "--no-scaled-masked-softmax-fusion": "--no-masked-softmax-fusion",
+    "--use-checkpoint-lr-scheduler": "--use-checkpoint-opt_param-scheduler",
+    "--use-checkpoint-opt-param-scheduler": "--use-checkpoint-opt_param-scheduler",
+    "--override-lr-scheduler": "--override-opt_param-scheduler",
+    "--override-opt-param-scheduler": "--override-opt_param-scheduler",
+    "--standalone-embed-stage": "--standalone-embedding-stage",
+    "--enable-onelogger": "--enable-one-logger",
+    "--persistent-save-interval": "--save-interval",
+}
+
+
+def renamed_flag(flag: str, known: set[str]) -> str | None:
+    """The accepted flag that ``flag`` is another spelling of, or None: from
+    :data:`RENAMED_FLAGS`, or ``flag`` with dashes for underscores (``--num_layers``)."""
+    if flag in RENAMED_FLAGS and RENAMED_FLAGS[flag] in known:
+        return RENAMED_FLAGS[flag]
+    dashed = "--" + flag.lstrip("-").replace("_", "-")
+    if dashed != flag and dashed in known:
+        return dashed
+    return None

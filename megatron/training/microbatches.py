@@ -10,7 +10,8 @@ each block. So micro-batch ``k`` on rank ``d`` holds samples
 With ``--rampup-batch-size START INCREMENT RAMP_SAMPLES`` the global batch grows, as in Megatron, from
 START by INCREMENT every ``RAMP_SAMPLES / ((global - START) / INCREMENT)`` consumed samples, and is the
 full ``--global-batch-size`` once RAMP_SAMPLES samples have been consumed
-(:func:`global_batch_size_at`).
+(:func:`global_batch_size_at`). ``--step-batch-size-schedule`` sets it step-wise instead
+(:mod:`megatron.training.batch_size_schedule`).
 
 The union over ranks and micro-batches is exactly the global batch one process would see. Each
 micro-batch carries the samples' global indices (``sample_ids``) so dropout masks, which the model
@@ -24,9 +25,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from megatron.training import batch_size_schedule
+from megatron.training.batch_size_schedule import step_batch_size_at
+
 
 def global_batch_size_at(training_config, consumed_samples: int) -> int:
     """The global batch size of the iteration that starts after ``consumed_samples`` samples."""
+    if getattr(training_config, "batch_size_steps", None):
+        return step_batch_size_at(training_config.batch_size_steps, consumed_samples)
     rampup, full = training_config.rampup_batch_size, training_config.global_batch_size
     if not rampup:
         return full
@@ -37,8 +43,17 @@ def global_batch_size_at(training_config, consumed_samples: int) -> int:
     return min(full, start + int(consumed_samples / (ramp_samples / increments)) * increment)
 
 
+def eval_batch_size(training_config) -> int:
+    """Samples per validation iteration: --eval-global-batch-size, else --global-batch-size."""
+    return getattr(training_config, "eval_global_batch_size", None) or \
+        training_config.global_batch_size
+
+
 def ramp_batch_sizes(training_config) -> list[int]:
-    """Every global batch size a run uses: the --rampup-batch-size steps, then the full size."""
+    """Every global batch size a run uses: the --rampup-batch-size steps, then the full size (or
+    the --step-batch-size-schedule's sizes)."""
+    if getattr(training_config, "batch_size_steps", None):
+        return sorted(set(training_config.batch_size_steps[1::2]))
     full = training_config.global_batch_size
     if not training_config.rampup_batch_size:
         return [full]
@@ -49,6 +64,9 @@ def ramp_batch_sizes(training_config) -> list[int]:
 def iterations_for_samples(training_config, train_samples: int) -> int:
     """Iterations that consume ``train_samples`` samples (Megatron's count: the ramp-up phase
     iteration by iteration, then whole full-size batches)."""
+    if getattr(training_config, "batch_size_steps", None):
+        return batch_size_schedule.iterations_for_samples(training_config.batch_size_steps,
+                                                          train_samples)
     full = training_config.global_batch_size
     iterations = consumed = 0
     if training_config.rampup_batch_size:

@@ -32,6 +32,7 @@ def _device(params, parallel_state) -> torch.device:
 
 def params_norm(optimizer, parallel_state) -> float:
     """L2 norm of all model parameters (Megatron's ``params norm``), identical on every rank."""
+    optimizer.finish_parameter_gather()
     params = _owned(optimizer)
     squares = torch.zeros(1, dtype=torch.float64, device=_device(params, parallel_state))
     for param in params:

@@ -41,6 +41,7 @@ from megatron.core.distributed.reduction import (after_step, attach_reducers,
 from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
+from megatron.training.determinism import apply_deterministic_mode
 from megatron.training.flops import throughput_tflops_per_gpu
 from megatron.training.iteration_health import IterationHealth
 from megatron.training.initialize import (initialize_megatron, local_rank_from_environment,
@@ -50,9 +51,12 @@ from megatron.training.logging_utils import (IntervalStats, build_tensorboard_wr
                                              format_iteration_line, format_validation_lines,
                                              memory_report,
                                              write_training_scalars, write_validation_scalars)
-from megatron.training.microbatches import build_microbatches, global_batch_size_at
+from megatron.training.microbatches import (build_microbatches, eval_batch_size,
+                                            global_batch_size_at)
 from megatron.training.gpt_spec import as_model_spec
 from megatron.training.model_spec import ModelSpec
+from megatron.training.per_token_loss import (TOKENS_KEY, per_token_correction,
+                                              per_token_forward_step)
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.timers import Timers
@@ -115,7 +119,7 @@ def setup_model_and_optimizer(config, parallel_state, runtime, model,
     reducers = runtime.build_gradient_reducers(model_chunks)
     optimizer = build_optimizer(config, model_parameters(model_chunks), parallel_state,
                                 owns_grad_norm=runtime.owns_grad_norm,
-                                gradient_reducers=reducers)
+                                gradient_reducers=reducers, model_chunks=model_chunks)
     scheduler = build_lr_scheduler(optimizer.optimizer, config.optimizer, config.training)
     attach_reducers(reducers, optimizer)
     return TrainingComponents(
@@ -173,6 +177,9 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
     optimizer.zero_grad()
     learning_rate = optimizer.param_groups[0]["lr"]
     clock = timers.instruction_clock() if timers is not None else None
+    per_token = _per_token_reference(components)
+    if per_token:
+        forward_step_func = per_token_forward_step(forward_step_func, per_token)
     with _timed(timers, "forward-backward"):
         loss_dicts = components.runtime.forward_backward(
             forward_step_func=forward_step_func, model_chunks=components.model_chunks,
@@ -185,19 +192,40 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
     with _timed(timers, "all-grads-sync"):
         for reducer in components.gradient_reducers:
             reducer.wait()
+    correction = _per_token_correction(components, loss_dicts, per_token)
+    if correction != 1.0:
+        optimizer.scale_gradients(correction)  # --calculate-per-token-loss
     with _timed(timers, "optimizer"):
         result = optimizer.step()
     after_step(components.gradient_reducers, result.update_successful)
     if result.update_successful:
         components.lr_scheduler.step(global_batch_size or
                                      components.config.training.global_batch_size)
-    losses = reduce_losses(loss_dicts, components.parallel_state, components.device,
-                           components.model_spec.loss_keys)
+    losses = {key: value * correction for key, value in
+              reduce_losses(loss_dicts, components.parallel_state, components.device,
+                            components.model_spec.loss_keys).items()}
     got_nan = any(not math.isfinite(v) for v in losses.values()) or (
         result.grad_norm is not None and not math.isfinite(result.grad_norm))
     return IterationRecord(iteration=0, losses=losses, learning_rate=learning_rate,
                            grad_norm=result.grad_norm, loss_scale=optimizer.loss_scale,
                            skipped=not result.update_successful, got_nan=got_nan)
+
+
+def _per_token_reference(components: TrainingComponents) -> int:
+    """--calculate-per-token-loss: the reference token count of a micro-batch (0 when off)."""
+    config = components.config
+    if not config.training.calculate_per_token_loss:
+        return 0
+    return config.training.micro_batch_size * config.model.seq_length
+
+
+def _per_token_correction(components: TrainingComponents, loss_dicts, reference: int) -> float:
+    """The factor from the micro-batches' averaged loss to the per-token loss (1.0 when off)."""
+    if not reference:
+        return 1.0
+    tokens = reduce_losses(loss_dicts, components.parallel_state, components.device,
+                           keys=(TOKENS_KEY,))[TOKENS_KEY]
+    return per_token_correction(tokens, reference)
 
 
 def evaluate(components: TrainingComponents, forward_step_func, dataset, first_sample: int,
@@ -206,18 +234,24 @@ def evaluate(components: TrainingComponents, forward_step_func, dataset, first_s
     for chunk in components.model_chunks:
         chunk.eval()
     totals: dict = {}
-    global_batch_size = components.config.training.global_batch_size
+    global_batch_size = eval_batch_size(components.config.training)
+    per_token = _per_token_reference(components)
+    if per_token:
+        forward_step_func = per_token_forward_step(forward_step_func, per_token)
     try:
         for step in range(eval_iters):
-            microbatches = iteration_microbatches(components, dataset, first_sample + step * global_batch_size)
+            microbatches = iteration_microbatches(components, dataset,
+                                                  first_sample + step * global_batch_size,
+                                                  global_batch_size)
             loss_dicts = components.runtime.forward_backward(
                 forward_step_func=forward_step_func, model_chunks=components.model_chunks,
                 microbatches=microbatches, scale_loss=components.optimizer.scale_loss,
                 gradient_reducers=(), forward_only=True, autocast=components.autocast)
+            correction = _per_token_correction(components, loss_dicts, per_token)
             for key, value in reduce_losses(loss_dicts, components.parallel_state,
                                             components.device,
                                             components.model_spec.loss_keys).items():
-                totals[key] = totals.get(key, 0.0) + value
+                totals[key] = totals.get(key, 0.0) + value * correction
     finally:
         for chunk in components.model_chunks:
             chunk.train()
@@ -251,7 +285,7 @@ def _run_evaluation(components, forward_step_func, dataset, state: TrainingState
     first = state.consumed_valid_samples if advance else 0
     losses = evaluate(components, forward_step_func, dataset, first, eval_iters)
     if advance:
-        state.consumed_valid_samples += eval_iters * components.config.training.global_batch_size
+        state.consumed_valid_samples += eval_iters * eval_batch_size(components.config.training)
     result.validation.append((prefix, losses))
     write_validation_scalars(tensorboard_writer, state.iteration, losses)
     if is_logging_rank(components.parallel_state):
@@ -445,8 +479,8 @@ def _build_datasets(config, parallel_state, datasets_provider) -> tuple:
     eval_runs = (training.train_iters // training.eval_interval + 1) if training.eval_interval \
         else 1
     num_samples = (training.train_iters * global_batch_size,
-                   eval_runs * training.eval_iters * global_batch_size,
-                   training.eval_iters * global_batch_size)
+                   eval_runs * training.eval_iters * eval_batch_size(training),
+                   training.eval_iters * eval_batch_size(training))
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     datasets = None
     if not distributed or parallel_state.rank == 0:
@@ -501,6 +535,8 @@ def pretrain(config, model_spec, datasets_provider=None, forward_step_func=None,
         raise ValueError("--save/--load need a checkpointing hook, and this entry point has none; "
                          "drop --save/--load or use a pretrain_gpt.py with checkpoint support")
     runtime_class = runtime_class or select_runtime_class(config, registry)
+    if config.training.deterministic_mode:
+        apply_deterministic_mode()  # before any communicator or cuBLAS handle exists
     if tensorboard_writer is None:
         check_logging_packages(config.logging)  # before any process group exists
     if parallel_state is None:
@@ -530,6 +566,7 @@ def pretrain(config, model_spec, datasets_provider=None, forward_step_func=None,
     result = train(components, forward_step_func, train_dataset, valid_dataset, state, log=log,
                    checkpointing=checkpointing, start_time=start_time,
                    tensorboard_writer=tensorboard_writer)
+    components.optimizer.finish_parameter_gather()  # the trained weights, settled on every rank
     runtime.report(log if is_logging_rank(parallel_state) else None)  # collective
     if not result.exited_early:
         _final_evaluations(components, forward_step_func, valid_dataset, test_dataset, result,

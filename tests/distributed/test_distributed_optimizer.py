@@ -183,3 +183,71 @@ def test_sharded_optimizer_state_resumes_at_another_data_parallel_size(
         for name, value in straight_params.items():
             scale = abs(value).max() + 1e-12
             assert abs(params[name] - value).max() / scale < 1e-9, name
+
+
+def _train_overlapped(rank, world_size, argv):
+    """Train; record, after every optimizer step, how many parameter gathers were still in flight
+    and whether they had all finished by the time the next forward pass ran."""
+    from megatron.core.optimizer.distributed import DistributedOptimizer
+    in_flight_after_step, settled_at_forward = [], []
+    original_after_update = DistributedOptimizer.after_update
+
+    def after_update(self):
+        original_after_update(self)
+        in_flight_after_step.append(len(self.pending_gathers))
+        if not getattr(self, "_probe_attached", False):
+            self._probe_attached = True
+            for chunk in self._probe_chunks:
+                ids = {id(p) for p in chunk.parameters()}
+                own = {index for index, reducer in enumerate(self.sharded_reducers)
+                       if any(id(p) in ids for p in reducer.params)}
+                # Registered after the optimizer's own wait hook, so it runs after it: the
+                # chunk's own gathers are done (another chunk's may still be in flight).
+                chunk.register_forward_pre_hook(
+                    lambda module, args, own=own: settled_at_forward.append(
+                        not own & set(self.pending_gathers)))
+
+    DistributedOptimizer.after_update = after_update
+    try:
+        config = parse_args(argv.split(), world_size=world_size)
+        original_init = DistributedOptimizer.__init__
+
+        def init(self, *args, model_chunks=(), **kwargs):
+            original_init(self, *args, model_chunks=model_chunks, **kwargs)
+            self._probe_chunks = list(model_chunks)
+
+        DistributedOptimizer.__init__ = init
+        result = pretrain(config, float64_model, pretrain_gpt.datasets_provider,
+                          pretrain_gpt.forward_step, log=lambda _: None)
+    finally:
+        DistributedOptimizer.after_update = original_after_update
+        DistributedOptimizer.__init__ = original_init
+    params = {name: value.numpy() for chunk in result.components.model_chunks
+              for name, value in gather_full_state(chunk, result.components.parallel_state).items()}
+    return ([r.losses["lm loss"] for r in result.history], params, in_flight_after_step,
+            settled_at_forward)
+
+
+@pytest.mark.parametrize("layout", ["", "--pipeline-model-parallel-size 2 --pipeline-schedule "
+                                        "chimera"], ids=["dp2", "chimera-pp2"])
+def test_overlap_param_gather_defers_the_gather_to_the_next_forward_and_trains_the_same(layout):
+    argv = f"{TINY} {layout} --use-distributed-optimizer"
+    waited = run_distributed(_train_overlapped, 2, argv, timeout=240)
+    overlapped = run_distributed(_train_overlapped, 2, argv + " --overlap-param-gather",
+                                 timeout=240)
+    for (losses, params, in_flight, settled), (ref_losses, ref_params, ref_in_flight, _) in zip(
+            overlapped, waited):
+        assert losses == ref_losses  # bitwise: the same gathers, only waited for later
+        for name, value in params.items():
+            assert (value == ref_params[name]).all(), name
+        assert ref_in_flight == [0, 0, 0]          # without the flag: waited inside the step
+        assert in_flight == [1 if not layout else in_flight[0]] * 3 and in_flight[0] >= 1
+        assert settled and all(settled)            # every forward ran on the gathered weights
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer():
+    with pytest.raises(ValueError, match="add --use-distributed-optimizer"):
+        parse_args(f"{TINY} --overlap-param-gather".split(), world_size=2)
+    config = parse_args(f"{TINY} --overlap-param-gather --use-distributed-optimizer".split(),
+                        world_size=2)
+    assert config.parallel.overlap_param_gather

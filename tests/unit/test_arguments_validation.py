@@ -112,7 +112,8 @@ BAD_COMBINATIONS = [
      ["--checkpoint-activations means --recompute-granularity full"]),
     (TINY + ["--checkpoint-activations", "--recompute-activations"], 1, ["contradict"]),
     (TINY + ["--recompute-granularity", "full"], 1, ["needs --recompute-method"]),
-    (TINY + ["--recompute-method", "block"], 1, ["only apply to --recompute-granularity full"]),
+    (TINY + ["--recompute-granularity", "selective", "--recompute-method", "block"], 1,
+     ["only applies to --recompute-granularity full"]),
     (TINY + "--recompute-granularity full --recompute-method block --recompute-num-layers 5 "
             "--pipeline-model-parallel-size 2".split(), 2, ["exceeds the 4 layers"]),
     (replaced(TINY, "--micro-batch-size", "0"), 1, ["--micro-batch-size must be a positive"]),
@@ -326,7 +327,7 @@ def test_sequence_parallel_without_tensor_parallelism_is_turned_off_with_a_warni
     with caplog.at_level(logging.WARNING):
         config = parse_args(TINY + ["--sequence-parallel"], world_size=1)
     assert config.parallel.sequence_parallel is False
-    assert any("--sequence-parallel has no effect" in r.getMessage() for r in caplog.records)
+    assert any("--sequence-parallel is switched off" in r.getMessage() for r in caplog.records)
     config = parse_args(TINY + ["--sequence-parallel", "--tensor-model-parallel-size", "2"],
                         world_size=2)
     assert config.parallel.sequence_parallel is True

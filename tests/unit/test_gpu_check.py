@@ -52,10 +52,11 @@ def test_cpu_dry_mode_runs_every_step(tmp_path):
     env = dict(os.environ, GPU_CHECK_DEVICE="cpu", PYTHON=sys.executable, OUT=str(tmp_path),
                PYTHONPATH=str(ROOT))
     completed = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True,
-                               timeout=240)
+                               timeout=300)  # two more short runs: step e
     summary = (tmp_path / "summary.txt").read_text()
     assert completed.returncode == 0, summary + completed.stdout[-3000:]
-    for step in ("stage", "p2p", "smoke-first-cpu", "smoke-cpu", "smoke-compare", "measure",
+    for step in ("stage", "p2p", "smoke-first-cpu", "smoke-cpu", "smoke-compare",
+                 "deterministic-1", "deterministic-2", "deterministic-compare", "measure",
                  "plan-with-profile"):
         assert f"[ok]     {step}" in summary, summary
     assert "loss comparison over 3 iterations" in summary

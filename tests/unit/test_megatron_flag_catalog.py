@@ -2,121 +2,40 @@
 for compatibility (parsed, logged once as ignored) or known but not implemented (rejected with its
 reason); none of them is an "unknown flag".
 
-The lists below are the option strings of every ``add_argument`` call in Megatron-LM's
-``megatron/training/arguments.py`` at commit 307dcf37f03d44da131ba21999278abe4112d2ad, split by how
-Megatron declares the value: a switch (store_true/store_false), one value, or a list (nargs).
+The lists are tests/golden/megatron_flags_d98e8a6.txt (every option string of Megatron-LM's parser
+at d98e8a6, August 2026, with its value syntax) and tests/golden/megatron_flags_removed.txt (the
+spellings Megatron-LM's history accepted and it has since dropped). The first is written by
+tools/megatron_lm/dump_flags.py.
 """
 
 import logging
+from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import accepted_flags, parse_args, parse_command_line
-from megatron.training.megatron_flags import COMPATIBILITY_FLAGS, UNIMPLEMENTED_FLAGS
+from megatron.training.arguments import (accepted_flags, build_parser, config_fields, parse_args,
+                                         parse_command_line)
+from megatron.training.megatron_flags import (COMPATIBILITY_FLAGS, MEGATRON_COMMIT, RENAMED_FLAGS,
+                                              UNIMPLEMENTED_FLAGS, VALUES_NOT_IMPLEMENTED)
 
-MEGATRON_COMMIT = "307dcf37f03d44da131ba21999278abe4112d2ad"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
-MEGATRON_SWITCHES = (
-    "--no-fp8-wgrad", "--output-bert-embeddings", "--retro-add-retriever",
-    "--retro-no-verify-neighbor-count", "--group-query-attention",
-    "--use-rotary-position-embeddings", "--rotary-interleaved", "--no-position-embedding",
-    "--apply-layernorm-1p", "--apply-residual-connection-post-layernorm", "--openai-gelu",
-    "--squared-relu", "--swiglu", "--bert-no-binary-head", "--untie-embeddings-and-output-weights",
-    "--log-straggler", "--disable-straggler-on-startup", "--log-params-norm",
-    "--log-num-zeros-in-grad", "--log-throughput", "--log-progress",
-    "--no-barrier-with-level-1-timing", "--log-timers-to-tensorboard",
-    "--log-batch-size-to-tensorboard", "--no-log-learnig-rate-to-tensorboard",
-    "--no-log-loss-scale-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-    "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard", "--enable-one-logger",
-    "--recompute-activations", "--no-check-for-nan-in-loss-and-grad",
-    "--distribute-saved-activations", "--no-clone-scatter-output-in-embedding", "--profile",
-    "--tp-comm-overlap", "--disable-tp-comm-overlap-ag", "--disable-tp-comm-overlap-rs",
-    "--tp-comm-overlap-rs-dgrad", "--disable-tp-comm-bulk-dgrad", "--disable-tp-comm-bulk-wgrad",
-    "--use-cpu-initialization", "--deterministic-mode", "--checkpoint-activations",
-    "--exit-signal-handler", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--use-flash-attn",
-    "--disable-bias-linear", "--add-qkv-bias", "--no-async-tensor-model-parallel-allreduce",
-    "--no-persist-layer-norm", "--sequence-parallel", "--no-gradient-accumulation-fusion",
-    "--use-mcore-models", "--manual-gc", "--no-manual-gc-eval", "--disable-tp-comm-split-ag",
-    "--disable-tp-comm-split-rs", "--data-parallel-random-init", "--init-method-xavier-uniform",
-    "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler", "--no-save-optim",
-    "--no-save-rng", "--no-load-optim", "--no-load-rng", "--finetune", "--no-initialization",
-    "--use-checkpoint-args", "--exit-on-missing-checkpoint", "--use-dist-ckpt",
-    "--auto-detect-ckpt-format", "--ckpt-fully-parallel-save", "--async-save",
-    "--ckpt-fully-parallel-load", "--ckpt-assume-constant-structure", "--fp16", "--bf16",
-    "--fp32-residual-connection", "--apply-query-key-layer-scaling", "--attention-softmax-in-fp32",
-    "--accumulate-allreduce-grads-in-fp32", "--fp16-lm-cross-entropy",
-    "--no-overlap-p2p-communication", "--overlap-grad-reduce", "--no-delay-grad-reduce",
-    "--overlap-param-gather", "--delay-param-gather", "--no-scatter-gather-tensors-in-pipeline",
-    "--use-ring-exchange-p2p", "--standalone-embedding-stage", "--use-distributed-optimizer",
-    "--use-tp-pp-dp-mapping", "--test-mode", "--skip-train", "--no-mmap-bin-files", "--mock-data",
-    "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-    "--no-create-attention-mask-in-dataloader", "--adlr-autoresume",
-    "--biencoder-shared-query-context-model", "--use-one-sent-docs", "--retriever-score-scaling",
-    "--no-data-sharding", "--vision-pretraining", "--dino-norm-last-layer", "--qk-layernorm",
-    "--moe-grouped-gemm", "--moe-per-layer-logging", "--moe-pad-expert-input-to-capacity",
-    "--moe-layer-recompute", "--moe-extended-tp",
-)
 
-MEGATRON_ONE_VALUE = (
-    "--fp8-format", "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len",
-    "--fp8-amax-compute-algo", "--transformer-impl", "--inference-batch-times-seqlen-threshold",
-    "--max-tokens-to-oom", "--bert-embedder-type", "--retro-project-dir",
-    "--retro-cyclic-train-iters", "--retro-encoder-layers", "--retro-encoder-hidden-dropout",
-    "--retro-encoder-attention-dropout", "--retro-num-neighbors", "--retro-num-retrieved-chunks",
-    "--retro-attention-gate", "--num-layers", "--encoder-num-layers", "--decoder-num-layers",
-    "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--kv-channels",
-    "--num-query-groups", "--max-position-embeddings", "--position-embedding-type",
-    "--rotary-percent", "--rotary-seq-len-interpolation-factor", "--make-vocab-size-divisible-by",
-    "--normalization", "--norm-epsilon", "--onnx-safe", "--straggler-ctrlr-port",
-    "--straggler-minmax-count", "--timing-log-level", "--timing-log-option",
-    "--tensorboard-log-interval", "--tensorboard-queue-size", "--wandb-project",
-    "--wandb-exp-name", "--wandb-save-dir", "--one-logger-project", "--one-logger-entity",
-    "--one-logger-run-name", "--attention-dropout", "--hidden-dropout", "--weight-decay",
-    "--start-weight-decay", "--end-weight-decay", "--weight-decay-incr-style", "--clip-grad",
-    "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum", "--micro-batch-size",
-    "--batch-size", "--global-batch-size", "--recompute-granularity", "--recompute-method",
-    "--recompute-num-layers", "--profile-step-start", "--profile-step-end",
-    "--tp-comm-overlap-cfg", "--empty-unused-memory-level",
-    "--check-weight-hash-across-dp-replicas-interval", "--train-iters", "--train-samples",
-    "--log-interval", "--exit-interval", "--exit-duration-in-mins", "--tensorboard-dir",
-    "--optimizer", "--dataloader-type", "--manual-gc-interval", "--seed", "--init-method-std",
-    "--lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-fraction",
-    "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-init", "--warmup", "--min-lr",
-    "--decoupled-lr", "--decoupled-min-lr", "--save", "--save-interval", "--load",
-    "--pretrained-checkpoint", "--ckpt-step", "--dist-ckpt-format", "--loss-scale",
-    "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-    "--pipeline-model-parallel-split-rank", "--model-parallel-size",
-    "--num-layers-per-virtual-pipeline-stage", "--distributed-backend",
-    "--distributed-timeout-minutes", "--ddp-bucket-size", "--local_rank", "--lazy-mpu-init",
-    "--context-parallel-size", "--nccl-communicator-config-path", "--eval-iters",
-    "--eval-interval", "--split", "--data-cache-path", "--vocab-size", "--vocab-file",
-    "--merge-file", "--vocab-extra-ids", "--seq-length", "--encoder-seq-length",
-    "--decoder-seq-length", "--retriever-seq-length", "--sample-rate", "--mask-prob",
-    "--short-seq-prob", "--num-workers", "--tokenizer-type", "--tokenizer-model",
-    "--num-dataset-builder-threads", "--adlr-autoresume-interval", "--ict-head-size",
-    "--biencoder-projection-dim", "--ict-load", "--bert-load", "--titles-data-path",
-    "--query-in-block-prob", "--evidence-data-path", "--block-data-path", "--embedding-path",
-    "--indexer-batch-size", "--indexer-log-interval", "--num-classes", "--img-h", "--img-w",
-    "--num-channels", "--patch-dim", "--classes-fraction", "--data-per-class-fraction",
-    "--head-lr-mult", "--vision-pretraining-type", "--vision-backbone-type",
-    "--swin-backbone-type", "--mask-type", "--mask-factor", "--iter-per-epoch",
-    "--dino-local-img-size", "--dino-local-crops-number", "--dino-head-hidden-size",
-    "--dino-bottleneck-size", "--dino-freeze-last-layer", "--dino-warmup-teacher-temp",
-    "--dino-teacher-temp", "--dino-warmup-teacher-temp-epochs", "--expert-model-parallel-size",
-    "--num-experts", "--moe-router-load-balancing-type", "--moe-router-topk",
-    "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-input-jitter-eps",
-    "--moe-token-dispatcher-type", "--moe-expert-capacity-factor", "--moe-token-drop-policy",
-    "--yaml-cfg",
-)
+def _read_flags(name: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """flag -> (switch | value | list, Megatron's choices) from a golden list."""
+    flags = {}
+    for line in (GOLDEN / name).read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        flag, kind, *choices = line.split()
+        assert flag not in flags, f"{flag} listed twice in {name}"
+        flags[flag] = (kind, tuple(choices[0].split(",")) if choices else ())
+    return flags
 
-MEGATRON_LISTS = (
-    "--rampup-batch-size", "--profile-ranks", "--data-path", "--train-data-path",
-    "--valid-data-path", "--test-data-path", "--retriever-report-topk-accuracies", "--spec",
-)
 
-MEGATRON_FLAGS = MEGATRON_SWITCHES + MEGATRON_ONE_VALUE + MEGATRON_LISTS
+MEGATRON_FLAGS = _read_flags(f"megatron_flags_{MEGATRON_COMMIT[:7]}.txt")
+REMOVED_FLAGS = [line for line in (GOLDEN / "megatron_flags_removed.txt").read_text().splitlines()
+                 if line.strip() and not line.startswith("#")]
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
         "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 5 --mock-data").split()
@@ -126,24 +45,30 @@ UNIMPLEMENTED = {flag.flag: flag for flag in UNIMPLEMENTED_FLAGS}
 
 
 def plausible_values(flag: str) -> list[str]:
-    """Values in the syntax Megatron declares for ``flag`` (none for a switch)."""
-    if flag in COMPATIBILITY and COMPATIBILITY[flag].choices:
-        return [COMPATIBILITY[flag].choices[-1]]
-    if flag in MEGATRON_LISTS:
-        return ["1", "2"]
-    if flag in MEGATRON_ONE_VALUE:
-        return ["2"]
-    return []
+    """Values in the syntax the flag takes (none for a switch)."""
+    spec = COMPATIBILITY.get(flag)
+    if spec is not None:
+        if spec.choices:
+            return [spec.choices[-1]]
+        return ["1", "2"] if spec.takes_list else ["2"] if spec.takes_value else []
+    kind = MEGATRON_FLAGS.get(flag, ("value", ()))[0]
+    return {"switch": [], "value": ["2"], "list": ["1", "2"]}[kind]
 
 
-def test_the_megatron_list_has_no_duplicates():
-    assert len(set(MEGATRON_FLAGS)) == len(MEGATRON_FLAGS) == 303
+def test_the_megatron_lists_are_complete_and_distinct():
+    assert len(MEGATRON_FLAGS) == 876
+    assert len(set(REMOVED_FLAGS)) == len(REMOVED_FLAGS) == 124
+    assert not set(REMOVED_FLAGS) & set(MEGATRON_FLAGS)
+    # The 2021-22 recompute spellings the scripts of that time use are among the removed ones.
+    assert {"--activations-checkpoint-method", "--checkpoint-num-layers",
+            "--distribute-checkpointed-activations"} <= set(REMOVED_FLAGS)
 
 
-def test_every_megatron_flag_is_accepted_or_known_unimplemented():
+@pytest.mark.parametrize("flags", [list(MEGATRON_FLAGS), REMOVED_FLAGS],
+                         ids=["d98e8a6", "removed-spellings"])
+def test_every_megatron_flag_is_accepted_or_known_unimplemented(flags):
     accepted = set(accepted_flags())
-    unclassified = [flag for flag in MEGATRON_FLAGS
-                    if flag not in accepted and flag not in UNIMPLEMENTED]
+    unclassified = [flag for flag in flags if flag not in accepted and flag not in UNIMPLEMENTED]
     assert not unclassified, f"Megatron flags that would be 'unknown flag': {unclassified}"
     assert not accepted & set(UNIMPLEMENTED), "a flag is both accepted and rejected"
     assert len(COMPATIBILITY) == len(COMPATIBILITY_FLAGS), "a compatibility flag is listed twice"
@@ -151,16 +76,35 @@ def test_every_megatron_flag_is_accepted_or_known_unimplemented():
 
 
 def test_compatibility_flags_take_values_as_megatron_declares_them():
-    for flag in MEGATRON_FLAGS:
-        if flag not in COMPATIBILITY:
+    for flag, spec in COMPATIBILITY.items():
+        if flag not in MEGATRON_FLAGS:
+            continue  # a removed spelling: its syntax is the one of its time
+        kind, choices = MEGATRON_FLAGS[flag]
+        ours = "list" if spec.takes_list else "value" if (
+            spec.choices is not None or spec.takes_value) else "switch"
+        assert ours == kind, flag
+        if spec.choices and choices:
+            assert set(spec.choices) <= set(choices), flag
+            assert set(choices) - set(spec.choices) <= set(VALUES_NOT_IMPLEMENTED.get(flag, {})), \
+                f"{flag}: a Megatron value is neither accepted nor reported as not implemented"
+
+
+def test_every_megatron_value_of_a_config_field_is_accepted_or_not_implemented():
+    for spec in config_fields():
+        if spec.derived or spec.flag not in MEGATRON_FLAGS:
             continue
-        spec = COMPATIBILITY[flag]
-        takes_one = spec.choices is not None or spec.takes_value
-        assert takes_one == (flag in MEGATRON_ONE_VALUE), flag
-        assert spec.takes_list == (flag in MEGATRON_LISTS), flag
+        kind, choices = MEGATRON_FLAGS[spec.flag]
+        ours = spec.field.metadata.get("choices") or ()
+        if choices and ours:
+            missing = set(choices) - {str(c) for c in ours} - set(
+                VALUES_NOT_IMPLEMENTED.get(spec.flag, {}))
+            assert not missing, f"{spec.flag}: Megatron values unclassified: {missing}"
+        expected = "switch" if spec.value_type is bool else (
+            "list" if spec.value_type is list else "value")
+        assert kind == expected, spec.flag
 
 
-@pytest.mark.parametrize("flag", [flag for flag in MEGATRON_FLAGS if flag in COMPATIBILITY])
+@pytest.mark.parametrize("flag", list(COMPATIBILITY))
 def test_compatibility_flag_parses_with_megatrons_value_syntax(flag):
     parsed = parse_command_line(TINY + [flag] + plausible_values(flag))
     assert parsed.problems == []
@@ -198,3 +142,73 @@ def test_every_unimplemented_flag_is_reported_in_one_message(capsys):
     assert "unknown flag" not in message
     for flag in UNIMPLEMENTED:
         assert f"  - {flag} is not implemented: " in message, flag
+
+
+def _classification(flag: str):
+    """("field", dest) for a config flag, ("ignored", reason), ("rejected", reason) or None."""
+    for action in build_parser()._actions:
+        if flag in action.option_strings:
+            if action.dest.startswith("compat__"):
+                return ("ignored", COMPATIBILITY[action.option_strings[0]].reason)
+            if action.dest.startswith("unimplemented__"):
+                return ("rejected", None)
+            return ("field", action.dest)
+    return None
+
+
+@pytest.mark.parametrize("old, new", sorted(RENAMED_FLAGS.items()))
+def test_an_earlier_spelling_is_classified_like_todays_flag(old, new):
+    old_kind, new_kind = _classification(old), _classification(new)
+    assert old_kind is not None and new_kind is not None, (old, new)
+    assert old_kind[0] == new_kind[0], (old_kind, new_kind)
+    if old_kind[0] == "field" and old != "--activations-checkpoint-method":
+        assert old_kind == new_kind  # the same config field
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("--batch-size", "--micro-batch-size", "2"),
+    ("--model-parallel-size", "--tensor-model-parallel-size", "2"),
+    ("--warmup", "--lr-warmup-fraction", "0.1"),
+    ("--min-scale", "--min-loss-scale", "2"),
+    ("--persistent-save-interval", "--save-interval", "3"),
+])
+def test_an_earlier_spelling_means_todays_flag(old, new, value):
+    base = TINY + ["--fp16", "--save", "ckpt"]
+    assert parse_args(base + [old, value], world_size=2) == \
+        parse_args(base + [new, value], world_size=2)
+
+
+def test_the_2021_recompute_spellings_select_full_recomputation():
+    config = parse_args(TINY + ["--activations-checkpoint-method", "block",
+                                "--activations-checkpoint-num-layers", "1",
+                                "--distribute-checkpointed-activations"], world_size=1)
+    assert (config.recompute.recompute_granularity, config.recompute.recompute_method,
+            config.recompute.recompute_num_layers) == ("full", "block", 1)
+    config = parse_args(TINY + ["--checkpoint-activations", "--checkpoint-num-layers", "2"],
+                        world_size=1)
+    assert (config.recompute.recompute_granularity, config.recompute.recompute_method,
+            config.recompute.recompute_num_layers) == ("full", "uniform", 2)
+
+
+@pytest.mark.parametrize("flag", [
+    # Look-alikes of flags of another meaning: never suggested.
+    "--no-ckpt-fully-parallel-saves", "--moe-ffn-hidden-sizes", "--q-lora-ranks", "--num-layer",
+    "--mtp-num-layer", "--ffn-hiden-size", "--lr-decay-iter"])
+def test_an_unknown_flag_gets_no_look_alike_suggestion(flag):
+    problems = parse_command_line(TINY + [flag, "1"]).problems
+    assert len(problems) == 1
+    assert problems[0].startswith(f"unknown flag {flag}: ")
+    assert "did you mean" not in problems[0]
+
+
+def test_an_unknown_flag_points_to_the_flag_list(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--no-such-flag"], world_size=1)
+    error = capsys.readouterr().err
+    assert "unknown flag --no-such-flag" in error and "docs/flags.md" in error
+    assert "remove it" not in error
+
+
+def test_underscores_for_dashes_are_the_same_flag():
+    problems = parse_command_line(TINY + ["--num_layers", "2"]).problems
+    assert problems == [problems[0]] and "did you mean --num-layers?" in problems[0]

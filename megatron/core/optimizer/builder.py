@@ -11,6 +11,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from megatron.core.optimizer.decoupled_lr import (embedding_or_output_parameters,
+                                                  split_decoupled_groups)
 from megatron.core.optimizer.distributed import build_distributed_optimizer
 from megatron.core.optimizer.grad_scaler import build_grad_scaler
 from megatron.core.optimizer.optimizer import (MegatronOptimizer, build_param_groups,
@@ -19,7 +21,8 @@ from megatron.core.optimizer.optimizer import (MegatronOptimizer, build_param_gr
 
 def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state, *,
                     owns_grad_norm: Optional[Callable[[torch.nn.Parameter], bool]] = None,
-                    gradient_reducers: Iterable = ()) -> MegatronOptimizer:
+                    gradient_reducers: Iterable = (),
+                    model_chunks: Iterable = ()) -> MegatronOptimizer:
     """The run's optimizer from ``config.optimizer`` and ``config.training`` (precision).
 
     With ``--use-distributed-optimizer`` the sharded reducers among ``gradient_reducers`` decide
@@ -29,8 +32,11 @@ def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state
     params = list(params)
     if getattr(config.parallel, "use_distributed_optimizer", False):
         return build_distributed_optimizer(config, params, parallel_state, owns_grad_norm,
-                                           list(gradient_reducers))
+                                           list(gradient_reducers), list(model_chunks))
     groups = build_param_groups(params, optimizer_config.weight_decay)
+    if getattr(optimizer_config, "decoupled_lr", None) is not None:
+        groups = split_decoupled_groups(groups, embedding_or_output_parameters(model_chunks),
+                                        optimizer_config)
     optimizer, implementation = torch_optimizer(groups, optimizer_config)
     return MegatronOptimizer(
         optimizer, params, parallel_state, clip_grad=optimizer_config.clip_grad,

@@ -16,6 +16,13 @@ Gradient norm (for clipping and the log): each element of a stage is owned by ex
 so the squared norms of the shards are summed over every rank (tensor-parallel-replicated elements
 counted on tensor-parallel rank 0 only); the replicated parameters' part is summed as without the
 distributed optimizer. Loss scaling and overflow skipping act on the shards unchanged.
+
+``--overlap-param-gather`` (Megatron's): the all-gather of the updated shards is started after the
+step and not waited for; each model chunk waits for the gathers of its own parameters just before
+its next forward pass (a forward pre-hook), so the communication overlaps with the end of the
+iteration, the next batch's preparation and the forward passes of the chunks before it. Anything
+else that reads the parameters first (checkpoint saving, the params norm, the end of training)
+calls :meth:`DistributedOptimizer.finish_parameter_gather`.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ class DistributedOptimizer(MegatronOptimizer):
     """
 
     def __init__(self, optimizer, sharded_reducers: list, replicated: list, model_params: list,
-                 parallel_state, **kwargs):
+                 parallel_state, *, overlap_param_gather: bool = False, model_chunks=(),
+                 **kwargs):
         shards = [shard for reducer in sharded_reducers for shard in reducer.shards]
         super().__init__(optimizer, shards + replicated, parallel_state, **kwargs)
         self.sharded_reducers = sharded_reducers
@@ -51,6 +59,22 @@ class DistributedOptimizer(MegatronOptimizer):
         self.replicated = replicated
         self.model_params = [p for p in model_params if p.requires_grad]
         self._owns_element = default_owns_grad_norm(parallel_state)
+        self.overlap_param_gather = overlap_param_gather
+        self.pending_gathers: dict[int, list] = {}  # reducer index -> handles in flight
+        if overlap_param_gather:
+            if not model_chunks:
+                raise ValueError("--overlap-param-gather needs the model chunks, to wait for "
+                                 "their parameters before their forward passes")
+            self._attach_forward_waits(model_chunks)
+
+    def _attach_forward_waits(self, model_chunks) -> None:
+        """A forward pre-hook per chunk that waits for the gathers of the chunk's parameters."""
+        for chunk in model_chunks:
+            chunk_params = {id(p) for p in chunk.parameters()}
+            own = [index for index, reducer in enumerate(self.sharded_reducers)
+                   if any(id(p) in chunk_params for p in reducer.params)]
+            chunk.register_forward_pre_hook(
+                lambda module, args, own=tuple(own): self.finish_parameter_gather(own))
 
     def global_grad_norm(self) -> float:
         state = self.parallel_state
@@ -62,13 +86,27 @@ class DistributedOptimizer(MegatronOptimizer):
         return float((shard_squares + replicated_squares.to(shard_squares.device)).sqrt().item())
 
     def after_update(self) -> None:
-        handles = [handle for reducer in self.sharded_reducers
-                   for handle in reducer.start_parameter_gather()]
+        self.finish_parameter_gather()  # a step never starts while the last gather is in flight
+        for index, reducer in enumerate(self.sharded_reducers):
+            handles = reducer.start_parameter_gather()
+            if handles:
+                self.pending_gathers[index] = handles
+        if not self.overlap_param_gather:
+            self.finish_parameter_gather()
+
+    def finish_parameter_gather(self, reducer_indices=None) -> None:
+        """Wait for the parameter all-gathers in flight (of the given reducers; default all)."""
+        indices = [index for index in (self.pending_gathers if reducer_indices is None
+                                       else reducer_indices) if index in self.pending_gathers]
+        if not indices:
+            return
         with awaiting(lambda: "the parameter all-gather of the distributed optimizer on "
-                      + ", ".join(describe_group("gradient-replica", reducer.group)
-                                  for reducer in self.sharded_reducers)):
-            for handle in handles:
-                handle.wait()
+                      + ", ".join(describe_group("gradient-replica",
+                                                 self.sharded_reducers[index].group)
+                                  for index in indices)):
+            for index in indices:
+                for handle in self.pending_gathers.pop(index):
+                    handle.wait()
 
     def zero_grad(self) -> None:
         grads = [p.grad for p in self.model_params + self.shards if p.grad is not None]
@@ -96,8 +134,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
 
 def build_distributed_optimizer(config, params: list, parallel_state,
-                                owns_grad_norm: Optional[Callable], reducers: list
-                                ) -> DistributedOptimizer:
+                                owns_grad_norm: Optional[Callable], reducers: list,
+                                model_chunks: list = ()) -> DistributedOptimizer:
     """The distributed optimizer over ``reducers``' shards and the parameters no shard covers."""
     sharded = [reducer for reducer in reducers if reducer.shards_gradients]
     if not sharded:
@@ -114,4 +152,7 @@ def build_distributed_optimizer(config, params: list, parallel_state,
         clip_grad=config.optimizer.clip_grad,
         grad_scaler=build_grad_scaler(config.optimizer, config.training),
         owns_grad_norm=owns_grad_norm,
-        implementation=f"{implementation}, distributed (sharded over each stage's replicas)")
+        overlap_param_gather=config.parallel.overlap_param_gather, model_chunks=model_chunks,
+        implementation=f"{implementation}, distributed (sharded over each stage's replicas)"
+                       + (", parameter all-gather overlapped with the next forward"
+                          if config.parallel.overlap_param_gather else ""))

@@ -48,39 +48,60 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self, num_steps: Optional[int] = None) -> float:
-        """Learning rate after ``num_steps`` samples (default: the current count)."""
+    def get_lr(self, num_steps: Optional[int] = None, param_group: Optional[dict] = None) -> float:
+        """Learning rate after ``num_steps`` samples (default: the current count), for a param
+        group that may carry its own ``max_lr`` / ``min_lr`` (``--decoupled-lr``)."""
         steps = self.num_steps if num_steps is None else num_steps
+        group = param_group or {}
+        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and steps <= self.lr_warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * steps / self.lr_warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * steps / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if steps > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         decay_ratio = (steps - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coefficient = 1.0 - decay_ratio
         else:  # cosine
             coefficient = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+        return min_lr + coefficient * (max_lr - min_lr)
 
     def step(self, increment: int) -> float:
-        """Advance by ``increment`` samples and write the new lr into the param groups."""
+        """Advance by ``increment`` samples and write the new lr into the param groups; returns
+        the main schedule's lr."""
         self.num_steps += increment
-        lr = self.get_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+            group["lr"] = self.get_lr(param_group=group)
+        return self.get_lr()
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
                 "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
                 "lr_decay_style": self.lr_decay_style}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the position; the schedule's shape comes from the current flags (as Megatron)."""
+    # The schedule's shape as the checkpoint stores it (besides the position, num_steps).
+    SHAPE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+    def load_state_dict(self, state: dict, *, use_checkpoint_values: bool = False) -> list[str]:
+        """Restore the position and, with ``use_checkpoint_values`` (Megatron's
+        ``--use-checkpoint-opt_param-scheduler``), the schedule's shape from ``state``; otherwise
+        the shape stays the one of the current flags (``--override-opt_param-scheduler``).
+
+        Returns one line per shape value in which flags and checkpoint differ, saying which one
+        is used (the caller logs them)."""
+        differences = []
+        for key in self.SHAPE_KEYS:
+            if key in state and state[key] != getattr(self, key):
+                kept = state[key] if use_checkpoint_values else getattr(self, key)
+                differences.append(f"{key}: flags {getattr(self, key)}, checkpoint {state[key]}; "
+                                   f"using {kept} (from the "
+                                   f"{'checkpoint' if use_checkpoint_values else 'flags'})")
+                if use_checkpoint_values:
+                    setattr(self, key, type(getattr(self, key))(state[key]))
         self.num_steps = 0
         self.step(int(state["num_steps"]))
+        return differences
 
 
 def build_lr_scheduler(optimizer, optimizer_config, training_config) -> OptimizerParamScheduler:

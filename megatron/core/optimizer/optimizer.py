@@ -123,6 +123,13 @@ class MegatronOptimizer:
         if grads:
             torch._foreach_zero_(grads)  # one call instead of one per parameter
 
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient this optimizer steps by ``factor`` (before :meth:`step`; used
+        by --calculate-per-token-loss once the global batch's token count is known)."""
+        grads = self._grads()
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
@@ -167,6 +174,10 @@ class MegatronOptimizer:
 
     def after_update(self) -> None:
         """Hook after the parameters changed (the distributed optimizer gathers its shards)."""
+
+    def finish_parameter_gather(self) -> None:
+        """Wait for parameter updates still in flight (``--overlap-param-gather``); call it
+        before reading the parameters outside a forward pass. Nothing is in flight here."""
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}

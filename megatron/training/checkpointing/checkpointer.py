@@ -13,6 +13,7 @@ import time
 from typing import Callable, Optional
 
 from megatron.core.distributed.reduction import load_reducer_states, reducer_states
+from megatron.training.checkpointing.retention import prune_checkpoints
 from megatron.training.checkpointing.collectives import (_all_gather,
                                                         _gather_rng_states_over_data_parallel,
                                                         _raise_for_failures, _raise_if_any_failed)
@@ -78,6 +79,7 @@ class Checkpointer:
         the previous checkpoint and the tracker are then unchanged. Three agreed steps: prepare
         the staging directory, write every (tensor, pipeline) position's file, publish.
         """
+        components.optimizer.finish_parameter_gather()  # --overlap-param-gather: weights settled
         root = self.config.checkpoint.save
         if not root:
             raise ValueError("Checkpointer.save needs --save DIR; pass --save")
@@ -99,6 +101,9 @@ class Checkpointer:
         if is_first:
             self.log(f"  successfully saved checkpoint at iteration {state.iteration:7d} to "
                      f"{root} ({time.perf_counter() - started:.2f} s)")
+            if self.config.checkpoint.save_retain_interval is not None:
+                prune_checkpoints(root, state.iteration,
+                                  self.config.checkpoint.save_retain_interval, self.log)
         return final_dir
 
     def _prepare_staging(self, components, root: str, staging_dir: str) -> None:
@@ -349,7 +354,13 @@ class Checkpointer:
             return training_state_class()
         if not checkpoint_config.no_load_optim:
             _load_optimizer_state(components.optimizer, payload["optimizer"])
-            components.lr_scheduler.load_state_dict(payload["opt_param_scheduler"])
+            differences = components.lr_scheduler.load_state_dict(
+                payload["opt_param_scheduler"],
+                use_checkpoint_values=checkpoint_config.use_checkpoint_opt_param_scheduler)
+            if differences and parallel_state.rank == 0 and \
+                    not checkpoint_config.override_opt_param_scheduler:
+                self.log("  learning-rate schedule of the checkpoint differs from the flags: "
+                         + "; ".join(differences))
             load_reducer_states(components.gradient_reducers,
                                 payload.get("gradient_reducer_state"), parallel_state.dp_rank)
         if payload.get("weights_only"):
