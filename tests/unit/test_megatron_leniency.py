@@ -5,7 +5,6 @@ import logging
 import pytest
 
 from megatron.training.arguments import parse_args
-from megatron.training.config_validation import ConfigurationError
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
         "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 5 --mock-data").split()
