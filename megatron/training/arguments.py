@@ -21,6 +21,7 @@ Nothing here reads ``sys.argv`` unless ``parse_args`` is called without ``argv``
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import logging
 import sys
@@ -292,11 +293,19 @@ class ParsedCommandLine:
     problems: list[str]
 
 
+@functools.lru_cache(maxsize=8)
+def _shared_parser(registry: ScheduleRegistry, model_section: Optional[type]
+                   ) -> argparse.ArgumentParser:
+    """:func:`build_parser`, built once per (registry, model section): building it adds about a
+    thousand arguments, and parsing never changes a parser (the values land in a new namespace)."""
+    return build_parser(registry, model_section)
+
+
 def parse_command_line(argv: Optional[Sequence[str]] = None,
                        registry: ScheduleRegistry = BUILTIN_SCHEDULES,
                        model_section: Optional[type] = None) -> ParsedCommandLine:
     """Parse without stopping at problems: every unknown or unimplemented flag is collected."""
-    parser = build_parser(registry, model_section)
+    parser = _shared_parser(registry, model_section)
     namespace, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     given = vars(namespace)
     problems = [f"{flag.flag} is not implemented: {flag.reason}"
