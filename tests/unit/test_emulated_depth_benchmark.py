@@ -37,10 +37,12 @@ def test_emulated_stage_sleeps_input_and_weight_halves_apart(first, monkeypatch)
     input_half, slept[:] = list(slept[1:]), []
     backward_weight(deferred)
     if first:  # no input gradient: the whole backward (I + W) runs in the weight half
-        assert input_grad is None and input_half == [] and sorted(slept) == [0.2, 0.3]
+        assert input_grad is None and input_half == []
+        assert sorted(slept) == pytest.approx([0.2, 0.3], abs=0.05)
         assert stage.gain.grad is not None
     else:
-        assert input_grad is not None and input_half == [0.2] and slept == [0.3]
+        assert input_grad is not None and input_half == [0.2]
+        assert slept == pytest.approx([0.3], abs=0.05)  # less the time writing the gradient
     assert stage.weight.grad is not None
 
 
