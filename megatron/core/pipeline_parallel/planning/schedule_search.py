@@ -112,4 +112,5 @@ def best_schedule(pipeline_size: int, num_microbatches: int, **search) -> Candid
 
 
 def _num_stages(name: str, depth: int, options: dict) -> int:
-    return depth * options.get("num_model_chunks", 1) if name == "interleaved-1f1b" else depth
+    from .schedules import schedule_layout
+    return schedule_layout(name, depth, **options).num_stages
