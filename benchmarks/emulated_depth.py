@@ -93,11 +93,11 @@ def ideal_seconds(times: StageTimes, depth: int, count: int) -> float:
 def our_plan(label_flags, depth: int, count: int, times: StageTimes):
     """Our plan of one configuration, placed with the emulated per-stage charges."""
     from megatron.core.pipeline_parallel.planning.plan import make_plan
-    from megatron.core.pipeline_parallel.planning.schedules import schedule_from_config
+    from megatron.core.pipeline_parallel.planning.schedules import (schedule_from_config,
+                                                                    schedule_layout)
     from megatron.training.arguments import parse_args
     config = parse_args(_config_flags(depth, count) + list(label_flags), world_size=depth)
     name, options = schedule_from_config(config.parallel)
-    from megatron.core.pipeline_parallel.planning.schedules import schedule_layout
     layout = schedule_layout(name, depth, **options)
     costs = stage_costs_of(times, layout.num_stages)
     split = (config.parallel.split_backward_extra_activations if config.parallel.split_backward

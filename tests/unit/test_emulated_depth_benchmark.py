@@ -15,7 +15,7 @@ sys.path.insert(0, BENCHMARKS)
 
 import _emulated_stages  # noqa: E402
 import emulated_depth  # noqa: E402
-from _emulated_stages import EmulatedStage, emulated_loss, uniform_times  # noqa: E402
+from _emulated_stages import EmulatedStage, uniform_times  # noqa: E402
 
 from megatron.core.pipeline_parallel.execution.split_backward import (  # noqa: E402
     backward_input, backward_weight)
