@@ -78,3 +78,22 @@ def test_tiny_run_measures_every_configuration():
     assert max(rank[4]["peaks"]["ours chimera split"] for rank in per_rank) <= 4
     report = emulated_depth.measured_report(4, per_rank, times)
     assert "best ours" in report and "measured/simulated" in report
+
+
+def test_profile_times_from_stage_list_or_measure_output(tmp_path):
+    import json
+
+    from _emulated_stages import profile_times
+    stages = tmp_path / "stages.json"
+    stages.write_text(json.dumps({"stages": [[0.01, 0.02, 0.03], [0.02, 0.02, 0.02]]}))
+    times = profile_times(str(stages), 2, 2, 0.5)
+    assert times.per_stage(2) == [pytest.approx((0.01, 0.02, 0.03)),
+                                  pytest.approx((0.02, 0.02, 0.02))]
+    assert times.per_stage(4)[0] == pytest.approx((0.005, 0.01, 0.015))  # one layer each
+    measured = tmp_path / "profile.json"
+    measured.write_text(json.dumps({"measurements": {"compute": [
+        {"layers": 2, "micro_batch_size": 1, "forward_s": 0.01, "backward_s": 0.03}]}}))
+    assert profile_times(str(measured), 2, 2, 1 / 3).per_stage(2)[1] == pytest.approx(
+        (0.01, 0.01, 0.02))
+    with pytest.raises(ValueError, match="needs 3 entries"):
+        profile_times(str(stages), 3, 2, 0.5)
