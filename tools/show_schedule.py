@@ -65,7 +65,8 @@ def parse_args(argv=None, registry=BUILTIN_SCHEDULES) -> argparse.Namespace:
                         help="When Chimera starts a stage's gradient all-reduce.")
     parser.add_argument("--split-backward", action="store_true",
                         help="Split each backward into I (input gradient) and W (weight "
-                             "gradient) and move the W ops into idle slots (costs: I = W = B/2).")
+                             "gradient) and move the W ops into idle slots (costs: I = W = B/2; a "
+                             "first stage's I = 0 and W = B).")
     parser.add_argument("--split-backward-extra-activations", type=int, default=0,
                         help="With --split-backward: extra stored micro-batches allowed above "
                              "the busiest rank's peak (0: peak memory unchanged).")

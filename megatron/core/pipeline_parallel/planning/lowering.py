@@ -208,11 +208,12 @@ def receive_points(ops, doubling_unit: int = 0, num_microbatches: int = 0) -> li
 
 
 def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
-                       backward_cost: float = 2, doubling_unit: int = 0
+                       backward_cost: float = 2, doubling_unit: int = 0, stage_costs=None
                        ) -> list[list[tuple[float, float]]]:
     """(start, end) of every op when each rank runs its list in order and every op starts as
     soon as its rank is free and its inputs exist (messages arrive instantly). The first op of
-    a doubled forward step waits for the inputs of both (see :func:`receive_points`)."""
+    a doubled forward step waits for the inputs of both (see :func:`receive_points`).
+    ``stage_costs`` (a :class:`~.op_costs.StageCosts`) charges by stage instead."""
     keys = {op_key(op) for ops in schedule for op in ops}
     num_microbatches = count_microbatches(schedule)
     needs = []
@@ -230,7 +231,8 @@ def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
     def run(rank: int, index: int) -> None:
         op = schedule[rank][index]
         start = max([clock[rank]] + [finished[key] for key in needs[rank][index]])
-        end = start + _op_cost(op, forward_cost, backward_cost)
+        end = start + (_op_cost(op, forward_cost, backward_cost) if stage_costs is None
+                       else stage_costs.cost(op))
         finished[op_key(op)] = end
         times[rank].append((start, end))
         clock[rank] = end
@@ -244,7 +246,7 @@ def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
 
 def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
                    plan_forward_cost: float = 1, plan_backward_cost: float = 2,
-                   doubled_step_messages: bool = False) -> list[list]:
+                   doubled_step_messages: bool = False, stage_costs=None) -> list[list]:
     """Per rank, the lowered op list (compute, P2PGroup, GradSyncStart, GradSyncWait).
 
     ``plan_forward_cost`` / ``plan_backward_cost`` only shape where communication is grouped
@@ -254,13 +256,15 @@ def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
     with packing, one message per peer (25% fewer messages for these variants). It costs up to
     one forward per stage boundary while the pipeline fills (D=8, N=16, F=1, B=2: makespan 60
     instead of 57 without message latency), so it is only worth it with packing.
+    ``stage_costs`` (optional :class:`~.op_costs.StageCosts`, per instruction micro-batch) replaces
+    the two plan costs, e.g. the table a split backward was placed with.
     """
     if grad_sync_policy not in GRAD_SYNC_POLICIES:
         raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
                          f"{', '.join(GRAD_SYNC_POLICIES)}")
     doubling_unit = layout.doubling_unit if doubled_step_messages else 0
     times = reference_timeline(schedule, layout.num_stages, plan_forward_cost, plan_backward_cost,
-                               doubling_unit)
+                               doubling_unit, stage_costs)
     groups = _p2p_groups(schedule, layout, times, doubling_unit)
     lowered = []
     for rank, ops in enumerate(schedule):

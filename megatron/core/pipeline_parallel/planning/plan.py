@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Mapping, Optional
 
 from .lowering import GRAD_SYNC_POLICIES, lower_schedule
+from .op_costs import StageCosts, uniform_stage_costs
 from .schedules import BUILTIN_SCHEDULES, ScheduleFamily, ScheduleLayout, ScheduleRegistry
 from .schedules import resolve_schedule, schedule_from_config
 from .schedules.split_backward import split_backward_schedule
@@ -35,6 +36,8 @@ class PipelinePlan:
         grad_sync_policy: when stage replicas start their gradient all-reduce.
         split_backward: extra activations allowed for the split backward's deferred weight work,
             or None when backwards are not split.
+        stage_costs: the per-stage charges the split planner placed the weight work with (per
+            micro-batch of --micro-batch-size; None when backwards are not split).
     """
 
     family: ScheduleFamily
@@ -46,6 +49,7 @@ class PipelinePlan:
     lowered: tuple
     grad_sync_policy: str
     split_backward: Optional[int] = None
+    stage_costs: Optional[StageCosts] = None
 
     @property
     def name(self) -> str:
@@ -76,6 +80,7 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
               options: Optional[Mapping] = None, *, grad_sync_policy: str = "eager-opt",
               forward_cost: float = 1, backward_cost: float = 2,
               doubled_step_messages: bool = False, split_backward: Optional[int] = None,
+              stage_costs: Optional[StageCosts] = None,
               registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> PipelinePlan:
     """Build, validate and lower one schedule.
 
@@ -84,7 +89,9 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
     ``doubled_step_messages``: the two inputs of a doubled forward step travel together (worth it
     with packing; see :func:`~.lowering.lower_schedule`). ``split_backward`` (extra stored
     activations allowed, or None): split every backward and place the weight halves in idle slots
-    (:mod:`.schedules.split_backward`).
+    (:mod:`.schedules.split_backward`), placed with ``stage_costs`` (per micro-batch of
+    --micro-batch-size; default: ``forward_cost`` / ``backward_cost`` on every stage, the first
+    stage's whole backward in its weight half, see :mod:`.op_costs`).
     """
     if grad_sync_policy not in GRAD_SYNC_POLICIES:
         raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
@@ -93,16 +100,24 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
                                         dict(options or {}), registry)
     layout = family.layout(pipeline_size, **resolved)
     schedule = family.build(pipeline_size, num_microbatches, **resolved)
+    fraction = float(layout.microbatch_fraction)
     if split_backward is not None:
         validate_schedule(schedule, layout, num_microbatches)
-        schedule = split_backward_schedule(schedule, layout.num_stages, split_backward)
+        if stage_costs is None:
+            stage_costs = uniform_stage_costs(layout.num_stages, forward_cost, backward_cost)
+        schedule = split_backward_schedule(schedule, layout.num_stages, split_backward,
+                                           stage_costs.scaled(fraction))
+    else:
+        stage_costs = None
     validate_schedule(schedule, layout, num_microbatches)
-    fraction = float(layout.microbatch_fraction)
     lowered = lower_schedule(schedule, layout, grad_sync_policy, forward_cost * fraction,
-                             backward_cost * fraction, doubled_step_messages=doubled_step_messages)
+                             backward_cost * fraction, doubled_step_messages=doubled_step_messages,
+                             stage_costs=None if stage_costs is None
+                             else stage_costs.scaled(fraction))
     return PipelinePlan(family, resolved, pipeline_size, num_microbatches, layout,
                         tuple(tuple(ops) for ops in schedule),
-                        tuple(tuple(ops) for ops in lowered), grad_sync_policy, split_backward)
+                        tuple(tuple(ops) for ops in lowered), grad_sync_policy, split_backward,
+                        stage_costs)
 
 
 def plan_from_config(config, *, doubled_step_messages: bool = False,

@@ -3,7 +3,10 @@
 Semantics (what ``simulate`` assumes about the runtime):
 
 * Compute: a rank runs its ops in order; a forward costs ``forward_cost``, a backward
-  ``backward_cost`` (split backward halves cost half each). Costs are per instruction: a
+  ``backward_cost``; split backward halves cost half each, except on a first stage, which has no
+  input gradient: its I costs 0 and its W the whole backward (:mod:`.op_costs`, the charges the
+  split planner places with; pass ``stage_costs`` for per-stage or measured ones). Costs are per
+  instruction: a
   doubled forward step of forward doubling is two forward instructions, 2F in total. For
   backward halving the instructions are half micro-batches; pass halved costs (see
   :func:`simulate_schedule`, which does it from the layout).
@@ -37,11 +40,13 @@ with every stuck op marked. No torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .dependencies import op_key, peak_activations, remote_inputs
 from .grid import format_op_grid
-from .instructions import Instruction, Kind
+from .instructions import Instruction
 from .lowering import RECV, SEND, GradSyncStart, GradSyncWait, Message, P2PGroup
+from .op_costs import StageCosts, uniform_stage_costs
 
 
 class DeadlockError(RuntimeError):
@@ -71,14 +76,6 @@ class SimulationResult:
         """Timelines restricted to compute instructions."""
         return [[entry for entry in timeline if isinstance(entry.op, Instruction)]
                 for timeline in self.timelines]
-
-
-def _compute_cost(op: Instruction, forward_cost, backward_cost):
-    if op.kind is Kind.FORWARD:
-        return forward_cost
-    if op.kind is Kind.BACKWARD:
-        return backward_cost
-    return backward_cost / 2
 
 
 def _num_stages(lowered) -> dict:
@@ -133,12 +130,22 @@ P2P_SEMANTICS = ("async", "rendezvous")
 
 
 def simulate(lowered, forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
-             allreduce_cost: float = 0, p2p_semantics: str = "rendezvous") -> SimulationResult:
-    """Run every rank of ``lowered`` together; see the module docstring for the semantics."""
+             allreduce_cost: float = 0, p2p_semantics: str = "rendezvous",
+             stage_costs: Optional[StageCosts] = None) -> SimulationResult:
+    """Run every rank of ``lowered`` together; see the module docstring for the semantics.
+
+    ``stage_costs`` (optional) charges each compute op by stage instead of ``forward_cost`` /
+    ``backward_cost`` (which then build the default table, per pipeline)."""
     if p2p_semantics not in P2P_SEMANTICS:
         raise ValueError(f"unknown p2p semantics {p2p_semantics!r}; allowed: "
                          f"{', '.join(P2P_SEMANTICS)}")
-    loop = _EventLoop(lowered, (forward_cost, backward_cost, p2p_cost, allreduce_cost),
+    if stage_costs is None:
+        tables = {pipeline: uniform_stage_costs(stages, forward_cost, backward_cost)
+                  for pipeline, stages in _num_stages(lowered).items()}
+        charge = lambda op: tables[op.pipeline].cost(op)  # noqa: E731
+    else:
+        charge = stage_costs.cost
+    loop = _EventLoop(lowered, (charge, p2p_cost, allreduce_cost),
                       asynchronous=p2p_semantics == "async")
     loop.run()
     makespan = max(loop.clock, default=0.0)
@@ -154,7 +161,7 @@ class _EventLoop:
 
     def __init__(self, lowered, costs: tuple, asynchronous: bool):
         self.lowered = lowered
-        self.forward_cost, self.backward_cost, self.p2p_cost, self.allreduce_cost = costs
+        self.charge, self.p2p_cost, self.allreduce_cost = costs
         self.asynchronous = asynchronous
         num_ranks = len(lowered)
         self.prepared = _prepare(lowered)
@@ -217,7 +224,7 @@ class _EventLoop:
                 return None
             now = max([now] + arrivals)
             self.compute_start[rank] = now
-        end = now + _compute_cost(op, self.forward_cost, self.backward_cost)
+        end = now + self.charge(op)
         self.busy[rank] += end - now
         return now, end
 
@@ -275,13 +282,18 @@ class _EventLoop:
 
 
 def simulate_plan(plan, forward_cost: float = 1, backward_cost: float = 2, p2p_cost: float = 0,
-                  allreduce_cost: float = 0) -> SimulationResult:
+                  allreduce_cost: float = 0,
+                  stage_costs: Optional[StageCosts] = None) -> SimulationResult:
     """Simulate a :class:`~.plan.PipelinePlan` as the runtime executes it (asynchronous p2p);
     costs per micro-batch of --micro-batch-size (scaled by the layout's micro-batch fraction,
-    half for backward halving)."""
+    half for backward halving). ``stage_costs`` (per micro-batch of --micro-batch-size too)
+    replaces the uniform F / B (pass ``plan.stage_costs`` to simulate with what it was placed
+    with)."""
     fraction = float(plan.layout.microbatch_fraction)
+    table = stage_costs
     return simulate(plan.lowered, forward_cost * fraction, backward_cost * fraction, p2p_cost,
-                    allreduce_cost, p2p_semantics="async")
+                    allreduce_cost, p2p_semantics="async",
+                    stage_costs=None if table is None else table.scaled(fraction))
 
 
 def simulate_schedule(name: str, pipeline_size: int, num_microbatches: int,

@@ -4,26 +4,32 @@ Zero-bubble pipelines (Qi et al., 2023) split each backward B into the input-gra
 message the previous stage waits for: on the critical path) and the weight-gradient half W (needed
 only before the optimizer step). :func:`split_backward_schedule` takes any schedule of forwards and
 backwards, keeps every rank's order of F and B (each B becomes an I) and places the W ops by a
-list-scheduling simulation with unit costs (F = I = W, i.e. B = 2F split evenly): a rank runs its
+list-scheduling simulation with the charges the runtime spends (:class:`~..op_costs.StageCosts`;
+default F = 1, B = 2 split evenly, except that a first stage has no input gradient: its I is free
+and its whole backward is the W, deferrable like any other): a rank runs its
 next F or I as soon as its inputs have arrived; while it waits for one, it runs the oldest pending W;
 the W ops left at the end form the tail. Deferring a W keeps that micro-batch's activations stored,
 so a rank runs pending W ops first whenever a forward would take its stored activations above the
 base schedule's largest per-rank peak plus ``extra_activations``: with 0, the peak memory of the
 busiest rank is unchanged and less busy ranks use their headroom.
 
-Applied to 1F1B this gives ZB-H1 (Qi et al.: makespan 3N + D - 1 with F = I = W, at 1F1B's peak
-memory); applied to Chimera (any variant) it fills Chimera's remaining bubbles: 3N + D/2 - 1 for
-direct concatenation at N >= D, at Chimera's peak memory.
-The result is an ordinary schedule of F, I and W instructions: the validator, lowering, simulator and
+A first stage's backward is either split (I free, the whole backward a deferrable W) or kept whole;
+by default both placements are tried and the shorter kept. Charged as the runtime runs (first
+stage I = 0, W = B = 2F), applied to 1F1B this gives ZB-H1 (Qi et al.: makespan 3N + D - 1 at
+1F1B's peak memory) and applied to Chimera direct with P pipelines 3N + D/P - 1 at N >= D, at
+Chimera's peak memory (docs/schedules.md).
+The result is an ordinary schedule of F, I and W (and whole first-stage B) instructions: the validator, lowering, simulator and
 runtime handle it like any other. No torch import.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 from ..dependencies import op_key, peak_activations, remote_inputs
 from ..instructions import Instruction, Kind
+from ..op_costs import StageCosts, uniform_stage_costs
 
 
 def _split(op: Instruction, kind: Kind) -> Instruction:
@@ -33,8 +39,9 @@ def _split(op: Instruction, kind: Kind) -> Instruction:
 class _Rank:
     """One rank's state in the list-scheduling simulation."""
 
-    def __init__(self, base_ops, limit: int):
-        self.main = [_split(op, Kind.BACKWARD_INPUT) if op.kind is Kind.BACKWARD else op
+    def __init__(self, base_ops, limit: int, defer_first_stage: bool):
+        self.main = [_split(op, Kind.BACKWARD_INPUT)
+                     if op.kind is Kind.BACKWARD and (defer_first_stage or op.stage > 0) else op
                      for op in base_ops]
         self.next = 0
         self.pending = deque()  # W ops whose I has run
@@ -70,22 +77,43 @@ def _next_action(rank: _Rank, needs: dict, finish: dict):
 
 
 def split_backward_schedule(schedule, num_stages: int, extra_activations: int = 0,
-                            costs=(1.0, 1.0, 1.0)) -> list[list[Instruction]]:
+                            stage_costs: StageCosts | None = None,
+                            defer_first_stage: Optional[bool] = None) -> list[list[Instruction]]:
     """Per rank, ``schedule`` with each B split into I and W and the W ops placed in idle slots.
 
     ``extra_activations``: how many micro-batches' activations a rank may keep stored beyond the
     base schedule's largest per-rank peak in order to defer weight work (0: the schedule's peak
-    memory is unchanged). ``costs``: (F, I, W) used to
-    place the W ops.
+    memory is unchanged). ``stage_costs``: the charges used to place the W ops, per instruction
+    micro-batch (default :func:`~..op_costs.uniform_stage_costs`). ``defer_first_stage``: True
+    splits the first stages' backwards too (I free, the whole backward deferrable weight work);
+    False keeps them whole where the base schedule has them; None (default) places both ways and
+    keeps the shorter (ties: whole). Deferring a first stage's 2-unit backward into a 1-unit wait
+    delays that rank's next input gradient, so with two Chimera pipelines keeping it whole wins.
     """
+    return split_backward_placement(schedule, num_stages, extra_activations, stage_costs,
+                                    defer_first_stage)[0]
+
+
+def split_backward_placement(schedule, num_stages: int, extra_activations: int = 0,
+                             stage_costs: StageCosts | None = None,
+                             defer_first_stage: Optional[bool] = None):
+    """(per-rank ops, makespan the placement expects) of :func:`split_backward_schedule`: with
+    free messages the simulator gives the same makespan (it charges the same)."""
     if extra_activations < 0:
         raise ValueError(f"extra stored activations must be >= 0, got {extra_activations}")
     limit = max(peak_activations(ops) for ops in schedule) + extra_activations
-    ranks = [_Rank(ops, limit) for ops in schedule]
+    charge = (stage_costs or uniform_stage_costs(num_stages)).cost
+    choices = (False, True) if defer_first_stage is None else (defer_first_stage,)
+    placed = [_place(schedule, num_stages, limit, charge, defer) for defer in choices]
+    return min(placed, key=lambda result: result[1])
+
+
+def _place(schedule, num_stages: int, limit: int, charge, defer_first_stage: bool):
+    """(per-rank ops, makespan of the placement's list-scheduling simulation)."""
+    ranks = [_Rank(ops, limit, defer_first_stage) for ops in schedule]
     split_keys = {op_key(op) for rank in ranks for op in rank.main}
     needs = {op_key(op): [key for _, key in remote_inputs(op, num_stages, split_keys)]
              for rank in ranks for op in rank.main}
-    cost = {Kind.FORWARD: costs[0], Kind.BACKWARD_INPUT: costs[1], Kind.BACKWARD_WEIGHT: costs[2]}
     finish: dict = {}
     while not all(rank.done for rank in ranks):
         candidates = [(action[0], index, action[1]) for index, rank in enumerate(ranks)
@@ -102,9 +130,11 @@ def split_backward_schedule(schedule, num_stages: int, extra_activations: int = 
             rank.next += 1
             if op.kind is Kind.FORWARD:
                 rank.stored += 1
+            elif op.kind is Kind.BACKWARD:
+                rank.stored -= 1
             else:
                 rank.pending.append(_split(op, Kind.BACKWARD_WEIGHT))
-        rank.clock = start + cost[op.kind]
+        rank.clock = start + charge(op)
         finish[op_key(op)] = rank.clock
         rank.ops.append(op)
-    return [rank.ops for rank in ranks]
+    return [rank.ops for rank in ranks], max((rank.clock for rank in ranks), default=0.0)

@@ -1,0 +1,147 @@
+"""Emulated pipeline stages for benchmarks/emulated_depth.py: sleeps instead of compute.
+
+A stage's forward sleeps F, its backward sleeps I for the input gradient and W for the weight
+gradient in two separate autograd nodes, so any split-backward runtime (ours and
+torch.distributed.pipelining's ``stage_backward_input`` / ``stage_backward_weight``) really runs the
+two halves apart. A sleeping rank frees its core, so 16 ranks fit on two cores. The modules carry a
+real parameter of configurable size (all-reduced where a schedule has stage replicas, updated by the
+optimizer) and send real activations of configurable size.
+
+Stage graph (``out = input_path(h) + weight_path(h.detach(), weight)``): the input path's node is
+the only one between the stage's input and its output, and the weight path hangs off the sum, so
+the input half never touches the weight path and the weight half never the input path. On a first
+stage ``h = x * gain`` (a one-element parameter), so its input path is needed for ``gain``: like a
+real first stage (whose layers' input gradients lead to the embedding), its whole backward, I + W,
+runs in the weight half.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+class _InputPath(torch.autograd.Function):
+    """Identity; forward sleeps F, backward sleeps I."""
+
+    @staticmethod
+    def forward(ctx, hidden, forward_seconds, input_seconds):
+        ctx.input_seconds = input_seconds
+        time.sleep(forward_seconds)
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.input_seconds)
+        return grad.clone(), None, None
+
+
+class _WeightPath(torch.autograd.Function):
+    """Zeros shaped like the hidden state; backward sleeps W and fills the weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, weight_seconds):
+        ctx.weight_seconds = weight_seconds
+        ctx.save_for_backward(weight)
+        return torch.zeros_like(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = time.perf_counter()
+        (weight,) = ctx.saved_tensors
+        weight_grad = torch.full_like(weight, float(grad.mean()) * 1e-6)
+        # Writing a large gradient takes time of its own: it counts towards W.
+        time.sleep(max(0.0, ctx.weight_seconds - (time.perf_counter() - start)))
+        return None, weight_grad, None
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds of F, I and W per model layer, one entry per layer (the model has ``len(layers)``
+    layers; a stage of several layers sleeps their sum)."""
+
+    layers: tuple  # ((F, I, W), ...) per layer
+
+    def of(self, layer_range) -> tuple[float, float, float]:
+        totals = [0.0, 0.0, 0.0]
+        for index in layer_range:
+            for k in range(3):
+                totals[k] += self.layers[index][k]
+        return tuple(totals)
+
+    def per_stage(self, num_stages: int) -> list[tuple[float, float, float]]:
+        """(F, I, W) of each of ``num_stages`` equal consecutive layer ranges."""
+        per = len(self.layers) // num_stages
+        return [self.of(range(s * per, (s + 1) * per)) for s in range(num_stages)]
+
+
+def uniform_times(depth: int, layers_per_stage: int, forward: float, input_half: float,
+                  weight_half: float) -> StageTimes:
+    """Every one of ``depth`` stages the same: F, I, W seconds per stage."""
+    per = (forward / layers_per_stage, input_half / layers_per_stage,
+           weight_half / layers_per_stage)
+    return StageTimes(tuple(per for _ in range(depth * layers_per_stage)))
+
+
+def profile_times(path: str, depth: int, layers_per_stage: int, input_share: float,
+                  scale: float = 1.0) -> StageTimes:
+    """Stage times from a profile JSON: ``{"stages": [[F, I, W], ...]}`` (seconds, one entry per
+    stage of D), or ``tools/performance_model.py --measure`` output (its first compute record's
+    forward_s / backward_s for every stage, the backward split ``input_share`` : 1 - share)."""
+    with open(path) as handle:
+        data = json.load(handle)
+    if "stages" in data:
+        stages = [tuple(float(v) * scale for v in entry) for entry in data["stages"]]
+        if len(stages) != depth or any(len(entry) != 3 for entry in stages):
+            raise ValueError(f"{path}: 'stages' needs {depth} entries [F, I, W] (one per stage "
+                             f"of D = {depth}), got {len(stages)}")
+    else:
+        records = (data.get("measurements") or {}).get("compute") or []
+        if not records:
+            raise ValueError(f"{path} has neither 'stages' nor measurements.compute records; "
+                             f"write it with tools/performance_model.py --measure")
+        forward, backward = records[0]["forward_s"] * scale, records[0]["backward_s"] * scale
+        stages = [(forward, backward * input_share, backward * (1 - input_share))] * depth
+    layers = []
+    for forward, input_half, weight_half in stages:
+        layers += [(forward / layers_per_stage, input_half / layers_per_stage,
+                    weight_half / layers_per_stage)] * layers_per_stage
+    return StageTimes(tuple(layers))
+
+
+class EmulatedStage(torch.nn.Module):
+    """The layers ``layer_range`` of the emulated model (see the module docstring). Implements
+    our stage contract (``set_input_tensor``, ``input_activation_shape``) and plain
+    ``forward(x)`` for torch.distributed.pipelining."""
+
+    def __init__(self, times: StageTimes, layer_range, pre_process: bool, post_process: bool,
+                 param_floats: int, activation_floats: int):
+        super().__init__()
+        self.seconds = times.of(layer_range)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.activation_floats = activation_floats
+        self.weight = torch.nn.Parameter(torch.zeros(max(1, param_floats)))
+        self.gain = torch.nn.Parameter(torch.ones(1)) if pre_process else None
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor) -> None:
+        self.input_tensor = tensor
+
+    def input_activation_shape(self, microbatch: dict) -> tuple:
+        return tuple(microbatch["x"].shape)
+
+    def forward(self, x):
+        forward, input_half, weight_half = self.seconds
+        hidden = x if self.pre_process or self.input_tensor is None else self.input_tensor
+        if self.pre_process:
+            hidden = hidden * self.gain
+        return (_InputPath.apply(hidden, forward, input_half)
+                + _WeightPath.apply(hidden.detach(), self.weight, weight_half))
+
+
+def emulated_loss(output, target=None):
+    """The last stage's loss: cheap, so the last stage's F is the emulated one."""
+    return output.float().pow(2).mean()

@@ -1,0 +1,441 @@
+#!/usr/bin/env python
+"""Our runtime against torch.distributed.pipelining at depth, with emulated (sleeping) stages.
+
+    python benchmarks/emulated_depth.py                       # D = 4, 8, 16; N = D, 2D, 4D; 80 ms
+    python benchmarks/emulated_depth.py --depths 4 --counts 1 --unit-ms 20 --rounds 1
+    python benchmarks/emulated_depth.py --simulate-only       # the same table from the simulator
+    python benchmarks/emulated_depth.py --profile hardware_profile.json   # a measured profile
+
+Every stage is :class:`_emulated_stages.EmulatedStage`: its forward sleeps F, its backward sleeps I
+(input gradient) and W (weight gradient) in two separate autograd nodes, so split-backward schedules
+really split on both sides; the same module runs under both runtimes. A sleeping rank frees its
+core, so D = 16 ranks fit on two cores and a cluster configuration's schedule can be rehearsed on one
+machine. Messages are real gloo messages (``--activation-floats`` per micro-batch), each stage has a
+real parameter of ``--param-floats`` floats (all-reduced between a stage's replicas where a schedule
+has them, Chimera; updated by SGD every iteration on both sides).
+
+Per-op times: uniform (``--unit-ms``: F = I = W per stage, or ``--forward-ms`` / ``--input-ms`` /
+``--weight-ms``) or from ``--profile`` (``{"stages": [[F, I, W], ...]}`` in seconds, or
+``tools/performance_model.py --measure`` output, its backward split by ``--input-share``). Our plans
+are placed with the same per-stage charges (:class:`~megatron.core.pipeline_parallel.planning.
+op_costs.StageCosts`).
+
+Configurations run in interleaved rounds inside one process group per D (a slow phase of the
+machine hits all of them); per configuration the median over rounds and the min-max spread.
+Printed: efficiency = ideal compute time (one rank's share of all F, I, W) / measured iteration
+time; simulated efficiency (ours: the lowered plan in our simulator; PyTorch: its schedule's action
+order under the same charges, messages free) and measured / simulated; peak stored activations per
+rank in micro-batches of one 1F1B stage (ours: counted by the interpreter; PyTorch: from its action
+order), next to the weight copies a rank holds (stages of 1/D of the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.path.dirname(os.path.abspath(
+        __file__))):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from _emulated_stages import (EmulatedStage, StageTimes, emulated_loss,  # noqa: E402
+                              profile_times, uniform_times)
+from _harness import format_table, oversubscription_note  # noqa: E402
+
+LAYERS_PER_STAGE = 2  # so interleaved / V schedules get 2 chunks of one layer per rank
+
+TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+                   "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+def our_variants(depth: int) -> list:
+    """(label, extra flags) of our configurations at depth D."""
+    variants = [("ours 1f1b", ["--pipeline-schedule", "1f1b"]),
+                ("ours 1f1b split", ["--pipeline-schedule", "1f1b", "--split-backward"]),
+                ("ours interleaved-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"]),
+                ("ours chimera", ["--pipeline-schedule", "chimera"]),
+                ("ours chimera split", ["--pipeline-schedule", "chimera", "--split-backward"])]
+    if depth >= 8:
+        variants.append(("ours chimera 4-pipe split", ["--pipeline-schedule", "chimera",
+                                                       "--chimera-pipelines", "4",
+                                                       "--split-backward"]))
+    return variants
+
+
+def _config_flags(depth: int, count: int) -> list:
+    """What our config needs besides the schedule (the GPT fields are unused by the emulation)."""
+    return (f"--num-layers {depth * LAYERS_PER_STAGE} --hidden-size 32 --num-attention-heads 4 "
+            f"--seq-length 8 --max-position-embeddings 8 --vocab-size 64 --lr 1e-3 "
+            f"--train-iters 1 --mock-data --micro-batch-size 1 --global-batch-size {count} "
+            f"--pipeline-model-parallel-size {depth}").split()
+
+
+def stage_costs_of(times: StageTimes, num_stages: int):
+    """Our planner's table for ``num_stages`` stages of equal layer counts (seconds)."""
+    from megatron.core.pipeline_parallel.planning.op_costs import StageCosts
+    return StageCosts(num_stages, per_stage=dict(enumerate(times.per_stage(num_stages))))
+
+
+def ideal_seconds(times: StageTimes, depth: int, count: int) -> float:
+    """One rank's share of all compute of an iteration (the no-bubble time)."""
+    return count * sum(sum(stage) for stage in times.per_stage(depth)) / depth
+
+
+# ------------------------------------------------------------------------------ simulation
+
+def our_plan(label_flags, depth: int, count: int, times: StageTimes):
+    """Our plan of one configuration, placed with the emulated per-stage charges."""
+    from megatron.core.pipeline_parallel.planning.plan import make_plan
+    from megatron.core.pipeline_parallel.planning.schedules import (schedule_from_config,
+                                                                    schedule_layout)
+    from megatron.training.arguments import parse_args
+    config = parse_args(_config_flags(depth, count) + list(label_flags), world_size=depth)
+    name, options = schedule_from_config(config.parallel)
+    layout = schedule_layout(name, depth, **options)
+    costs = stage_costs_of(times, layout.num_stages)
+    split = (config.parallel.split_backward_extra_activations if config.parallel.split_backward
+             else None)
+    return make_plan(name, depth, count, options, grad_sync_policy=config.parallel.chimera_grad_sync,
+                     split_backward=split, stage_costs=costs), costs
+
+
+def simulate_ours(flags, depth, count, times):
+    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies)."""
+    from megatron.core.pipeline_parallel.planning.simulator import simulate_plan
+    plan, costs = our_plan(flags, depth, count, times)
+    result = simulate_plan(plan, stage_costs=costs)
+    scale = depth / plan.layout.num_stages  # a stage of 2D stages holds half a 1F1B stage
+    copies = max(len(plan.layout.hosted(rank)) for rank in range(depth)) * scale
+    return result.makespan, [p * scale for p in result.peak_activations], copies
+
+
+def torch_orders(name: str, depth: int, count: int) -> tuple[list, int]:
+    """Per rank, torch's compute actions of schedule ``name`` as our Instructions (pipeline 0,
+    stage = torch's stage index), and the number of stages. Built from torch's own schedule code
+    without creating stages."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from megatron.core.pipeline_parallel.planning.instructions import Instruction, Kind
+    from megatron.core.pipeline_parallel.planning.schedules import build_schedule
+    if name in ("ScheduleGPipe", "Schedule1F1B"):  # single-stage: the same order as ours
+        ours = build_schedule("gpipe" if name == "ScheduleGPipe" else "1f1b", depth, count)
+        return ours, depth
+    kinds = {"F": Kind.FORWARD, "I": Kind.BACKWARD_INPUT, "W": Kind.BACKWARD_WEIGHT,
+             "B": Kind.BACKWARD}
+    schedule = object.__new__(getattr(torch_schedules, name))
+    schedule.pp_group_size, schedule._n_microbatches = depth, count
+    schedule.n_local_stages, schedule.num_stages = 2, 2 * depth
+    schedule._num_stages = 2 * depth
+    schedule.number_of_rounds = max(1, count // depth)
+    schedule.microbatches_per_round = count // schedule.number_of_rounds
+    if name == "ScheduleDualPipeV" and count < 2 * depth:
+        raise ValueError(f"DualPipeV requires at least as many microbatches as stages "
+                         f"({count} < {2 * depth})")
+    if name == "ScheduleInterleaved1F1B" and count % schedule.number_of_rounds:
+        raise ValueError("Interleaved1F1B needs N a multiple of its rounds")
+    schedule.pipeline_order = {rank: schedule._calculate_single_rank_operations(rank)
+                               for rank in range(depth)}
+    if name == "ScheduleInterleavedZeroBubble":
+        schedule.pipeline_order = schedule._add_bubbles_to_actions(2 * depth)
+    orders = []
+    for rank in range(depth):
+        ops, pending = [], list(schedule.pipeline_order[rank])
+        while pending:
+            action = pending.pop(0)
+            if action is None:
+                continue
+            if action.sub_actions:  # DualPipeV's overlapped F and B: one core runs them in turn
+                pending[:0] = list(action.sub_actions)
+                continue
+            kind = kinds.get(action.computation_type.value)
+            if kind is not None:
+                ops.append(Instruction(kind, 0, action.stage_index, action.microbatch_index))
+        orders.append(ops)
+    return orders, 2 * depth
+
+
+def simulate_torch(name, depth, count, times):
+    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies)."""
+    from megatron.core.pipeline_parallel.planning.lowering import reference_timeline
+    from megatron.core.pipeline_parallel.planning.simulator import peak_activations
+    orders, num_stages = torch_orders(name, depth, count)
+    timeline = reference_timeline(orders, num_stages,
+                                  stage_costs=stage_costs_of(times, num_stages))
+    makespan = max(end for rank in timeline for _, end in rank)
+    scale = depth / num_stages
+    return makespan, [peak_activations(ops) * scale for ops in orders], 1.0
+
+
+def simulated_table(depths, multiples, times_for) -> list:
+    rows = []
+    for depth in depths:
+        times = times_for(depth)
+        for multiple in multiples:
+            count = multiple * depth
+            ideal = ideal_seconds(times, depth, count)
+            for label, flags in our_variants(depth):
+                seconds, peaks, copies = simulate_ours(flags, depth, count, times)
+                rows.append((depth, count, label, ideal / seconds, max(peaks), copies))
+            for name in TORCH_SCHEDULES:
+                try:
+                    seconds, peaks, copies = simulate_torch(name, depth, count, times)
+                except ValueError as error:
+                    rows.append((depth, count, f"torch {name}", None, str(error)[:60], None))
+                    continue
+                rows.append((depth, count, f"torch {name}", ideal / seconds, max(peaks), copies))
+    return rows
+
+
+# ------------------------------------------------------------------------------ measuring
+
+def _our_configuration(label, flags, parallel_state, depth, count, times, sizes):
+    from megatron.core.runtimes.pipeline import PipelineRuntime
+    from megatron.training.arguments import parse_args
+    config = parse_args(_config_flags(depth, count) + list(flags), world_size=depth)
+    runtime = PipelineRuntime(config, parallel_state, torch.device("cpu"))
+    plan, _ = our_plan(flags, depth, count, times)
+    runtime._plans[count] = plan  # placed with the emulated charges (same schedule otherwise)
+    param_floats, activation_floats = sizes
+
+    def provider(config, parallel_state, *, pre_process=True, post_process=True,
+                 layer_range=None):
+        return EmulatedStage(times, layer_range, pre_process, post_process, param_floats,
+                             activation_floats)
+
+    chunks = runtime.build_model_chunks(provider)
+    reducers = runtime.build_gradient_reducers(chunks)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    microbatches = [{"x": torch.ones(1, activation_floats)} for _ in range(count)]
+
+    def forward_step(microbatch, chunk):
+        return chunk(microbatch["x"]), lambda out: (emulated_loss(out), {})
+
+    def step():
+        for reducer in reducers:
+            reducer.zero_grad()
+        runtime.forward_backward(forward_step_func=forward_step, model_chunks=chunks,
+                                 microbatches=microbatches, scale_loss=lambda loss: loss,
+                                 gradient_reducers=reducers, forward_only=False)
+        for reducer in reducers:
+            reducer.wait()
+        optimizer.step()
+
+    def peak():
+        interpreter = runtime.last_interpreter
+        stored = getattr(interpreter, "peak_stored", 0) or 0
+        return stored * depth / plan.layout.num_stages
+
+    return label, step, peak
+
+
+def _torch_configuration(name, rank, depth, count, times, sizes):
+    from torch.distributed import pipelining
+    param_floats, activation_floats = sizes
+    multi = name not in ("ScheduleGPipe", "Schedule1F1B")
+    num_stages = depth * (2 if multi else 1)
+    if not multi:
+        stage_ids = [rank]
+    elif name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        stage_ids = [rank, num_stages - 1 - rank]  # V placement
+    else:
+        stage_ids = [rank, rank + depth]  # loop placement
+    per_stage = depth * LAYERS_PER_STAGE // num_stages
+    stages, params = [], []
+    for stage_id in stage_ids:
+        module = EmulatedStage(times, range(stage_id * per_stage, (stage_id + 1) * per_stage),
+                               stage_id == 0, stage_id == num_stages - 1, param_floats,
+                               activation_floats)
+        params += list(module.parameters())
+        stages.append(pipelining.PipelineStage(module, stage_id, num_stages, torch.device("cpu")))
+    schedule = getattr(pipelining, name)(stages if multi else stages[0], n_microbatches=count,
+                                         loss_fn=emulated_loss)
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    data = torch.ones(count, activation_floats)
+    target = torch.zeros(count, activation_floats)
+    first, last = 0 in stage_ids, num_stages - 1 in stage_ids
+
+    def step():
+        optimizer.zero_grad()
+        args = (data,) if first else ()
+        kwargs = {"target": target, "losses": []} if last else {}
+        schedule.step(*args, **kwargs)
+        optimizer.step()
+
+    return f"torch {name}", step, lambda: None
+
+
+def _timed(step, barrier) -> float:
+    barrier()
+    start = time.perf_counter()
+    step()
+    barrier()
+    return time.perf_counter() - start
+
+
+def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only):
+    import logging
+
+    import torch.distributed as dist
+    from _harness import parallel_state_for
+    logging.getLogger("megatron.training.config_validation").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    depth = world_size
+    results = {}
+    for multiple in multiples:
+        count = multiple * depth
+        variants = [(label, flags) for label, flags in our_variants(depth)
+                    if not only or any(word in label for word in only)]
+        parallel_state = parallel_state_for(rank, depth, [_config_flags(depth, count) + flags
+                                                          for _, flags in our_variants(depth)])
+        configurations, skipped = [], []
+        for label, flags in variants:
+            configurations.append(_our_configuration(label, flags, parallel_state, depth, count,
+                                                     times, sizes))
+        for name in TORCH_SCHEDULES:
+            if only and not any(word in f"torch {name}" for word in only):
+                continue
+            try:
+                configurations.append(_torch_configuration(name, rank, depth, count, times,
+                                                           sizes))
+            except Exception as error:  # a schedule that refuses this N (DualPipeV: N < 2D)
+                skipped.append(f"torch {name}: {type(error).__name__}: {error}"[:120])
+        for _, step, _ in configurations:  # warm-up: torch's shape inference, allocators
+            dist.barrier()
+            step()
+        times_by_label = {label: [] for label, _, _ in configurations}
+        for _ in range(rounds):
+            for label, step, _ in configurations:
+                times_by_label[label].append(_timed(step, dist.barrier))
+        results[count] = {"times": times_by_label, "skipped": skipped,
+                          "peaks": {label: peak() for label, _, peak in configurations}}
+    return results
+
+
+def measure(depth, multiples, times, sizes, rounds, only, timeout):
+    from dist_harness import run_distributed
+    torch.set_num_threads(1)
+    return run_distributed(_measure_rank, depth, multiples, times, sizes, rounds, only,
+                           timeout=timeout)
+
+
+# ------------------------------------------------------------------------------ report
+
+def _fmt(value, digits=3):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def measured_report(depth, per_rank, times) -> str:
+    lines = []
+    for count, measured in per_rank[0].items():
+        ideal = ideal_seconds(times, depth, count)
+        rows, best = [], {}
+        for label, seconds in measured["times"].items():
+            slowest = [max(rank[count]["times"][label][i] for rank in per_rank)
+                       for i in range(len(seconds))]
+            median = statistics.median(slowest)
+            efficiency = ideal / median
+            if label.startswith("ours"):
+                flags = dict(our_variants(depth))[label]
+                simulated, peaks, copies = simulate_ours(flags, depth, count, times)
+                stored = [rank[count]["peaks"][label] for rank in per_rank]
+            else:
+                simulated, peaks, copies = simulate_torch(label.split()[1], depth, count, times)
+                stored = peaks
+            rows.append([label, f"{median:.3f} ({min(slowest):.3f}-{max(slowest):.3f})",
+                         f"{efficiency:.3f} ({ideal / max(slowest):.3f}-{ideal / min(slowest):.3f})",
+                         _fmt(ideal / simulated), _fmt(simulated / median),
+                         f"{max(stored):g}", f"{copies:g}"])
+            side = "ours" if label.startswith("ours") else "torch"
+            best[side] = max(best.get(side, (0.0, "")), (efficiency, label))
+        lines.append(f"== D = {depth}, N = {count} (ideal {ideal:.3f} s per iteration) ==")
+        lines.append(format_table(["configuration", "seconds (min-max)", "efficiency (range)",
+                                   "simulated eff.", "measured/simulated",
+                                   "peak stored (1F1B-stage mb)", "weight copies"], rows))
+        for note in measured["skipped"]:
+            lines.append(f"not run: {note}")
+        if "ours" in best and "torch" in best:
+            lines.append(f"best ours: {best['ours'][1]} {best['ours'][0]:.3f}; best torch: "
+                         f"{best['torch'][1]} {best['torch'][0]:.3f}; ratio "
+                         f"{best['ours'][0] / best['torch'][0]:.3f}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def simulated_report(rows) -> str:
+    table = [[depth, count, label, _fmt(efficiency), peaks if isinstance(peaks, str)
+              else f"{peaks:g}", "-" if copies is None else f"{copies:g}"]
+             for depth, count, label, efficiency, peaks, copies in rows]
+    return format_table(["D", "N", "configuration", "simulated efficiency",
+                         "peak stored (1F1B-stage mb)", "weight copies"], table)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4],
+                        help="N as multiples of D (default 1 2 4: N = D, 2D, 4D)")
+    parser.add_argument("--unit-ms", type=float, default=80.0,
+                        help="F = I = W per stage, milliseconds (default 80)")
+    parser.add_argument("--forward-ms", type=float, default=None)
+    parser.add_argument("--input-ms", type=float, default=None)
+    parser.add_argument("--weight-ms", type=float, default=None)
+    parser.add_argument("--profile", default=None,
+                        help="per-stage times: {'stages': [[F, I, W], ...]} seconds, or "
+                             "tools/performance_model.py --measure output")
+    parser.add_argument("--input-share", type=float, default=0.5,
+                        help="I / B when a --measure profile gives the backward whole")
+    parser.add_argument("--param-floats", type=int, default=1 << 20,
+                        help="parameter floats per stage (all-reduced between replicas)")
+    parser.add_argument("--activation-floats", type=int, default=1 << 14,
+                        help="floats per activation message")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run only configurations whose label contains one of these words")
+    parser.add_argument("--simulate-only", action="store_true",
+                        help="print the simulated table only (no processes)")
+    parser.add_argument("--timeout", type=float, default=7200.0)
+    args = parser.parse_args(argv)
+    if min(args.depths) < 2 or any(d % 2 for d in args.depths):
+        parser.error("--depths must be even numbers >= 2 (Chimera needs an even D)")
+    if min(args.counts) < 1 or args.rounds < 1:
+        parser.error("--counts and --rounds must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def times_for(depth: int) -> StageTimes:
+        if args.profile:
+            return profile_times(args.profile, depth, LAYERS_PER_STAGE, args.input_share)
+        unit = args.unit_ms / 1e3
+        return uniform_times(depth, LAYERS_PER_STAGE,
+                             (args.forward_ms / 1e3) if args.forward_ms is not None else unit,
+                             (args.input_ms / 1e3) if args.input_ms is not None else unit,
+                             (args.weight_ms / 1e3) if args.weight_ms is not None else unit)
+
+    if args.simulate_only:
+        print(simulated_report(simulated_table(args.depths, args.counts, times_for)))
+        return 0
+    sizes = (args.param_floats, args.activation_floats)
+    for depth in args.depths:
+        times = times_for(depth)
+        per_rank = measure(depth, args.counts, times, sizes, args.rounds, args.only,
+                           args.timeout)
+        print(measured_report(depth, per_rank, times), flush=True)
+        print(oversubscription_note(depth), flush=True)
+    print(f"{args.rounds} interleaved round(s); medians with (min-max) over rounds. Efficiency = "
+          f"ideal compute / measured; peak stored in micro-batches of one 1F1B stage.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

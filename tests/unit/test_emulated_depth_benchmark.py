@@ -1,0 +1,99 @@
+"""benchmarks/emulated_depth.py: the sleeping stage really splits its backward, the simulated
+table uses the same charges on both sides, and a tiny gloo run (D = 4, N = 4, one round) works."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import _emulated_stages  # noqa: E402
+import emulated_depth  # noqa: E402
+from _emulated_stages import EmulatedStage, uniform_times  # noqa: E402
+
+from megatron.core.pipeline_parallel.execution.split_backward import (  # noqa: E402
+    backward_input, backward_weight)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_emulated_stage_sleeps_input_and_weight_halves_apart(first, monkeypatch):
+    slept = []
+    monkeypatch.setattr(_emulated_stages.time, "sleep", slept.append)
+    times = uniform_times(2, 1, 0.1, 0.2, 0.3)
+    stage = EmulatedStage(times, range(1), pre_process=first, post_process=False,
+                          param_floats=8, activation_floats=4)
+    x = torch.ones(1, 4, requires_grad=not first)
+    output = stage(x)
+    assert slept == [0.1]
+    grad = torch.ones_like(output)
+    input_grad, deferred = backward_input(output, grad, None if first else x,
+                                          list(stage.parameters()))
+    input_half, slept[:] = list(slept[1:]), []
+    backward_weight(deferred)
+    if first:  # no input gradient: the whole backward (I + W) runs in the weight half
+        assert input_grad is None and input_half == []
+        assert sorted(slept) == pytest.approx([0.2, 0.3], abs=0.05)
+        assert stage.gain.grad is not None
+    else:
+        assert input_grad is not None and input_half == [0.2]
+        assert slept == pytest.approx([0.3], abs=0.05)  # less the time writing the gradient
+    assert stage.weight.grad is not None
+
+
+def test_simulated_table_charges_both_sides_alike():
+    rows = emulated_depth.simulated_table([4], [1], lambda depth: uniform_times(depth, 2, 1, 1, 1))
+    by_label = {label: (efficiency, peak, copies) for _, _, label, efficiency, peak, copies
+                in rows}
+    assert by_label["ours 1f1b"][0] == pytest.approx(12 / 21)  # (N + D - 1)(F + B)
+    assert by_label["torch Schedule1F1B"][0] == pytest.approx(12 / 21)
+    assert by_label["ours 1f1b split"][0] == pytest.approx(12 / 15)  # ZB-H1: 3N + D - 1
+    assert by_label["ours chimera split"][0] == pytest.approx(12 / 13)  # 3N + D/2 - 1
+    assert by_label["torch ScheduleZBVZeroBubble"][0] == pytest.approx(12 / 15)
+    assert by_label["ours chimera split"][1:] == (4, 2)  # D micro-batches, two weight copies
+    assert by_label["torch ScheduleDualPipeV"][0] is None  # refuses N < 2D
+
+
+def test_arguments():
+    args = emulated_depth.parse_args([])
+    assert (args.depths, args.counts, args.unit_ms, args.rounds) == ([4, 8, 16], [1, 2, 4], 80, 2)
+    with pytest.raises(SystemExit):
+        emulated_depth.parse_args(["--depths", "5"])
+
+
+@pytest.mark.distributed
+def test_tiny_run_measures_every_configuration():
+    times = uniform_times(4, 2, 0.002, 0.002, 0.002)
+    per_rank = emulated_depth.measure(4, [1], times, (64, 16), 1, None, timeout=120)
+    measured = per_rank[0][4]
+    labels = set(measured["times"])
+    assert {label for label, _ in emulated_depth.our_variants(4)} <= labels
+    assert "torch ScheduleZBVZeroBubble" in labels and "torch Schedule1F1B" in labels
+    assert all(seconds[0] > 0 for seconds in measured["times"].values())
+    assert max(rank[4]["peaks"]["ours chimera split"] for rank in per_rank) <= 4
+    report = emulated_depth.measured_report(4, per_rank, times)
+    assert "best ours" in report and "measured/simulated" in report
+
+
+def test_profile_times_from_stage_list_or_measure_output(tmp_path):
+    import json
+
+    from _emulated_stages import profile_times
+    stages = tmp_path / "stages.json"
+    stages.write_text(json.dumps({"stages": [[0.01, 0.02, 0.03], [0.02, 0.02, 0.02]]}))
+    times = profile_times(str(stages), 2, 2, 0.5)
+    assert times.per_stage(2) == [pytest.approx((0.01, 0.02, 0.03)),
+                                  pytest.approx((0.02, 0.02, 0.02))]
+    assert times.per_stage(4)[0] == pytest.approx((0.005, 0.01, 0.015))  # one layer each
+    measured = tmp_path / "profile.json"
+    measured.write_text(json.dumps({"measurements": {"compute": [
+        {"layers": 2, "micro_batch_size": 1, "forward_s": 0.01, "backward_s": 0.03}]}}))
+    assert profile_times(str(measured), 2, 2, 1 / 3).per_stage(2)[1] == pytest.approx(
+        (0.01, 0.01, 0.02))
+    with pytest.raises(ValueError, match="needs 3 entries"):
+        profile_times(str(stages), 3, 2, 0.5)
