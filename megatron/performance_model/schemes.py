@@ -70,6 +70,10 @@ def check_schedule(scheme: str, num_stages: int, num_microbatches: int) -> None:
             raise ValueError(f"{scheme} needs at least one micro-batch")
         if scheme == "gems" and num_microbatches % 2:
             raise ValueError(f"gems alternates two replicas: N must be even (got {num_microbatches})")
+        if scheme == "pipedream-2bw" and num_microbatches < num_stages:
+            raise ValueError(f"pipedream-2bw updates every N >= D micro-batches (two weight "
+                             f"versions suffice only then); got N={num_microbatches}, "
+                             f"D={num_stages}")
         return
     from megatron.core.pipeline_parallel.planning.schedules import check_schedule_options
     name, options = schedule_of(scheme)

@@ -8,7 +8,7 @@ from megatron.core.pipeline_parallel.planning.lowering import GradSyncStart, Gra
 from megatron.core.pipeline_parallel.planning.simulator import simulate
 from megatron.performance_model.costs import (
     StageCosts, allreduce_time, compute_times, network_contention, overlap_delay,
-    p2p_time, shared_link_finish_times, stage_parameters)
+    p2p_time, shared_link_finish_times, stage_compute_times, stage_parameters)
 from megatron.performance_model.schemes import (
     is_chimera, lowered_schedule, num_pipelines, num_replicas, schedule_of)
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
@@ -19,7 +19,10 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
                 stage_balance: str = "balanced") -> StageCosts:
     """F, Bk (:func:`compute_times`), Cp2p of one activation message, each stage's all-reduce
     time over the scheme's replicas (slowed by the contention of the job's W·D nodes syncing
-    at once, :func:`network_contention`) and the hardware's overlap slowdown σ."""
+    at once, :func:`network_contention`; ``allreduce_alone``: the same when only one stage's
+    replicas sync) and the hardware's overlap slowdown σ.
+    ``stage_balance="per-stage"``: each stage's own F and Bk as well (the last one runs the
+    output layer); ``forward``/``backward`` are then their means (for the closed form)."""
     forward, backward = compute_times(model, hardware, num_stages, micro_batch_size, recompute,
                                       stage_balance)
     message = micro_batch_size * model.seq_length * model.hidden_size * model.bytes_per_value
@@ -29,8 +32,17 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
     contention = network_contention(hardware, data_parallel * num_stages)
     allreduce = tuple(allreduce_time(hardware, replicas, size, contention)
                       for size in gradient_bytes)
+    alone = network_contention(hardware, data_parallel * num_stages, replicas)
+    allreduce_alone = tuple(allreduce_time(hardware, replicas, size, alone)
+                            for size in gradient_bytes)
+    stage_forward = stage_backward = ()
+    if stage_balance == "per-stage":
+        stage_forward, stage_backward = stage_compute_times(model, hardware, num_stages,
+                                                            micro_batch_size, recompute)
+        forward, backward = (sum(stage_forward) / num_stages, sum(stage_backward) / num_stages)
     return StageCosts(forward, backward, p2p_time(hardware, message) if num_stages > 1 else 0.0,
-                      allreduce, gradient_bytes, hardware.overlap_slowdown)
+                      allreduce, gradient_bytes, hardware.overlap_slowdown, stage_forward,
+                      stage_backward, allreduce_alone)
 
 
 def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int):
@@ -102,7 +114,8 @@ def closed_form_iteration_time(scheme: str, num_stages: int, num_microbatches: i
 
 def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int,
                              costs: StageCosts, grad_sync_policy: str = "eager-opt") -> float:
-    """Makespan of the lowered schedule with F, Bk, Cp2p and the stages' all-reduces.
+    """Makespan of the lowered schedule with F, Bk (per stage where ``costs`` has them), Cp2p
+    and the stages' all-reduces.
 
     The simulator runs with all-reduce cost 0. A stage's sync can progress once its last
     replica has started it; on each rank the syncs of the stages it hosts share the link
@@ -112,7 +125,14 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
     cannot absorb is added (the stretched ops are in the coupled tail of the schedule).
     """
     _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy)
-    result = simulate([list(ops) for ops in lowered], costs.forward, costs.backward, costs.p2p, 0)
+    forward, backward = costs.forward, costs.backward
+    if costs.stage_forward:
+        def forward(op):
+            return costs.stage_forward[op.stage]
+
+        def backward(op):
+            return costs.stage_backward[op.stage]
+    result = simulate([list(ops) for ops in lowered], forward, backward, costs.p2p, 0)
     ready, compute_end, hosted = {}, [], []
     for timeline in result.timelines:
         stages, end = [], 0.0

@@ -3,7 +3,8 @@
 Semantics (what ``simulate`` assumes about the runtime):
 
 * Compute: a rank runs its ops in order; a forward costs ``forward_cost``, a backward
-  ``backward_cost`` (split backward halves cost half each). Costs are per instruction: a
+  ``backward_cost`` (split backward halves cost half each); either may be a function of the
+  instruction instead of a number (per-stage costs). Costs are per instruction: a
   doubled forward step of forward doubling is two forward instructions, 2F in total. For
   backward halving the instructions are half micro-batches; pass halved costs (see
   :func:`simulate_schedule`, which does it from the layout).
@@ -74,6 +75,12 @@ class SimulationResult:
 
 
 def _compute_cost(op: Instruction, forward_cost, backward_cost):
+    """Cost of one compute op; a cost may be a number or a function of the op (per-stage
+    costs, e.g. a last stage that also runs the output layer)."""
+    if callable(forward_cost):
+        forward_cost = forward_cost(op)
+    if callable(backward_cost):
+        backward_cost = backward_cost(op)
     if op.kind is Kind.FORWARD:
         return forward_cost
     if op.kind is Kind.BACKWARD:
