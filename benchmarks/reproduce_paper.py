@@ -29,8 +29,9 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from megatron.performance_model import (  # noqa: E402
-    GPT2_PAPER, P100_ARIES, SCHEMES, ModelSpec, evaluate, launch_flags,
-    search_configurations)
+    GPT2_PAPER, P100_ARIES, SCHEMES, ModelSpec, evaluate, stage_costs, valid_shapes)
+from megatron.performance_model.schemes import (  # noqa: E402
+    check_schedule, schedule_microbatches)
 from megatron.performance_model import paper  # noqa: E402
 from megatron.performance_model.specs import P100_PEAK_FLOPS  # noqa: E402
 
@@ -209,23 +210,20 @@ def sync_policy_ratios(hardware) -> list:
 
 
 def time_parts(result) -> dict:
-    """Iteration time split (ours): compute = N × the busiest stage's F + Bk; sync = what
-    zeroing every all-reduce saves; the rest is bubbles and point-to-point."""
+    """Iteration time split (ours): compute = the mean worker's N·(F + Bk) (micro-batch size
+    and recomputation set it); sync = what zeroing every all-reduce saves; the rest is
+    bubbles, stage imbalance and point-to-point."""
     costs = result.costs
     depth = result.pipeline
-    busiest = max(costs.forward_of(s) + costs.backward_of(s) for s in range(depth))
-    count = result.num_microbatches
-    if result.scheme in SCHEMES and SCHEMES[result.scheme] and \
-            SCHEMES[result.scheme][0] == "chimera":
-        busiest = max(costs.forward_of(s) + costs.backward_of(s)
-                      + costs.forward_of(depth - 1 - s) + costs.backward_of(depth - 1 - s)
-                      for s in range(depth)) / 2
-    compute = count * busiest
+    _, count = schedule_microbatches(result.scheme, result.micro_batch_size,
+                                     result.num_microbatches)
+    compute = count * sum(costs.forward_of(s) + costs.backward_of(s)
+                          for s in range(depth)) / depth
     no_sync = dataclasses.replace(costs, allreduce=(0.0,) * depth,
                                   allreduce_alone=(0.0,) * depth)
     without = _time_with_costs(result, no_sync)
-    sync = result.iteration_time - without
-    return {"compute": compute, "sync": sync, "bubble_p2p": without - compute}
+    return {"compute": compute, "sync": result.iteration_time - without,
+            "bubble_p2p": without - compute}
 
 
 def _time_with_costs(result, costs) -> float:
@@ -242,8 +240,8 @@ def _time_with_costs(result, costs) -> float:
 def why_slower(best, other) -> str:
     """Which parts of the iteration make ``other`` slower than ``best`` (ours)."""
     a, b = time_parts(best), time_parts(other)
-    names = {"compute": "compute (busiest stage; recomputation, micro-batch size, imbalance)",
-             "sync": "exposed gradient sync", "bubble_p2p": "bubbles and p2p"}
+    names = {"compute": "compute (recomputation, micro-batch size)",
+             "sync": "exposed gradient sync", "bubble_p2p": "bubbles, stage imbalance, p2p"}
     diffs = sorted(((b[k] - a[k], k) for k in a), reverse=True)
     parts = [f"{'+' if d >= 0 else '-'}{abs(d):.2f} s {names[k]}" for d, k in diffs
              if abs(d) >= 0.005]
@@ -251,27 +249,65 @@ def why_slower(best, other) -> str:
     return ", ".join(parts) + memory
 
 
-def planner_top(hardware, top: int = 5) -> list:
-    """All schemes, depths, widths, micro-batches and recomputation at 2,048 nodes, mini-batch
-    2,048 (the paper's setting); the fitting configurations ranked by throughput."""
-    results = search_configurations(GPT2_PAPER, hardware, 2048, 2048, schemes=tuple(SCHEMES),
-                                    stage_balance=STAGE_BALANCE,
-                                    shapes=None, recompute_modes=("none", "full"))
-    return [r for r in results if r.fits][:top]
+def planner_top(hardware, top: int = 5, world_size: int = 2048,
+                global_batch_size: int = 2048, schemes=tuple(SCHEMES)) -> list:
+    """The ``top`` fitting configurations over every scheme, (W, D), micro-batch size and
+    recomputation (none / full) at the paper's 2,048 nodes and mini-batch 2,048, fastest
+    first. Exact branch and bound: a configuration whose work bound N·mean_s(F_s + Bk_s) (no
+    worker can finish before the mean worker's compute) is already slower than the
+    ``top``-th fitting one found is not simulated."""
+    candidates = []
+    for scheme in schemes:
+        for width, depth in valid_shapes(scheme, world_size, GPT2_PAPER.num_layers,
+                                         global_batch_size):
+            per_replica = global_batch_size // width
+            for size in (b for b in range(1, per_replica + 1) if per_replica % b == 0):
+                try:
+                    run_size, count = schedule_microbatches(scheme, size, per_replica // size)
+                    check_schedule(scheme, depth, count)
+                except ValueError:
+                    continue
+                for mode in ("none", "full"):
+                    costs = stage_costs(GPT2_PAPER, hardware, scheme, width, depth, run_size,
+                                        mode, STAGE_BALANCE)
+                    work = count * sum(costs.forward_of(s) + costs.backward_of(s)
+                                       for s in range(depth)) / depth
+                    candidates.append((global_batch_size / work, scheme, width, depth, size,
+                                       per_replica // size, mode))
+    candidates.sort(key=lambda c: -c[0])
+    found = []
+    for bound, scheme, width, depth, size, count, mode in candidates:
+        if len(found) >= top and bound <= found[-1].throughput:
+            break
+        result = evaluate(GPT2_PAPER, hardware, scheme, width, depth, size, count, mode,
+                          stage_balance=STAGE_BALANCE)
+        if result.fits:
+            found.append(result)
+            found.sort(key=lambda r: -r.throughput)
+            found = found[:top]
+    return found
 
 
-def planner_section(hardware) -> tuple:
+def planner_records(hardware) -> list:
+    """The planner's top five as plain records (stored by ``--fit`` in paper_fit.json)."""
     ranked = planner_top(hardware)
+    return [{"scheme": r.scheme, "W": r.data_parallel, "D": r.pipeline,
+             "B": r.micro_batch_size, "N": r.num_microbatches, "recompute": r.recompute,
+             "seq_per_s": r.throughput,
+             "why_slower": "first" if i == 0 else why_slower(ranked[0], r)}
+            for i, r in enumerate(ranked)]
+
+
+def planner_section(records) -> tuple:
+    """Text lines of the planner's top five (computed with the in-sample constants)."""
     lines = ["All-scheme planner at 2,048 nodes, mini-batch 2,048 (in-sample constants; ours):"]
-    for place, result in enumerate(ranked, 1):
-        reason = "first" if place == 1 else why_slower(ranked[0], result)
-        lines.append(f"  {place}. {result.scheme} W={result.data_parallel} D={result.pipeline} "
-                     f"B={result.micro_batch_size} recompute={result.recompute}: "
-                     f"{result.throughput:.0f} seq/s ({reason})")
-    best = ranked[0]
-    lines.append(f"  paper's choice: {paper.PAPER_CHOICE_2048}; launch flags of ours: "
-                 f"{launch_flags(best)}")
-    return lines, best
+    for place, r in enumerate(records, 1):
+        lines.append(f"  {place}. {r['scheme']} W={r['W']} D={r['D']} B={r['B']} "
+                     f"recompute={r['recompute']}: {r['seq_per_s']:.0f} seq/s "
+                     f"({r['why_slower']})")
+    lines.append(f"  paper's choice: Chimera (2 pipelines) W={paper.PAPER_CHOICE_2048['W']} "
+                 f"D={paper.PAPER_CHOICE_2048['D']}")
+    return lines, records[0]
 
 
 def report(fits, base=P100_ARIES) -> dict:
@@ -284,7 +320,9 @@ def report(fits, base=P100_ARIES) -> dict:
                   if row["label"] in {r.label for r in paper.COMPARISON_2048}]
     order = [row["label"] for row in sorted(comparison, key=lambda r: -r["leave_one_out"])]
     published_order = [row["label"] for row in sorted(comparison, key=lambda r: -r["published"])]
-    lines, best = planner_section(hardware)
+    if "planner" not in fits:
+        fits["planner"] = planner_records(hardware)
+    lines, best = planner_section(fits["planner"])
     return {"constants": {"fitted": {name: fits["in_sample"][name] for name in FITTED},
                           "rms_log_error": fits["in_sample"]["rms_log_error"]},
             "points": rows, "speedups": speedups(fits, base),
@@ -294,9 +332,7 @@ def report(fits, base=P100_ARIES) -> dict:
             "order_2048": {"leave_one_out": order, "published": published_order},
             "sync_policy": [{"nodes": n, "predicted": p, "published": q}
                             for n, p, q in sync_policy_ratios(hardware)],
-            "planner_top": {"scheme": best.scheme, "W": best.data_parallel, "D": best.pipeline,
-                            "B": best.micro_batch_size, "recompute": best.recompute,
-                            "seq_per_s": best.throughput},
+            "planner_top": best, "planner_top_five": fits["planner"],
             "planner_lines": lines}
 
 
@@ -364,12 +400,12 @@ def main(argv=None) -> int:
                         help=f"recompute every fit (in-sample, leave-one-out) and store them in "
                         f"{os.path.basename(FIT_FILE)} (about ten minutes)")
     args = parser.parse_args(argv)
-    if args.fit:
-        fits = compute_fits()
+    fits = compute_fits() if args.fit else load_fits()
+    if args.fit or "planner" not in fits:
+        fits["planner"] = planner_records(hardware_of(fits["in_sample"]))
         with open(FIT_FILE, "w", encoding="utf-8") as handle:
             json.dump(fits, handle, indent=1, sort_keys=True)
             handle.write("\n")
-    fits = load_fits()
     data = report(fits)
     if args.json:
         data = {key: value for key, value in data.items() if key != "planner_lines"}
