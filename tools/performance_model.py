@@ -64,8 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--schemes", default="chimera-direct",
                      help=f"comma-separated subset of {','.join(SCHEMES)}, or 'all'")
     run.add_argument("--grad-sync", choices=GRAD_SYNC_POLICIES, default="eager-opt")
-    run.add_argument("--stage-balance", choices=("balanced", "slowest"), default="balanced",
-                     help="F = model FLOPs / D (paper) or the slowest stage of an even split")
+    run.add_argument("--stage-balance", choices=("balanced", "slowest", "per-stage"),
+                     default="balanced",
+                     help="F = model FLOPs / D (paper), the slowest stage of an even split, "
+                     "or each stage its own F and Bk (per-stage: the last runs the output layer)")
     hardware = parser.add_argument_group(
         "hardware (defaults: --profile FILE, else the P100 + Cray Aries profile, fp32; fitted "
         "constants, see docs); a flag given here overrides the profile")

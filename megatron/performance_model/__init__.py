@@ -6,7 +6,8 @@ term: FLOPs, compute time vs micro-batch size, activations, p2p, all-reduce, lin
 network contention, overlap slowdown), :mod:`.profiles` (hardware profiles as JSON),
 :mod:`.schemes` (schemes and the one build -> validate -> lower composition), :mod:`.timing`
 (closed form and simulated iteration time), :mod:`.memory`, :mod:`.baselines` (GEMS,
-PipeDream, PipeDream-2BW) and :mod:`.planner`. docs/performance_model.md explains the model.
+PipeDream, PipeDream-2BW, replayed from the authors' implementations), :mod:`.planner` and
+:mod:`.paper` (the paper's runs as the authors ran them, published numbers with sources). docs/performance_model.md explains the model.
 """
 
 from megatron.performance_model.baselines import (

@@ -22,6 +22,15 @@ class StageCosts:
     allreduce: tuple  # all-reduce time of each stage
     gradient_bytes: tuple  # gradient bytes of each stage
     overlap_slowdown: float = 0.0  # σ: compute runs 1 + σ slower while a sync is in flight
+    stage_forward: tuple = ()  # F of each stage (empty: every stage costs ``forward``)
+    stage_backward: tuple = ()  # Bk of each stage (empty: every stage costs ``backward``)
+    allreduce_alone: tuple = ()  # each stage's all-reduce when no other stage syncs meanwhile
+
+    def forward_of(self, stage: int) -> float:
+        return self.stage_forward[stage] if self.stage_forward else self.forward
+
+    def backward_of(self, stage: int) -> float:
+        return self.stage_backward[stage] if self.stage_backward else self.backward
 
 
 def check_split(model: ModelSpec, num_stages: int) -> None:
@@ -102,21 +111,39 @@ def compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: int,
     Bk = 2·F (backward: two matrix multiplies per forward one) + the recomputed forward FLOPs;
     each also pays ``hardware.op_overhead_seconds`` (a fixed cost per op).
     ``stage_balance``: ``balanced`` (the paper: whole-model FLOPs / D) or ``slowest`` (the
-    last stage of an even layer split, which also runs the output layer).
+    last stage of an even layer split, which also runs the output layer; ``per-stage``
+    returns the same here, its per-stage times come from :func:`stage_compute_times`).
     """
     check_split(model, num_stages)
     flops = [stage_forward_flops(model, num_stages, s, micro_batch_size)
              for s in range(num_stages)]
     if stage_balance == "balanced":
         stage_flops = sum(flops) / num_stages
-    elif stage_balance == "slowest":
+    elif stage_balance in ("slowest", "per-stage"):
         stage_flops = max(flops)
     else:
-        raise ValueError(f"unknown stage balance {stage_balance!r}; use 'balanced' or 'slowest'")
+        raise ValueError(f"unknown stage balance {stage_balance!r}; use 'balanced', 'slowest' "
+                         "or 'per-stage'")
     rate = hardware.sustained_rate(micro_batch_size * model.seq_length)
     extra = recompute_flops(model, num_stages, micro_batch_size, recompute)
     overhead = hardware.op_overhead_seconds
     return stage_flops / rate + overhead, (2 * stage_flops + extra) / rate + overhead
+
+
+def stage_compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: int,
+                        micro_batch_size: int, recompute):
+    """(F of each stage, Bk of each stage) of an even layer split: the last stage also runs
+    the output layer (2·B·s·h·V FLOPs forward, which at the paper's GPT-2 is three layers'
+    worth), which recomputation does not re-run. Same rate and op overhead as
+    :func:`compute_times`."""
+    check_split(model, num_stages)
+    rate = hardware.sustained_rate(micro_batch_size * model.seq_length)
+    extra = recompute_flops(model, num_stages, micro_batch_size, recompute)
+    overhead = hardware.op_overhead_seconds
+    flops = [stage_forward_flops(model, num_stages, s, micro_batch_size)
+             for s in range(num_stages)]
+    return (tuple(f / rate + overhead for f in flops),
+            tuple((2 * f + extra) / rate + overhead for f in flops))
 
 
 def activation_bytes_per_layer(model: ModelSpec, micro_batch_size: int, recompute) -> float:
@@ -158,18 +185,26 @@ def cross_group_fraction(hardware: HardwareSpec, num_nodes: int) -> float:
     return 1.0 - group / num_nodes
 
 
-def network_contention(hardware: HardwareSpec, num_nodes: int) -> float:
+def network_contention(hardware: HardwareSpec, num_nodes: int,
+                       syncing_nodes: int | None = None) -> float:
     """Slowdown of the bandwidth term of gradient all-reduces when all P nodes of the job sync
     at once: max(1, c(P)/γ), c = :func:`cross_group_fraction`, γ =
     ``global_bandwidth_fraction``. A node's bytes flow through its injection link and, for the
     share c that leaves the group, through the tapered global links where it gets γ of its
-    injection bandwidth; the slower of the two pipelined resources sets the rate."""
-    return max(1.0, cross_group_fraction(hardware, num_nodes) / hardware.global_bandwidth_fraction)
+    injection bandwidth; the slower of the two pipelined resources sets the rate.
+    ``syncing_nodes`` (default all P): when only that many nodes of the job sync at once (one
+    stage's replicas, PipeDream-2BW's stage-by-stage syncs), the global links carry that
+    share of the load: max(1, c(P)·(syncing/P)/γ)."""
+    load = 1.0 if syncing_nodes is None else min(1.0, syncing_nodes / num_nodes)
+    return max(1.0, cross_group_fraction(hardware, num_nodes) * load
+               / hardware.global_bandwidth_fraction)
 
 
 def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: float,
                    contention: float = 1.0) -> float:
     """Rabenseifner all-reduce of L bytes over r ranks: 2·log2(r)·α + 2(r−1)/r·β·L·κ; 0 for r = 1.
+    With ``hardware.allreduce_algorithm == "ring"`` (gloo's ring) the latency term is
+    2(r−1)·α: each of the 2(r−1) ring steps waits for one message.
 
     κ = ``contention`` (:func:`network_contention`, 1 = the link alone). (log2 of a non-power
     of two is used as is: the formula is the model, not an algorithm.) This is the time alone
@@ -182,8 +217,8 @@ def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: flo
     if num_replicas == 1:
         return 0.0
     r = num_replicas
-    return (2 * math.log2(r) * hardware.alpha
-            + 2 * (r - 1) / r * hardware.beta * message_bytes * contention)
+    steps = 2 * (r - 1) if hardware.allreduce_algorithm == "ring" else 2 * math.log2(r)
+    return steps * hardware.alpha + 2 * (r - 1) / r * hardware.beta * message_bytes * contention
 
 
 def shared_link_finish_times(jobs) -> list:

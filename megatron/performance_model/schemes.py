@@ -132,6 +132,10 @@ def check_schedule(scheme: str, num_stages: int, num_microbatches: int,
             raise ValueError(f"{scheme} needs at least one micro-batch")
         if scheme == "gems" and num_microbatches % 2:
             raise ValueError(f"gems alternates two replicas: N must be even (got {num_microbatches})")
+        if scheme == "pipedream-2bw" and num_microbatches < num_stages:
+            raise ValueError(f"pipedream-2bw updates every N >= D micro-batches (two weight "
+                             f"versions suffice only then); got N={num_microbatches}, "
+                             f"D={num_stages}")
         return
     name, options = schedule_of(scheme, registry)
     check_schedule_options(name, num_stages,

@@ -8,7 +8,8 @@ from megatron.core.pipeline_parallel.planning.lowering import GradSyncStart, Gra
 from megatron.core.pipeline_parallel.planning.simulator import simulate
 from megatron.performance_model.costs import (
     StageCosts, allreduce_time, compute_times, network_contention, overlap_delay,
-    p2p_time, shared_link_finish_times, stage_parameters)
+    p2p_time, shared_link_finish_times, stage_compute_times, stage_parameters)
+from megatron.core.pipeline_parallel.planning.op_costs import StageCosts as OpStageCosts
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.performance_model.schemes import (
     ANALYTIC_SCHEMES, critical_path, lowered_schedule, model_stages, num_replicas, scheme_layout)
@@ -21,9 +22,11 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
                 registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> StageCosts:
     """F, Bk (:func:`compute_times`) of one model stage, Cp2p of one activation message, each
     model stage's all-reduce time over the scheme's replicas (slowed by the contention of the
-    job's W·D nodes syncing at once, :func:`network_contention`) and the hardware's overlap
-    slowdown σ. Model stages: D, or D x chunks per rank (interleaved 1F1B: each op runs one
-    chunk of L / (D v) layers)."""
+    job's W·D nodes syncing at once, :func:`network_contention`; ``allreduce_alone``: the same
+    when only one stage's replicas sync) and the hardware's overlap slowdown σ. Model stages: D,
+    or D x chunks per rank (interleaved 1F1B: each op runs one chunk of L / (D v) layers).
+    ``stage_balance="per-stage"``: each model stage's own F and Bk as well (the last one runs
+    the output layer); ``forward``/``backward`` are then their means (for the closed form)."""
     stages = model_stages(scheme, num_stages, registry)
     forward, backward = compute_times(model, hardware, stages, micro_batch_size, recompute,
                                       stage_balance)
@@ -35,8 +38,17 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
     contention = network_contention(hardware, data_parallel * num_stages)
     allreduce = tuple(allreduce_time(hardware, replicas, size, contention)
                       for size in gradient_bytes)
+    alone = network_contention(hardware, data_parallel * num_stages, replicas)
+    allreduce_alone = tuple(allreduce_time(hardware, replicas, size, alone)
+                            for size in gradient_bytes)
+    stage_forward = stage_backward = ()
+    if stage_balance == "per-stage":
+        stage_forward, stage_backward = stage_compute_times(model, hardware, stages,
+                                                            micro_batch_size, recompute)
+        forward, backward = (sum(stage_forward) / stages, sum(stage_backward) / stages)
     return StageCosts(forward, backward, p2p_time(hardware, message) if num_stages > 1 else 0.0,
-                      allreduce, gradient_bytes, hardware.overlap_slowdown)
+                      allreduce, gradient_bytes, hardware.overlap_slowdown, stage_forward,
+                      stage_backward, allreduce_alone)
 
 
 def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int,
@@ -103,7 +115,8 @@ def closed_form_iteration_time(scheme: str, num_stages: int, num_microbatches: i
 def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int,
                              costs: StageCosts, grad_sync_policy: str = "eager-opt",
                              registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> float:
-    """Makespan of the lowered schedule with F, Bk, Cp2p and the stages' all-reduces.
+    """Makespan of the lowered schedule with F, Bk (per stage where ``costs`` has them), Cp2p
+    and the stages' all-reduces.
 
     The simulator runs with all-reduce cost 0. A stage's sync can progress once its last
     replica has started it; on each rank the syncs of the stages it hosts share the link
@@ -114,7 +127,14 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
     """
     _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy,
                                   registry)
-    result = simulate([list(ops) for ops in lowered], costs.forward, costs.backward, costs.p2p, 0)
+    per_stage = None
+    if costs.stage_forward:
+        per_stage = OpStageCosts(len(costs.stage_forward), costs.forward, costs.backward,
+                                 per_stage={stage: (f, b / 2, b / 2) for stage, (f, b) in
+                                            enumerate(zip(costs.stage_forward,
+                                                          costs.stage_backward))})
+    result = simulate([list(ops) for ops in lowered], costs.forward, costs.backward, costs.p2p, 0,
+                      stage_costs=per_stage)
     ready, compute_end, hosted = {}, [], []
     for timeline in result.timelines:
         stages, end = [], 0.0

@@ -3,6 +3,7 @@ hand-computed case or the simulator; the baselines; the planner's launch flags."
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 
 import pytest
@@ -79,15 +80,24 @@ def test_backward_halving_is_forward_doubling_on_half_micro_batches():
 
 def test_baseline_times_hand_cases():
     costs = StageCosts(1.0, 2.0, 0.5, (3.0,) * 4, (0,) * 4)
-    # GEMS: per pair 2(F + Bk + 2p)(D + 1/2)/(3/2) = 2·4·4.5/1.5 = 24; ends with two syncs.
-    assert gems_time(4, 8, costs) == pytest.approx(4 * 24 + 6.0)
-    assert gems_time(1, 2, StageCosts(1, 2, 0, (0,), (0,))) == pytest.approx(2 * 3)
-    # PipeDream: every micro-batch pays its sync.
-    assert pipedream_time(4, 8, costs) == pytest.approx(8 * (1 + 2 + 1 + 3))
-    # PipeDream-2BW: the sync hides behind the next iteration unless it is longer.
-    assert pipedream_2bw_time(4, 8, costs) == pytest.approx(8 * 4)
-    long_sync = StageCosts(1.0, 2.0, 0.5, (30.0,) * 4, (0,) * 4)
-    assert pipedream_2bw_time(4, 8, long_sync) == pytest.approx(32 + 30 - 24)
+    free = StageCosts(1.0, 2.0, 0.0, (0.0,) * 8, (0,) * 8)
+    # GEMS step replayed from the authors' loop = Table 2's bubble ratio (D−1)/(D+1/2):
+    # 2(F + Bk) of work per worker per step, so a step lasts 2·3·(D + 1/2)/(3/2) = 34 at D=8.
+    assert gems_time(8, 2, free) == pytest.approx(34.0)
+    assert gems_time(8, 4, free) == pytest.approx(68.0)
+    # ... and both hosted stages' syncs add at the end (shared link): 2 × 3.
+    assert gems_time(4, 8, costs) - gems_time(4, 8, dataclasses.replace(
+        costs, allreduce=(0.0,) * 4)) == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="N must be even"):
+        gems_time(4, 3, costs)
+    # No sync: 1F1B without a flush has no bubble: N(F + Bk + 2p) for PipeDream and 2BW.
+    no_sync = dataclasses.replace(costs, allreduce=(0.0,) * 4)
+    assert pipedream_2bw_time(4, 8, no_sync) == pytest.approx(8 * 4)
+    assert pipedream_time(4, 8, no_sync) == pytest.approx(8 * 4)
+    # PipeDream syncs every micro-batch, 2BW once per N: PipeDream pays at least N syncs
+    # beyond the compute, 2BW at least one (a blocked rank delays its neighbours' gradients).
+    assert pipedream_time(4, 8, costs) >= 8 * 4 + 8 * (3.0 - 2.0)
+    assert 8 * 4 + 3.0 - 2.0 <= pipedream_2bw_time(4, 8, costs) < pipedream_time(4, 8, costs)
 
 
 def test_baseline_memory_weight_versions_and_stages():

@@ -1,0 +1,90 @@
+"""Tier 0: the paper's runs as the authors ran them (job scripts of github.com/Shigangli/Chimera,
+branch ChimeraBk), their memory decisions against Table 2, the published numbers as
+transcribed, and the baselines' replayed schedules against hand cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.performance_model import GPT2_PAPER, P100_ARIES, StageCosts, evaluate
+from megatron.performance_model import paper
+from megatron.performance_model.baselines import (
+    ddp_backward_with_sync, gems_step_time, no_flush_interval_time)
+
+RUNS = {run.label: run for run in paper.COMPARISON_2048}
+
+
+@pytest.mark.parametrize("label, scheme, depth, micro_batch, recompute, script", [
+    ("Chimera", "chimera-direct", 32, 1, "none", "daint_gpt2_chimera_512nodes_16w32d.sh"),
+    ("PipeDream-2BW", "pipedream-2bw", 16, 1, "full", "gpt2_512nodes_32w16d_pipedream2bw.sh"),
+    ("PipeDream", "pipedream", 8, 2, "full", "gpt2_512nodes_64w8d_pipedream.sh"),
+    ("GEMS", "gems", 8, 2, "none", "gems_64w8d_2b_gpt2.sh"),
+])
+def test_runs_are_set_as_the_authors_scripts_ran_them(label, scheme, depth, micro_batch,
+                                                      recompute, script):
+    run = RUNS[label]
+    assert (run.scheme, run.pipeline, run.micro_batch_size, run.recompute) == (
+        scheme, depth, micro_batch, recompute)
+    assert script in run.script
+    assert run.nodes == 2048 and run.global_batch_size == 2048
+
+
+def test_runs_without_a_script_follow_the_paper_and_say_so():
+    assert (RUNS["1F1B/DAPPLE"].pipeline, RUNS["1F1B/DAPPLE"].recompute) == (16, "full")
+    assert (RUNS["GPipe"].pipeline, RUNS["GPipe"].recompute) == (8, "full")
+    for label in ("1F1B/DAPPLE", "GPipe"):
+        assert "no job script" in RUNS[label].script
+    # PipeDream-2BW updates every D micro-batches (update_interval = D × accumulation 1).
+    assert RUNS["PipeDream-2BW"].num_microbatches == RUNS["PipeDream-2BW"].pipeline
+
+
+@pytest.mark.parametrize("run", paper.SWEEP_512 + paper.COMPARISON_2048, ids=lambda r: r.label)
+def test_memory_decisions_match_the_papers(run):
+    """Table 2 memory per scheme: what ran with recomputation does not fit without it, what ran
+    without fits as it ran."""
+    def fits(recompute):
+        return evaluate(GPT2_PAPER, P100_ARIES, run.scheme, run.data_parallel, run.pipeline,
+                        run.micro_batch_size, run.num_microbatches, recompute,
+                        stage_balance="per-stage").fits
+    assert fits(run.recompute)
+    if run.recompute == "full":
+        assert not fits("none")
+
+
+def test_published_numbers_are_transcribed():
+    assert paper.PUBLISHED_SPEEDUPS == {"PipeDream-2BW": 1.16, "1F1B/DAPPLE": 1.38,
+                                        "GPipe": 1.42, "PipeDream": 2.01, "GEMS": 2.34}
+    assert paper.PUBLISHED_WEAK_SCALING_EFFICIENCY == 0.914
+    assert [run.published for run in paper.COMPARISON_2048] == [513, 440, 372, 361, 256, 220]
+
+
+def test_gems_step_reproduces_table_2_bubble_ratio():
+    for depth in (2, 4, 8, 16):
+        costs = StageCosts(1.0, 2.0, 0.0, (0.0,) * depth, (0,) * depth)
+        step = gems_step_time(depth, costs)
+        work = 2 * 3.0  # one down and one up micro-batch per worker
+        assert 1 - work / step == pytest.approx((depth - 1) / (depth + 0.5))
+
+
+def test_no_flush_replay_runs_at_the_slowest_stage_and_blocks_on_syncs():
+    # The last stage twice as slow: the pipeline runs at its pace.
+    costs = StageCosts(1.0, 2.0, 0.0, (0.0,) * 4, (0,) * 4, 0.0, (1, 1, 1, 2), (2, 2, 2, 4))
+    assert no_flush_interval_time(4, 8, costs) == pytest.approx(8 * 6)
+    # A sync on every micro-batch of the slowest stage adds to each of its micro-batches (no
+    # gradient bytes given: one bucket, nothing overlaps): F + Bk + AR per micro-batch.
+    synced = StageCosts(1.0, 2.0, 0.0, (0.0, 0.0, 0.0, 5.0), (0,) * 4, 0.0,
+                        (1, 1, 1, 2), (2, 2, 2, 4))
+    assert no_flush_interval_time(4, 1, synced) == pytest.approx(2 + 4 + 5)
+
+
+def test_ddp_sync_overlaps_the_backward_bucket_by_bucket():
+    # 100 MiB of gradients in 25 MiB buckets: the first is ready after a quarter of Bk.
+    costs = StageCosts(1.0, 2.0, 0.0, (4.0,), (100 * 2 ** 20,))
+    assert ddp_backward_with_sync(costs, 0) == pytest.approx(max(2 + 1, 0.5 + 4))
+    short = StageCosts(1.0, 2.0, 0.0, (0.4,), (100 * 2 ** 20,))
+    assert ddp_backward_with_sync(short, 0) == pytest.approx(2 + 0.1)
+
+
+def test_two_bw_needs_an_update_interval_of_at_least_the_depth():
+    with pytest.raises(ValueError, match="N >= D"):
+        evaluate(GPT2_PAPER, P100_ARIES, "pipedream-2bw", 256, 16, 1, 8, "full")
