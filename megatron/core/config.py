@@ -299,6 +299,11 @@ class CheckpointConfig:
     allow_overwrite_checkpoints: bool = option(
         False, "Start even though --save holds checkpoints this run does not resume from "
                "(they may be overwritten); without it such a run stops before training.")
+    ckpt_format: str = option(
+        "torch", "Checkpoint format to save: torch (a file per tensor/pipeline position, "
+                 "resumable in the saved layout) or torch_dist (global tensors through "
+                 "torch.distributed.checkpoint, resumable in any layout). Loading detects it.",
+        choices=("torch", "torch_dist"))
 
 
 @dataclass

@@ -229,7 +229,6 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     *_with_value(_INFERENCE_SERVER, "--inference-batch-times-seqlen-threshold",
                  "--max-tokens-to-oom"),
     # Checkpoint file formats.
-    CompatibilityFlag("--ckpt-format", _CHECKPOINT_FORMAT, choices=("torch", "torch_dist")),
     CompatibilityFlag("--dist-ckpt-format", _CHECKPOINT_FORMAT, choices=("zarr", "torch_dist")),
     *_switches(_CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format",
                "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",

@@ -13,6 +13,7 @@ import time
 from typing import Callable, Optional
 
 from megatron.core.distributed import a2sgd
+from megatron.training.checkpointing import torch_dist
 from megatron.training.checkpointing.collectives import (_all_gather,
                                                         _gather_rng_states_over_data_parallel,
                                                         _raise_for_failures, _raise_if_any_failed)
@@ -66,6 +67,12 @@ class Checkpointer:
         self.config = config
         self.log = log
 
+    @property
+    def ckpt_format(self) -> str:
+        """``--ckpt-format``: ``torch`` (a file per tensor/pipeline position) or ``torch_dist``
+        (global tensors through torch.distributed.checkpoint). Loading detects the format."""
+        return getattr(self.config.checkpoint, "ckpt_format", "torch")
+
     # ---- save ------------------------------------------------------------------------------
 
     def save(self, components, state) -> str:
@@ -91,8 +98,19 @@ class Checkpointer:
                 self.log(f"  without {' and '.join(omitted)} (--no-save-optim / --no-save-rng)")
         started = time.perf_counter()
         self._prepare_staging(components, root, staging_dir)
-        files = self._write_all_rank_files(components, state, root, staging_dir)
-        self._publish_agreed(components, state, root, staging_dir, final_dir, files)
+        extra = None
+        if self.ckpt_format == torch_dist.TORCH_DIST:
+            try:
+                files = torch_dist.save_files(components, state, self.config.checkpoint, root,
+                                              staging_dir)
+            except BaseException:
+                if components.parallel_state.rank == 0:
+                    shutil.rmtree(staging_dir, ignore_errors=True)
+                raise
+            extra = torch_dist.metadata_fields(components, self.config.checkpoint)
+        else:
+            files = self._write_all_rank_files(components, state, root, staging_dir)
+        self._publish_agreed(components, state, root, staging_dir, final_dir, files, extra)
         if is_first:
             self.log(f"  successfully saved checkpoint at iteration {state.iteration:7d} to "
                      f"{root} ({time.perf_counter() - started:.2f} s)")
@@ -157,12 +175,12 @@ class Checkpointer:
         return dict(entry for _, entries in gathered for entry in entries or ())
 
     def _publish_agreed(self, components, state, root: str, staging_dir: str, final_dir: str,
-                        files: dict) -> None:
+                        files: dict, extra: Optional[dict] = None) -> None:
         """Rank 0 publishes; every rank learns whether it succeeded."""
         error = None
         if components.parallel_state.rank == 0:
             try:
-                self._publish(components, state, root, staging_dir, final_dir, files)
+                self._publish(components, state, root, staging_dir, final_dir, files, extra)
             except Exception as caught:
                 error = _describe(caught)
                 shutil.rmtree(staging_dir, ignore_errors=True)
@@ -197,10 +215,11 @@ class Checkpointer:
         return relative, {"size": os.path.getsize(path), "crc32": file_crc32(path)}
 
     def _publish(self, components, state, root: str, staging_dir: str, final_dir: str,
-                 files: dict) -> None:
+                 files: dict, extra: Optional[dict] = None) -> None:
         """Rank 0, after every rank wrote: metadata, rename into place, then the tracker."""
         metadata = {
             **_checkpoint_header(components, state),
+            **(extra or {}),
             "files": dict(sorted(files.items())),
         }
         metadata_path = os.path.join(staging_dir, METADATA_FILENAME)
@@ -255,6 +274,25 @@ class Checkpointer:
             return None
         if is_first:
             self.log(f"loading checkpoint from {root} at iteration {iteration}")
+
+        iteration_dir = os.path.join(root, iteration_dir_name(iteration))
+        metadata_path = os.path.join(iteration_dir, METADATA_FILENAME)
+        metadata, error = None, None
+        try:
+            if os.path.isfile(metadata_path):
+                metadata = _read_metadata(metadata_path)
+        except Exception as caught:
+            error = str(caught)
+        _raise_if_any_failed(parallel_state, error, f"loading checkpoint {root} "
+                                                    f"(iteration {iteration})")
+        if metadata is not None and torch_dist.is_torch_dist(metadata):
+            result = torch_dist.load(components, checkpoint_config, iteration_dir, metadata,
+                                     self.log, TrainingState)
+            if is_first:
+                loaded = "weights only (--finetune), starting at iteration 0" \
+                    if checkpoint_config.finetune else f"at iteration {iteration}"
+                self.log(f"  successfully loaded checkpoint from {root} {loaded}")
+            return result
 
         payload, error = None, None
         try:
