@@ -55,7 +55,7 @@ class PieceSavePlanner(DefaultSavePlanner):
         items = []
         for (key, offsets), piece in self.pieces.items():
             items.append(WriteItem(
-                index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.TENSOR,
+                index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
                                                sizes=piece.tensor.size()),
