@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.core.distributed import a2sgd
@@ -50,6 +51,15 @@ from megatron.training.checkpointing.state import (ARCHITECTURE_FLAGS, _check_mo
 logger = logging.getLogger(__name__)
 
 TORCH_DIST = "torch_dist"
+
+
+def describe_failure(caught: BaseException) -> str:
+    """One line per failing rank of a DCP collective (its exception wraps every rank's), else the
+    exception itself; a CheckpointError's message is kept as it is (it names the file)."""
+    if isinstance(caught, CheckpointException):
+        return "; ".join(f"rank {rank}: {describe_failure(error)}"
+                         for rank, (error, _) in sorted(caught.failures.items()))
+    return str(caught) if isinstance(caught, CheckpointError) else _describe(caught)
 
 
 def rank_key(what: str, rank: int) -> str:
@@ -154,8 +164,8 @@ def save_files(components, state, checkpoint_config, root: str, staging_dir: str
     try:
         write_pieces(components, pieces, objects, staging_dir)
         files = own_files(staging_dir, parallel_state.rank)
-    except Exception as caught:
-        error = _describe(caught)
+    except (Exception, CheckpointException) as caught:
+        error = describe_failure(caught)
     return collect_files(parallel_state, error, files, state.iteration, root)
 
 
@@ -317,13 +327,13 @@ def load(components, checkpoint_config, iteration_dir: str, metadata: dict, log,
                 f"{metadata['run_layout'].get('data_parallel_size')}] to "
                 f"[{describe_layout(run_layout(components))}, DP={parallel_state.dp_size}]")
     except Exception as caught:
-        error = str(caught) if isinstance(caught, CheckpointError) else _describe(caught)
+        error = describe_failure(caught)
     _raise_if_any_failed(parallel_state, error, where)
     objects, error = None, None
     try:
         objects = read(components, request, iteration_dir, metadata["files"])
-    except Exception as caught:
-        error = _describe(caught)
+    except (Exception, CheckpointException) as caught:
+        error = describe_failure(caught)
     _raise_if_any_failed(parallel_state, error, where)
     result, error = None, None
     try:
