@@ -304,6 +304,10 @@ class CheckpointConfig:
                  "resumable in the saved layout) or torch_dist (global tensors through "
                  "torch.distributed.checkpoint, resumable in any layout). Loading detects it.",
         choices=("torch", "torch_dist"))
+    async_save: bool = option(
+        False, "With --ckpt-format torch_dist: write checkpoint files in the background while "
+               "training goes on; the tracker is written once every rank finished, at the next "
+               "save or the end of training.")
 
 
 @dataclass

@@ -233,7 +233,6 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     *_switches(_CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format",
                "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
                "--ckpt-assume-constant-structure"),
-    CompatibilityFlag("--async-save", "checkpoints are saved synchronously (same content)"),
     # Data reading.
     *_switches("dataset .bin files are always memory-mapped", "--no-mmap-bin-files",
                "--mmap-bin-files"),

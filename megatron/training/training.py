@@ -511,6 +511,8 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
     result = train(components, forward_step_func, train_dataset, valid_dataset, state, log=log,
                    checkpointing=checkpointing, start_time=start_time,
                    tensorboard_writer=tensorboard_writer)
+    if hasattr(checkpointing, "finish"):  # --async-save: publish the save still being written
+        checkpointing.finish(components)
     runtime.report(log if is_logging_rank(parallel_state) else None)  # collective
     if not result.exited_early:
         _final_evaluations(components, forward_step_func, valid_dataset, test_dataset, result,

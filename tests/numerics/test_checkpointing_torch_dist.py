@@ -171,3 +171,40 @@ def test_metadata_records_the_format_and_every_file(saved_run):
     assert metadata["ckpt_format"] == "torch_dist"
     assert sorted(metadata["files"]) == [".metadata", "__0_0.distcp"]
     assert metadata["run_layout"]["world_size"] == 1
+
+
+def test_async_save_every_iteration_resumes_bitwise(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    straight, _ = _run(DIST)
+    first, lines = _run(f"{DIST} --async-save --save {save_dir} --save-interval 1 "
+                        f"--exit-interval 3")
+    assert any("in the background" in line for line in lines), lines
+    assert read_tracker(str(save_dir)) == 3  # the end of training published the last one
+    assert sorted(p.name for p in save_dir.iterdir()) == \
+        ["iter_0000001", "iter_0000002", "iter_0000003", TRACKER_FILENAME]
+    second, _ = _run(f"{DIST} --async-save --load {save_dir} --save {save_dir} "
+                     f"--save-interval 1")
+    assert _records(first) + _records(second) == _records(straight)
+    assert read_tracker(str(save_dir)) == 6
+
+
+def test_a_background_save_that_never_finishes_leaves_the_previous_checkpoint(tmp_path):
+    """What a kill during a background write leaves: the tracker names the previous iteration,
+    whose files are untouched, and it loads."""
+    save_dir = tmp_path / "ckpt"
+    _run(f"{DIST} --save {save_dir} --exit-interval 3")
+    config = _config(f"{DIST} --async-save --load {save_dir} --save {save_dir}")
+    components = _fresh_components(config)
+    checkpointer = Checkpointer(config, log=lambda _: None)
+    state = checkpointer.load(components)
+    state.iteration = 4
+    checkpointer.save(components, state)
+    assert checkpointer.pending is not None
+    assert read_tracker(str(save_dir)) == 3  # not before every rank's write finished
+    checkpointer.pending.future.result()
+    assert (save_dir / "iter_0000004.tmp").is_dir()  # written, never published (the "kill")
+    _, loaded, _ = _load(save_dir)
+    assert loaded.iteration == 3
+    checkpointer.finish(components)  # had it lived: published now
+    assert read_tracker(str(save_dir)) == 4
+    assert not (save_dir / "iter_0000004.tmp").exists()

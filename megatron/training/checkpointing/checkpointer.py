@@ -66,6 +66,16 @@ class Checkpointer:
     def __init__(self, config, *, log: Callable[[str], None] = print):
         self.config = config
         self.log = log
+        self.pending = None           # the background save in flight (--async-save)
+        self._background_group = None
+        self._noted_sync = False
+
+    @property
+    def saves_in_background(self) -> bool:
+        """``--async-save`` with ``--ckpt-format torch_dist`` (the torch format saves in the
+        foreground; a note says so when the checkpointer is first used)."""
+        return bool(getattr(self.config.checkpoint, "async_save", False)) and \
+            self.ckpt_format == torch_dist.TORCH_DIST
 
     @property
     def ckpt_format(self) -> str:
@@ -85,7 +95,13 @@ class Checkpointer:
         root = self.config.checkpoint.save
         if not root:
             raise ValueError("Checkpointer.save needs --save DIR; pass --save")
+        self.finish(components)  # the previous background save is published first
         is_first = components.parallel_state.rank == 0
+        if is_first and getattr(self.config.checkpoint, "async_save", False) and \
+                not self.saves_in_background and not self._noted_sync:
+            self._noted_sync = True
+            self.log("  note: --async-save applies to --ckpt-format torch_dist; the torch format "
+                     "is saved in the foreground")
         final_dir = os.path.join(root, iteration_dir_name(state.iteration))
         staging_dir = final_dir + STAGING_SUFFIX
         if is_first:
@@ -99,6 +115,9 @@ class Checkpointer:
         started = time.perf_counter()
         self._prepare_staging(components, root, staging_dir)
         extra = None
+        if self.saves_in_background:
+            return self._start_background_save(components, state, root, staging_dir, final_dir,
+                                               started)
         if self.ckpt_format == torch_dist.TORCH_DIST:
             try:
                 files = torch_dist.save_files(components, state, self.config.checkpoint, root,
@@ -115,6 +134,50 @@ class Checkpointer:
             self.log(f"  successfully saved checkpoint at iteration {state.iteration:7d} to "
                      f"{root} ({time.perf_counter() - started:.2f} s)")
         return final_dir
+
+    def _start_background_save(self, components, state, root: str, staging_dir: str,
+                               final_dir: str, started: float) -> str:
+        """--async-save: copy the state, start DCP's background write and return; the tracker is
+        written by :meth:`finish` once every rank's write finished."""
+        import copy as copy_module
+
+        if self._background_group is None:
+            self._background_group = torch_dist.background_group(components.parallel_state)
+        try:
+            future = torch_dist.start_background_save(components, state, self.config.checkpoint,
+                                                      root, staging_dir, self._background_group)
+        except BaseException:
+            if components.parallel_state.rank == 0:
+                shutil.rmtree(staging_dir, ignore_errors=True)
+            raise
+        self.pending = torch_dist.PendingSave(
+            future, state.iteration, root, staging_dir, final_dir,
+            torch_dist.metadata_fields(components, self.config.checkpoint),
+            copy_module.copy(state), started)
+        if components.parallel_state.rank == 0:
+            self.log(f"  writing checkpoint of iteration {state.iteration:7d} in the background "
+                     f"(copied in {time.perf_counter() - started:.2f} s)")
+        return final_dir
+
+    def finish(self, components) -> None:
+        """Wait for the background save in flight (if any), then publish it: metadata, rename,
+        tracker. Collective; the training loop calls it at the end of training, and every save
+        calls it first. A failed background write raises on every rank and publishes nothing."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            files = torch_dist.wait_for_background_save(components, pending)
+        except BaseException:
+            if components.parallel_state.rank == 0:
+                shutil.rmtree(pending.staging_dir, ignore_errors=True)
+            raise
+        self._publish_agreed(components, pending.state, pending.root, pending.staging_dir,
+                             pending.final_dir, files, pending.extra)
+        if components.parallel_state.rank == 0:
+            self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to "
+                     f"{pending.root} ({time.perf_counter() - pending.started:.2f} s, in the "
+                     f"background)")
 
     def _prepare_staging(self, components, root: str, staging_dir: str) -> None:
         """Rank 0 creates an empty staging directory (removing what a crashed save left)."""

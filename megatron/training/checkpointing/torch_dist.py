@@ -179,6 +179,62 @@ def collect_files(parallel_state, error, files: dict, iteration: int, root: str)
 
 
 # ----------------------------------------------------------------------------------------------
+# Background save (--async-save)
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PendingSave:
+    """A save whose files are being written in the background; published by the next save, or at
+    the end of training, once every rank's write finished."""
+
+    future: object
+    iteration: int
+    root: str
+    staging_dir: str
+    final_dir: str
+    extra: dict
+    state: object
+    started: float
+
+
+def background_group(parallel_state):
+    """A gloo group of every rank for DCP's collectives in the background thread, so they never
+    interleave with training's collectives on the default group (None in one process)."""
+    if _no_dist(parallel_state):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def start_background_save(components, state, checkpoint_config, root: str, staging_dir: str,
+                          group):
+    """Copy this rank's state (every rank agrees it could), then start DCP's asynchronous save
+    into ``staging_dir``; returns the future. Training may change the weights right away."""
+    parallel_state = components.parallel_state
+    pieces, objects, error = None, None, None
+    try:
+        pieces, objects = snapshot(components, state, checkpoint_config, copy=True)
+    except Exception as caught:
+        error = _describe(caught)
+    _raise_if_any_failed(parallel_state, error, f"collecting the checkpoint state of iteration "
+                                                f"{state.iteration}")
+    return dcp.async_save({}, storage_writer=writer_for(staging_dir),
+                          planner=PieceSavePlanner(pieces, objects), process_group=group,
+                          no_dist=_no_dist(parallel_state))
+
+
+def wait_for_background_save(components, pending: PendingSave) -> dict:
+    """Wait for this rank's background write, then agree with every rank; returns every rank's
+    files (raises on every rank if any rank's write failed)."""
+    error, files = None, {}
+    try:
+        pending.future.result()
+        files = own_files(pending.staging_dir, components.parallel_state.rank)
+    except (Exception, CheckpointException) as caught:
+        error = describe_failure(caught)
+    return collect_files(components.parallel_state, error, files, pending.iteration, pending.root)
+
+
+# ----------------------------------------------------------------------------------------------
 # Load
 # ----------------------------------------------------------------------------------------------
 
