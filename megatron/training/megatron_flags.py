@@ -101,8 +101,12 @@ def _rejected(reason: str, *flags: str) -> tuple[UnimplementedFlag, ...]:
 _NO_FUSED_KERNEL = "there is no fused CUDA kernel here to switch"
 _TENSORBOARD_SCALARS = ("TensorBoard receives this project's fixed set of scalars every "
                         "--log-interval iterations")
-_CHECKPOINT_FORMAT = ("checkpoints are always written in this project's per-rank torch format "
-                      "(see docs/checkpointing.md)")
+_CHECKPOINT_FORMAT = ("choose the format with --ckpt-format torch_dist (global tensors through "
+                      "torch.distributed.checkpoint) or torch; loading detects it (see "
+                      "docs/checkpointing.md)")
+_DIST_CHECKPOINT = ("--ckpt-format torch_dist always saves and loads fully in parallel and fully "
+                    "reshardable: each rank writes one replica's share of every tensor and reads "
+                    "only the boxes it needs, keyed by parameter name and global shape")
 _GARBAGE_COLLECTOR = "Python's garbage collector runs as usual"
 _PROFILER = "no built-in profiler; wrap the run in torch.profiler or nsys"
 _AUTORESUME = "no ADLR auto-resume service; use --exit-duration-in-mins with --save"
@@ -230,9 +234,18 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
                  "--max-tokens-to-oom"),
     # Checkpoint file formats.
     CompatibilityFlag("--dist-ckpt-format", _CHECKPOINT_FORMAT, choices=("zarr", "torch_dist")),
-    *_switches(_CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format",
-               "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
-               "--ckpt-assume-constant-structure"),
+    *_switches(_CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format"),
+    *_switches(_DIST_CHECKPOINT, "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+               "--ckpt-assume-constant-structure", "--dist-ckpt-optim-fully-reshardable"),
+    CompatibilityFlag("--use-persistent-ckpt-worker",
+                      "--async-save writes in a background thread of the training process that "
+                      "lives for the whole run (DCP's thread executor)"),
+    CompatibilityFlag("--dist-ckpt-strictness",
+                      "loading checks every key and global shape this run needs and names what is "
+                      "missing (as raise_all); saved keys this run does not need are skipped",
+                      choices=("assume_ok_unexpected", "log_unexpected", "log_all",
+                               "raise_unexpected", "raise_all", "return_unexpected",
+                               "return_all", "ignore_all")),
     # Data reading.
     *_switches("dataset .bin files are always memory-mapped", "--no-mmap-bin-files",
                "--mmap-bin-files"),
