@@ -208,3 +208,31 @@ def test_a_background_save_that_never_finishes_leaves_the_previous_checkpoint(tm
     checkpointer.finish(components)  # had it lived: published now
     assert read_tracker(str(save_dir)) == 4
     assert not (save_dir / "iter_0000004.tmp").exists()
+
+
+def test_convert_checkpoint_reads_and_writes_both_formats(saved_run, tmp_path):
+    """torch_dist -> torch (PP2 files) -> torch_dist: the weights survive both ways, and the
+    weights-only torch_dist result loads (with --finetune) and refuses a full resume."""
+    from megatron.training.checkpoint_conversion import (TargetLayout, convert_checkpoint,
+                                                         merge_full_state, read_checkpoint)
+    from tools.convert_checkpoint import main
+
+    save_dir, result = saved_run
+    reference = result.components.model_chunks[0].state_dict()
+    pp2 = str(tmp_path / "pp2")
+    convert_checkpoint(save_dir, pp2, TargetLayout(pipeline_model_parallel_size=2), log=print)
+    assert os.path.isfile(os.path.join(pp2, "iter_0000003", "mp_rank_00_001",
+                                       "model_optim_rng.pt"))
+    back = str(tmp_path / "back")
+    assert main(["--load", pp2, "--save", back, "--ckpt-format", "torch_dist"]) == 0
+    assert sorted(os.listdir(os.path.join(back, "iter_0000003"))) == \
+        [".metadata", "__0_0.distcp", "metadata.json"]
+    merged = merge_full_state(read_checkpoint(back))
+    assert merged.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(merged[name], value), name
+    assert "--finetune or --no-load-optim" in _load_error(back)
+    components, state, _ = _load(back, "--finetune")
+    assert state.iteration == 0
+    for name, value in reference.items():
+        assert torch.equal(components.model_chunks[0].state_dict()[name], value), name

@@ -286,12 +286,17 @@ def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
     object_keys = ["progress"]
     optimizer_states = {}
     load_optimizer = not (checkpoint_config.finetune or checkpoint_config.no_load_optim)
+    if load_optimizer and metadata.get("weights_only"):
+        raise CheckpointError(f"checkpoint {iteration_dir} holds weights only (written by "
+                              f"tools/convert_checkpoint.py): it has no optimizer state; pass "
+                              f"--finetune or --no-load-optim")
     if load_optimizer and not metadata.get("optimizer_saved", True):
         raise CheckpointError(f"checkpoint {iteration_dir} holds no optimizer state (it was "
                               f"saved with --no-save-optim), so the optimizer and learning-rate "
                               f"schedule cannot be restored; pass --no-load-optim to start them "
                               f"afresh, or --finetune to load the weights only")
-    load_rng = not (checkpoint_config.finetune or checkpoint_config.no_load_rng)
+    load_rng = not (checkpoint_config.finetune or checkpoint_config.no_load_rng
+                    or metadata.get("weights_only"))
     if load_rng and not metadata.get("rng_saved", True):
         raise CheckpointError(f"checkpoint {iteration_dir} holds no RNG state (it was saved with "
                               f"--no-save-rng); pass --no-load-rng to continue with the random "
@@ -407,3 +412,73 @@ def is_torch_dist(metadata: dict) -> bool:
 
 __all__ = ["TORCH_DIST", "is_torch_dist", "load", "metadata_fields", "save_files", "snapshot",
            "MODEL_PREFIX", "PieceSet"]
+
+
+# ----------------------------------------------------------------------------------------------
+# One process: whole tensors (tools/convert_checkpoint.py, Hugging Face export)
+# ----------------------------------------------------------------------------------------------
+
+def read_full_weights(iteration_dir: str, metadata: dict) -> tuple[dict, dict]:
+    """``({parameter name: whole tensor}, {"config": ..., "progress": ...})`` of a torch_dist
+    checkpoint, read in this one process (files verified against ``metadata.json``)."""
+    from megatron.training.checkpointing.global_keys import Piece
+
+    reader = VerifyingReader(iteration_dir, metadata["files"])
+    saved = _saved_tensors(reader.read_metadata())
+    pieces = [Piece(key, shape, (0,) * len(shape), torch.empty(shape, dtype=dtype))
+              for key, (shape, dtype) in saved.items() if key.startswith(MODEL_PREFIX)]
+    planner = PieceLoadPlanner(pieces, ["config", "progress"])
+    try:
+        dcp.load({}, storage_reader=VerifyingReader(iteration_dir, metadata["files"]),
+                 planner=planner, no_dist=True)
+    except CheckpointException as caught:
+        raise CheckpointError(describe_failure(caught)) from None
+    return ({piece.key[len(MODEL_PREFIX):]: piece.tensor for piece in pieces},
+            planner.objects)
+
+
+def write_full_weights(root: str, iteration: int, config, full: dict, progress: dict,
+                       note: str = "") -> str:
+    """Write ``full`` ({name: whole tensor}) as a weights-only torch_dist checkpoint (loads in any
+    layout with --finetune or --no-load-optim): staging directory, metadata with CRC-32s, rename,
+    then the tracker. Refuses to overwrite an existing iteration directory."""
+    import json
+    import shutil
+
+    from megatron.training.checkpointing.files import (CHECKPOINT_FORMAT,
+                                                      CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
+                                                      STAGING_SUFFIX, iteration_dir_name,
+                                                      write_tracker)
+    from megatron.training.checkpointing.global_keys import Piece, model_key
+
+    final_dir = os.path.join(root, iteration_dir_name(iteration))
+    if os.path.exists(final_dir):
+        raise CheckpointError(f"{final_dir} already exists; choose an empty --save directory")
+    staging_dir = final_dir + STAGING_SUFFIX
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(staging_dir, ignore_errors=True)
+    progress = {"iteration": iteration,
+                "consumed_train_samples": int(progress.get("consumed_train_samples", 0)),
+                "consumed_valid_samples": int(progress.get("consumed_valid_samples", 0))}
+    pieces = [Piece(model_key(name), tuple(value.shape), (0,) * value.dim(),
+                    value.detach().contiguous()) for name, value in sorted(full.items())]
+    try:
+        dcp.save({}, storage_writer=writer_for(staging_dir),
+                 planner=PieceSavePlanner(pieces, {"progress": progress,
+                                                   "config": dataclasses.asdict(config)}),
+                 no_dist=True)
+        model = dataclasses.asdict(config.model)
+        metadata = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION,
+                    **progress, "layout": parallel_layout(config, 1), "data_parallel_size": 1,
+                    "ckpt_format": TORCH_DIST, "weights_only": True, "converted_from": note,
+                    "model": {name: model[name] for name in ARCHITECTURE_FLAGS if name in model},
+                    "optimizer_saved": False, "rng_saved": False,
+                    "files": own_files(staging_dir, 0)}
+        with open(os.path.join(staging_dir, METADATA_FILENAME), "w") as handle:
+            json.dump(metadata, handle, indent=2)
+        os.replace(staging_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(staging_dir, ignore_errors=True)
+        raise
+    write_tracker(root, iteration)
+    return final_dir
