@@ -4,7 +4,7 @@ Chimera PP2 on two gloo ranks, 40 iterations, ``--save ck --load ck --save-inter
 is killed with SIGKILL after iteration 17 (after the checkpoint of iteration 15). torchrun restarts
 both workers; they resume from the newest complete checkpoint, the job exits 0 and every
 iteration's printed loss (the last one printed for it) is the uninterrupted run's, in both
-checkpoint formats. Before the fix the second attempt died creating its process groups (``Gloo
+checkpoint formats and with background saves (``--async-save``). Before the fix the second attempt died creating its process groups (``Gloo
 connectFullMesh failed ... Connection refused``: the first attempt's addresses in torchrun's
 store) and rank 0 ignored torchrun's SIGTERM for 30 s.
 """
@@ -50,11 +50,11 @@ def _children(pid: int) -> list[int]:
     return sorted(found)
 
 
-def _run_and_kill_a_worker(save_dir: str, ckpt_format: str, after_iteration: int = 17):
+def _run_and_kill_a_worker(save_dir: str, ckpt_flags: str, after_iteration: int = 17):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
                os.path.join(REPO, "pretrain_gpt.py"), *COMMAND, "--save", save_dir, "--load",
-               save_dir, "--save-interval", "5", "--ckpt-format", ckpt_format]
+               save_dir, "--save-interval", "5", *ckpt_flags.split()]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -86,11 +86,13 @@ def straight_losses(tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+@pytest.mark.parametrize("ckpt_flags", ["--ckpt-format torch", "--ckpt-format torch_dist",
+                                        "--ckpt-format torch_dist --async-save"],
+                         ids=["torch", "torch_dist", "torch_dist-async"])
 def test_a_killed_worker_is_restarted_and_resumes_exactly(tmp_path, straight_losses,
-                                                          ckpt_format):
+                                                          ckpt_flags):
     save_dir = str(tmp_path / "ck")
-    returncode, output, killed_at = _run_and_kill_a_worker(save_dir, ckpt_format)
+    returncode, output, killed_at = _run_and_kill_a_worker(save_dir, ckpt_flags)
     assert killed_at is not None, output[-3000:]
     assert returncode == 0, output[-4000:]
     resumed = re.findall(rf"loading checkpoint from {re.escape(save_dir)} at iteration (\d+)",
