@@ -97,7 +97,10 @@ def test_a_killed_worker_is_restarted_and_resumes_exactly(tmp_path, straight_los
     assert returncode == 0, output[-4000:]
     resumed = re.findall(rf"loading checkpoint from {re.escape(save_dir)} at iteration (\d+)",
                          output)
-    assert resumed and int(resumed[-1]) >= 15, output[-4000:]
+    # the newest complete checkpoint: 15, or with --async-save possibly 10 (iteration 15's
+    # background write may not have been published when the worker was killed)
+    newest_complete = 10 if "--async-save" in ckpt_flags else 15
+    assert resumed and int(resumed[-1]) >= newest_complete, output[-4000:]
     assert "connectFullMesh" not in output
     assert "Unable to shutdown" not in output  # every rank stopped on torchrun's SIGTERM
     assert _last_losses(output) == straight_losses
