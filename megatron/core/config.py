@@ -308,6 +308,10 @@ class CheckpointConfig:
         False, "With --ckpt-format torch_dist: write checkpoint files in the background while "
                "training goes on; the tracker is written once every rank finished, at the next "
                "save or the end of training.")
+    use_persistent_ckpt_worker: bool = option(
+        False, "With --async-save: write in a persistent background process (DCP's process "
+               "executor) instead of a thread of the training process, so that writing does not "
+               "compete with training for the Python interpreter; started at the first save.")
 
 
 @dataclass

@@ -237,9 +237,6 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     *_switches(_CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format"),
     *_switches(_DIST_CHECKPOINT, "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
                "--ckpt-assume-constant-structure", "--dist-ckpt-optim-fully-reshardable"),
-    CompatibilityFlag("--use-persistent-ckpt-worker",
-                      "--async-save writes in a background thread of the training process that "
-                      "lives for the whole run (DCP's thread executor)"),
     CompatibilityFlag("--dist-ckpt-strictness",
                       "loading checks every key and global shape this run needs and names what is "
                       "missing (as raise_all); saved keys this run does not need are skipped",

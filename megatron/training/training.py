@@ -512,7 +512,7 @@ def pretrain(config, model_provider, datasets_provider, forward_step_func, *,
                    checkpointing=checkpointing, start_time=start_time,
                    tensorboard_writer=tensorboard_writer)
     if hasattr(checkpointing, "finish"):  # --async-save: publish the save still being written
-        checkpointing.finish(components)
+        checkpointing.finish(components, last=True)
     runtime.report(log if is_logging_rank(parallel_state) else None)  # collective
     if not result.exited_early:
         _final_evaluations(components, forward_step_func, valid_dataset, test_dataset, result,

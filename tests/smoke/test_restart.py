@@ -4,7 +4,8 @@ Chimera PP2 on two gloo ranks, 40 iterations, ``--save ck --load ck --save-inter
 is killed with SIGKILL after iteration 17 (after the checkpoint of iteration 15). torchrun restarts
 both workers; they resume from the newest complete checkpoint, the job exits 0 and every
 iteration's printed loss (the last one printed for it) is the uninterrupted run's, in both
-checkpoint formats and with background saves (``--async-save``). Before the fix the second attempt died creating its process groups (``Gloo
+checkpoint formats and with background saves (``--async-save``, written by a persistent writer
+process per rank). Before the fix the second attempt died creating its process groups (``Gloo
 connectFullMesh failed ... Connection refused``: the first attempt's addresses in torchrun's
 store) and rank 0 ignored torchrun's SIGTERM for 30 s.
 """
@@ -87,7 +88,8 @@ def straight_losses(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ckpt_flags", ["--ckpt-format torch", "--ckpt-format torch_dist",
-                                        "--ckpt-format torch_dist --async-save"],
+                                        "--ckpt-format torch_dist --async-save "
+                                        "--use-persistent-ckpt-worker"],
                          ids=["torch", "torch_dist", "torch_dist-async"])
 def test_a_killed_worker_is_restarted_and_resumes_exactly(tmp_path, straight_losses,
                                                           ckpt_flags):
@@ -102,6 +104,8 @@ def test_a_killed_worker_is_restarted_and_resumes_exactly(tmp_path, straight_los
     newest_complete = 10 if "--async-save" in ckpt_flags else 15
     assert resumed and int(resumed[-1]) >= newest_complete, output[-4000:]
     assert "connectFullMesh" not in output
+    # the end of the run is clean: no writer process dies on a closed pipe after the last save
+    assert "EOFError" not in output.rsplit("saved checkpoint at iteration      40", 1)[-1]
     assert "Unable to shutdown" not in output  # every rank stopped on torchrun's SIGTERM
     assert _last_losses(output) == straight_losses
     assert read_tracker(save_dir) == 40

@@ -159,12 +159,14 @@ class Checkpointer:
                      f"(copied in {time.perf_counter() - started:.2f} s)")
         return final_dir
 
-    def finish(self, components) -> None:
+    def finish(self, components, last: bool = False) -> None:
         """Wait for the background save in flight (if any), then publish it: metadata, rename,
-        tracker. Collective; the training loop calls it at the end of training, and every save
-        calls it first. A failed background write raises on every rank and publishes nothing."""
+        tracker. Collective; the training loop calls it at the end of training (``last``: then
+        the persistent writer process, if any, is stopped too), and every save calls it first. A failed background write raises on every rank and publishes nothing."""
         pending, self.pending = self.pending, None
         if pending is None:
+            if last and getattr(self.config.checkpoint, "use_persistent_ckpt_worker", False):
+                torch_dist.stop_writer_process()
             return
         try:
             files = torch_dist.wait_for_background_save(components, pending)
@@ -178,6 +180,8 @@ class Checkpointer:
             self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to "
                      f"{pending.root} ({time.perf_counter() - pending.started:.2f} s, in the "
                      f"background)")
+        if last and getattr(self.config.checkpoint, "use_persistent_ckpt_worker", False):
+            torch_dist.stop_writer_process()
 
     def _prepare_staging(self, components, root: str, staging_dir: str) -> None:
         """Rank 0 creates an empty staging directory (removing what a crashed save left)."""

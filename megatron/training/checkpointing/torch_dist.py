@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from megatron.core.distributed import a2sgd
 from megatron.training.checkpointing.collectives import (_all_gather, _raise_for_failures,
@@ -199,7 +200,9 @@ class PendingSave:
 
 def background_group(parallel_state):
     """A gloo group of every rank for DCP's collectives in the background thread, so they never
-    interleave with training's collectives on the default group (None in one process)."""
+    interleave with training's collectives on the default group (None in one process). With
+    ``--use-persistent-ckpt-worker`` DCP starts one writer process per rank (at the first save,
+    kept for the run), which forms its own group; this group only sets it up."""
     if _no_dist(parallel_state):
         return None
     return dist.new_group(backend="gloo")
@@ -217,9 +220,25 @@ def start_background_save(components, state, checkpoint_config, root: str, stagi
         error = _describe(caught)
     _raise_if_any_failed(parallel_state, error, f"collecting the checkpoint state of iteration "
                                                 f"{state.iteration}")
+    worker = getattr(checkpoint_config, "use_persistent_ckpt_worker", False)
+    # DCP's writer process joins its peers through a process group: one process uses the thread
+    executor = AsyncCheckpointerType.PROCESS if worker and not _no_dist(parallel_state) \
+        else AsyncCheckpointerType.THREAD
     return dcp.async_save({}, storage_writer=writer_for(staging_dir),
                           planner=PieceSavePlanner(pieces, objects), process_group=group,
-                          no_dist=_no_dist(parallel_state))
+                          no_dist=_no_dist(parallel_state), async_checkpointer_type=executor)
+
+
+def stop_writer_process() -> None:
+    """End DCP's persistent writer process (``--use-persistent-ckpt-worker``) at the end of
+    training, so it leaves cleanly instead of finding its pipe closed when this process exits.
+    DCP keeps the process in a private module attribute; nothing happens if it has none."""
+    from torch.distributed.checkpoint import _async_process_executor as executor_module
+
+    process = getattr(executor_module, "_CHECKPOINT_PROCESS", None)
+    if process is not None:
+        executor_module._CHECKPOINT_PROCESS = None
+        process.__del__()  # sends TERMINATE and joins it (a no-op when collected later)
 
 
 def wait_for_background_save(components, pending: PendingSave) -> dict:
