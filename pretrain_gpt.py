@@ -32,6 +32,7 @@ from megatron.training.crossover import load_crossover_jobs, run_crossover
 from megatron.training.gpt_spec import gpt_model_spec
 from megatron.training.initialize import shutdown_distributed
 from megatron.training.launch_env import read_launch_environment
+from megatron.training.restarts import StopWatchdog
 from megatron.training.training import pretrain
 
 
@@ -154,12 +155,17 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log = functools.partial(print, flush=True)
     previous_handler = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    # A rank blocked in C++ (a collective, process-group creation) stops within seconds of
+    # torchrun's SIGTERM; with --exit-signal-handler the signal asks for a save instead.
+    watchdog = None if "--exit-signal-handler" in argv else StopWatchdog().install()
     finished = False
     try:
         _run(argv, log)
         finished = True
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+        if watchdog is not None:
+            watchdog.uninstall()
         # A finished run waits for every rank and tears the process groups down, so no
         # communication thread is alive at interpreter exit (an abort there would turn a finished
         # run into a failed one for torchrun, SLURM and CI); a failed run only tears down.

@@ -11,7 +11,9 @@ to a Hugging Face GPT-2, or from a Hugging Face GPT-2 or a Megatron-LM GPT check
         --source-format megatron-lm
 
 Reads every rank file of the iteration (the tracker's, or --iteration N) in this one process,
-merges each parameter to its full tensor and writes the target layout's files. The result holds
+merges each parameter to its full tensor and writes the target layout's files (or, with
+--ckpt-format torch_dist, whole tensors that load in any layout). A torch_dist source holds whole
+tensors already. The result holds
 weights only: load it with --finetune (start at iteration 0) or --no-load-optim (keep the
 iteration and consumed samples). See docs/checkpointing.md and docs/inference.md.
 """
@@ -48,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-format", choices=("native", "hf"), default="native",
                         help="write this project's checkpoint in the target layout (native) or "
                         "a Hugging Face GPT2LMHeadModel directory (hf; layout flags ignored)")
+    parser.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
+                        help="native target: per-rank files of the target layout (torch) or "
+                        "global tensors that load in any layout (torch_dist); either format is "
+                        "read")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="imports: training sequence length (default: the position table)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -80,7 +86,8 @@ def main(argv=None) -> int:
             import_megatron_lm(args.load, args.save, target, iteration=args.iteration,
                                seq_length=args.seq_length)
         else:
-            convert_checkpoint(args.load, args.save, target, iteration=args.iteration)
+            convert_checkpoint(args.load, args.save, target, iteration=args.iteration,
+                               ckpt_format=args.ckpt_format)
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

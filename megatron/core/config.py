@@ -371,6 +371,19 @@ class CheckpointConfig:
     allow_overwrite_checkpoints: bool = option(
         False, "Start even though --save holds checkpoints this run does not resume from "
                "(they may be overwritten); without it such a run stops before training.")
+    ckpt_format: str = option(
+        "torch", "Checkpoint format to save: torch (a file per tensor/pipeline position, "
+                 "resumable in the saved layout) or torch_dist (global tensors through "
+                 "torch.distributed.checkpoint, resumable in any layout). Loading detects it.",
+        choices=("torch", "torch_dist"))
+    async_save: bool = option(
+        False, "With --ckpt-format torch_dist: write checkpoint files in the background while "
+               "training goes on; the tracker is written once every rank finished, at the next "
+               "save or the end of training.")
+    use_persistent_ckpt_worker: bool = option(
+        False, "With --async-save: write in a persistent background process (DCP's process "
+               "executor) instead of a thread of the training process, so that writing does not "
+               "compete with training for the Python interpreter; started at the first save.")
 
 
 @dataclass

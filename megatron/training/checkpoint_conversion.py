@@ -42,6 +42,7 @@ from megatron.training.checkpointing import (
     CheckpointError, _read_metadata, _verify_file, checkpoint_file, describe_layout, file_crc32,
     iteration_dir_name, load_file, model_keys, parallel_layout, rank_dir_name, read_tracker,
     save_file, write_tracker)
+from megatron.training.checkpointing import torch_dist
 
 # Flags of the parallel layout besides the schedule families' own (see layout_fields); everything
 # else of the source run's config carries over.
@@ -84,6 +85,7 @@ class SourceCheckpoint:
     metadata: dict
     config: MegatronConfig
     payloads: dict
+    full: Optional[dict] = None   # a torch_dist checkpoint's whole tensors (no payloads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,6 +224,14 @@ def read_checkpoint(root: str, iteration: Optional[int] = None) -> SourceCheckpo
         metadata = _read_metadata(os.path.join(iteration_dir, METADATA_FILENAME))
     except CheckpointError as error:
         raise ConversionError(str(error)) from None
+    if torch_dist.is_torch_dist(metadata):  # global tensors: nothing to merge
+        try:
+            full, objects = torch_dist.read_full_weights(iteration_dir, metadata)
+        except CheckpointError as error:
+            raise ConversionError(str(error)) from None
+        progress = objects["progress"]
+        return SourceCheckpoint(root, iteration, metadata, config_from_dict(objects["config"]),
+                                {(0, 0): progress}, full)
     layout = metadata["layout"]
     tp_size = layout["tensor_model_parallel_size"]
     pp_size = layout["pipeline_model_parallel_size"]
@@ -255,6 +265,8 @@ def merge_full_state(source: SourceCheckpoint,
     ranks, and every copy of a parameter (Chimera replicas, tied embedding copies) must agree.
     Raises ConversionError naming the parameter otherwise.
     """
+    if source.full is not None:
+        return {name: value.clone() for name, value in source.full.items()}
     layout = source.metadata["layout"]
     tp_size = layout["tensor_model_parallel_size"]
     pp_size = layout["pipeline_model_parallel_size"]
@@ -382,10 +394,15 @@ def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, 
 
 def convert_checkpoint(load: str, save: str, target: TargetLayout,
                        iteration: Optional[int] = None, log=print,
-                       registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> str:
+                       registry: ScheduleRegistry = BUILTIN_SCHEDULES,
+                       ckpt_format: str = "torch") -> str:
     """Convert ``load``'s iteration (default: the tracker's) to ``target``; write it to ``save``.
     ``registry`` holds the schedule families of both layouts (pass your own for a family of
     yours).
+
+    Either format is read. ``ckpt_format`` "torch" writes the target layout's per-rank files;
+    "torch_dist" writes whole tensors through torch.distributed.checkpoint, which load in any
+    layout (the target layout then only validates the flags).
 
     Returns the written iteration directory. Raises ConversionError (a ValueError) naming the
     problem and the fix for a missing iteration, corrupt files, diverged replicas, a model that
@@ -396,6 +413,15 @@ def convert_checkpoint(load: str, save: str, target: TargetLayout,
     config = target_config(source.config, target, registry)
     log(f"converting {load} iteration {source.iteration} [{source_layout}]")
     full = merge_full_state(source, registry)
+    if ckpt_format == torch_dist.TORCH_DIST:
+        try:
+            written = torch_dist.write_full_weights(save, source.iteration, config, full,
+                                                    source.payloads[(0, 0)], note=source_layout)
+        except CheckpointError as error:
+            raise ConversionError(str(error)) from None
+        log(f"  wrote {written} [torch_dist, loads in any layout]: {len(full)} parameters, "
+            f"weights only (load it with --finetune or --no-load-optim)")
+        return written
     chunks = split_for_layout(full, config, registry)
     target_layout = describe_layout(parallel_layout(config, len(next(iter(chunks.values()))),
                                                     registry))

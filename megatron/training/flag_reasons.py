@@ -4,8 +4,12 @@ the log line, ``--help`` and docs/flags.md say the same thing for all of them.""
 NO_FUSED_KERNEL = "there is no fused CUDA kernel here to switch"
 TENSORBOARD_SCALARS = ("TensorBoard receives this project's fixed set of scalars every "
                        "--log-interval iterations")
-CHECKPOINT_FORMAT = ("checkpoints are always written in this project's per-rank torch format "
-                     "(see docs/checkpointing.md)")
+CHECKPOINT_FORMAT = ("the checkpoint format is chosen with --ckpt-format (torch_dist: global tensors "
+                     "through torch.distributed.checkpoint, resumable in any layout; torch: one file "
+                     "per rank); loading detects it (see docs/checkpointing.md)")
+DIST_CHECKPOINT = ("--ckpt-format torch_dist always saves and loads fully in parallel and fully "
+                   "reshardable: each rank writes one replica's share of every tensor and reads only "
+                   "the pieces it needs, keyed by parameter name and global shape")
 GARBAGE_COLLECTOR = "Python's garbage collector runs as usual"
 PROFILER = "no built-in profiler; wrap the run in torch.profiler or nsys"
 AUTORESUME = "no ADLR auto-resume service; use --exit-duration-in-mins with --save"
@@ -81,8 +85,9 @@ WEIGHT_DECAY_RULE = "weight decay applies to weight matrices, never to biases an
 EVALUATION_OPTIONS = ("evaluation runs --eval-iters batches every --eval-interval iterations, with "
                       "the training micro-batch size, on one validation set")
 VOCAB_PADDING = "the vocabulary is always padded per --make-vocab-size-divisible-by"
-SYNCHRONOUS_CHECKPOINT = ("checkpoints are saved synchronously by the training ranks themselves, "
-                          "each writing its own file (same content; no background worker)")
+SYNCHRONOUS_CHECKPOINT = ("--async-save writes the checkpoint in the background through "
+                          "torch.distributed.checkpoint's async_save (--use-persistent-ckpt-worker: "
+                          "in a writer process); there are no further tuning knobs")
 NON_PERSISTENT_CHECKPOINT = ("only the checkpoints of --save every --save-interval are written; there "
                              "are no extra non-persistent (local or in-memory) ones")
 CHECKPOINT_REPLICATION = ("checkpoint files are written once, to --save; they are not replicated to "

@@ -23,6 +23,7 @@ from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
 from megatron.training.launch_env import (LaunchEnvironment, cuda_device_index,
                                           read_launch_environment)
+from megatron.training.restarts import attempt_store
 
 
 def choose_backend(parallel_config, cuda_available: Optional[bool] = None) -> str:
@@ -106,14 +107,17 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     if world_size > 1 and not dist.is_initialized():
         if launch.launcher == "torchrun":
-            init_method = "env://"  # torchrun's agent already hosts the rendezvous store
+            # torchrun's store, under a prefix per restart attempt (see restarts.attempt_store)
+            dist.init_process_group(
+                backend=backend, store=attempt_store(env, rank, world_size, timeout), rank=rank,
+                world_size=world_size, timeout=timeout)
         else:
             host = launch.master_addr
             init_method = f"tcp://[{host}]:{launch.master_port}" if ":" in host else \
                 f"tcp://{host}:{launch.master_port}"
-        dist.init_process_group(
-            backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout=timeout)
+            dist.init_process_group(
+                backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                timeout=timeout)
     elif dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     if parallel.world_size is not None and parallel.world_size != world_size:

@@ -152,14 +152,12 @@ COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
     *_with_value(reasons.INFERENCE_SERVER, "--inference-batch-times-seqlen-threshold",
                  "--max-tokens-to-oom"),
     # Checkpoint file formats.
-    CompatibilityFlag("--ckpt-format", reasons.CHECKPOINT_FORMAT,
-                      choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")),
     CompatibilityFlag("--dist-ckpt-format", reasons.CHECKPOINT_FORMAT, choices=("zarr",
                       "torch_dist")),
-    *_switches(reasons.CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format",
+    *_switches(reasons.CHECKPOINT_FORMAT, "--use-dist-ckpt", "--auto-detect-ckpt-format"),
+    *_switches(reasons.DIST_CHECKPOINT,
                "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
                "--ckpt-assume-constant-structure"),
-    CompatibilityFlag("--async-save", reasons.SYNCHRONOUS_CHECKPOINT),
     # Data reading.
     *_switches("dataset .bin files are always memory-mapped", "--no-mmap-bin-files",
                "--mmap-bin-files"),
@@ -354,6 +352,9 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
 # reason (together with every other problem of the command line), not as argparse's "invalid
 # choice", which would stop at the first one.
 VALUES_NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
+    "--ckpt-format": {
+        "torch_dcp": "use --ckpt-format torch_dist (torch.distributed.checkpoint with global keys)",
+        "fsdp_dtensor": "FSDP is not implemented; use --ckpt-format torch_dist"},
     "--lr-decay-style": {"inverse-square-root": reasons.LR_DECAY, "WSD": reasons.LR_DECAY},
     "--dataloader-type": {
         "cyclic": "samples are read in Megatron's 'single' order only; a cyclic loader would "

@@ -1,4 +1,10 @@
-"""Import a Megatron-LM GPT checkpoint (torch format, legacy or mcore layout) as our checkpoint.
+"""Import a Megatron-LM GPT checkpoint (torch format, legacy or mcore layout, or Megatron-core's
+torch_dist format) as our checkpoint.
+
+torch_dist (``--ckpt-format torch_dist``, Megatron-LM's default): ``iter_NNNNNNN/`` holds DCP
+files of global tensors under mcore key names, each transformer-layer parameter stacked over the
+layers (``decoder.layers.mlp.linear_fc1.weight`` of shape ``[num_layers, ...]``), and
+``common.pt`` with ``args``; :func:`read_megatron_core_dist` reads each tensor whole.
 
 Megatron-LM writes ``ROOT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` (or ``release/``),
 each holding ``args`` (its argparse namespace) and ``model``: in the legacy layout a nested
@@ -125,9 +131,74 @@ def _check_args(args) -> None:
                               f"{'; '.join(problems)}")
 
 
+def _unstacked(name: str, tensor: torch.Tensor, num_layers: int) -> dict:
+    """Megatron-core's dist checkpoints key every layer's parameter once, with the layer number as
+    a leading axis (``decoder.layers.mlp.linear_fc1.weight`` of shape ``[num_layers, ...]``):
+    ``{decoder.layers.i.rest: tensor[i]}``. Other names (and per-layer ones) pass unchanged."""
+    match = re.fullmatch(r"decoder\.layers\.([A-Za-z_].*)", name)
+    if match is None:
+        return {name: tensor}
+    if tensor.dim() == 0 or tensor.shape[0] != num_layers:
+        raise ConversionError(f"{name} has shape {tuple(tensor.shape)}: a stacked layer "
+                              f"parameter needs a leading axis of --num-layers {num_layers}")
+    return {f"decoder.layers.{index}.{match.group(1)}": tensor[index].clone()
+            for index in range(num_layers)}
+
+
+def read_megatron_core_dist(iteration_dir: str) -> tuple:
+    """(``args``, ``{our name: full tensor}``) of a Megatron-core ``torch_dist`` checkpoint: DCP
+    files (``.metadata``, ``__R_N.distcp``) of global tensors under mcore key names, and
+    ``common.pt`` with ``args``. Each tensor is read whole, whatever its saved shards (TP, PP,
+    distributed-optimizer layout); optimizer state and ``_extra_state`` entries are skipped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron.training.checkpointing.dcp_io import PieceLoadPlanner
+    from megatron.training.checkpointing.global_keys import Piece
+
+    common = os.path.join(iteration_dir, "common.pt")
+    if not os.path.isfile(common):
+        raise ConversionError(f"{common} is missing: a Megatron-core torch_dist checkpoint keeps "
+                              f"its args there; point --load at the checkpoint's root")
+    args = torch.load(common, map_location="cpu", weights_only=False).get("args")
+    if args is None:
+        raise ConversionError(f"{common} has no 'args'; it is not a Megatron-LM checkpoint")
+    _check_args(args)
+    try:
+        saved = FileSystemReader(iteration_dir).read_metadata().state_dict_metadata
+    except Exception as error:
+        raise ConversionError(f"{os.path.join(iteration_dir, '.metadata')} cannot be read "
+                              f"({type(error).__name__}: {error}); the checkpoint is corrupt") from error
+    pieces = [Piece(key, tuple(entry.size), (0,) * len(entry.size),
+                    torch.empty(tuple(entry.size), dtype=entry.properties.dtype))
+              for key, entry in saved.items() if isinstance(entry, TensorStorageMetadata)
+              and not key.startswith(("optimizer.", "rng_state")) and
+              not key.endswith("_extra_state")]
+    try:
+        dcp.load({}, storage_reader=FileSystemReader(iteration_dir),
+                 planner=PieceLoadPlanner(pieces, []), no_dist=True)
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConversionError(f"reading {iteration_dir} failed: {error}") from None
+    full = {}
+    for piece in pieces:
+        key = piece.key[len("model."):] if piece.key.startswith("model.") else piece.key
+        for name, tensor in _unstacked(key, piece.tensor, args.num_layers).items():
+            ours = _our_name(name, 0)
+            if ours is not None:
+                full[ours] = tensor
+    return args, full
+
+
 def read_megatron_lm(root: str, iteration: Optional[int] = None) -> tuple:
-    """(Megatron-LM ``args``, ``{our name: full tensor}``) of a Megatron-LM GPT checkpoint."""
-    files = _rank_files(_iteration_dir(root, iteration))
+    """(Megatron-LM ``args``, ``{our name: full tensor}``) of a Megatron-LM GPT checkpoint, in
+    torch format (per-rank files) or Megatron-core's torch_dist format (DCP)."""
+    iteration_dir = _iteration_dir(root, iteration)
+    if os.path.isfile(os.path.join(iteration_dir, ".metadata")):
+        return read_megatron_core_dist(iteration_dir)
+    files = _rank_files(iteration_dir)
     payloads = {key: torch.load(path, map_location="cpu", weights_only=False)
                 for key, path in sorted(files.items())}
     args = payloads[(0, 0)].get("args")

@@ -567,6 +567,8 @@ def pretrain(config, model_spec, datasets_provider=None, forward_step_func=None,
                    checkpointing=checkpointing, start_time=start_time,
                    tensorboard_writer=tensorboard_writer)
     components.optimizer.finish_parameter_gather()  # the trained weights, settled on every rank
+    if hasattr(checkpointing, "finish"):  # --async-save: publish the save still being written
+        checkpointing.finish(components, last=True)
     runtime.report(log if is_logging_rank(parallel_state) else None)  # collective
     if not result.exited_early:
         _final_evaluations(components, forward_step_func, valid_dataset, test_dataset, result,

@@ -13,6 +13,7 @@ import time
 from typing import Callable, Optional
 
 from megatron.core.distributed.reduction import load_reducer_states, reducer_states
+from megatron.training.checkpointing import torch_dist
 from megatron.training.checkpointing.retention import prune_checkpoints
 from megatron.training.checkpointing.collectives import (_all_gather,
                                                         _gather_rng_states_over_data_parallel,
@@ -69,6 +70,22 @@ class Checkpointer:
     def __init__(self, config, *, log: Callable[[str], None] = print):
         self.config = config
         self.log = log
+        self.pending = None           # the background save in flight (--async-save)
+        self._background_group = None
+        self._noted_sync = False
+
+    @property
+    def saves_in_background(self) -> bool:
+        """``--async-save`` with ``--ckpt-format torch_dist`` (the torch format saves in the
+        foreground; a note says so when the checkpointer is first used)."""
+        return bool(getattr(self.config.checkpoint, "async_save", False)) and \
+            self.ckpt_format == torch_dist.TORCH_DIST
+
+    @property
+    def ckpt_format(self) -> str:
+        """``--ckpt-format``: ``torch`` (a file per tensor/pipeline position) or ``torch_dist``
+        (global tensors through torch.distributed.checkpoint). Loading detects the format."""
+        return getattr(self.config.checkpoint, "ckpt_format", "torch")
 
     # ---- save ------------------------------------------------------------------------------
 
@@ -83,7 +100,13 @@ class Checkpointer:
         root = self.config.checkpoint.save
         if not root:
             raise ValueError("Checkpointer.save needs --save DIR; pass --save")
+        self.finish(components)  # the previous background save is published first
         is_first = components.parallel_state.rank == 0
+        if is_first and getattr(self.config.checkpoint, "async_save", False) and \
+                not self.saves_in_background and not self._noted_sync:
+            self._noted_sync = True
+            self.log("  note: --async-save applies to --ckpt-format torch_dist; the torch format "
+                     "is saved in the foreground")
         final_dir = os.path.join(root, iteration_dir_name(state.iteration))
         staging_dir = final_dir + STAGING_SUFFIX
         if is_first:
@@ -96,8 +119,22 @@ class Checkpointer:
                 self.log(f"  without {' and '.join(omitted)} (--no-save-optim / --no-save-rng)")
         started = time.perf_counter()
         self._prepare_staging(components, root, staging_dir)
-        files = self._write_all_rank_files(components, state, root, staging_dir)
-        self._publish_agreed(components, state, root, staging_dir, final_dir, files)
+        extra = None
+        if self.saves_in_background:
+            return self._start_background_save(components, state, root, staging_dir, final_dir,
+                                               started)
+        if self.ckpt_format == torch_dist.TORCH_DIST:
+            try:
+                files = torch_dist.save_files(components, state, self.config.checkpoint, root,
+                                              staging_dir)
+            except BaseException:
+                if components.parallel_state.rank == 0:
+                    shutil.rmtree(staging_dir, ignore_errors=True)
+                raise
+            extra = torch_dist.metadata_fields(components, self.config.checkpoint)
+        else:
+            files = self._write_all_rank_files(components, state, root, staging_dir)
+        self._publish_agreed(components, state, root, staging_dir, final_dir, files, extra)
         if is_first:
             self.log(f"  successfully saved checkpoint at iteration {state.iteration:7d} to "
                      f"{root} ({time.perf_counter() - started:.2f} s)")
@@ -105,6 +142,54 @@ class Checkpointer:
                 prune_checkpoints(root, state.iteration,
                                   self.config.checkpoint.save_retain_interval, self.log)
         return final_dir
+
+    def _start_background_save(self, components, state, root: str, staging_dir: str,
+                               final_dir: str, started: float) -> str:
+        """--async-save: copy the state, start DCP's background write and return; the tracker is
+        written by :meth:`finish` once every rank's write finished."""
+        import copy as copy_module
+
+        if self._background_group is None:
+            self._background_group = torch_dist.background_group(components.parallel_state)
+        try:
+            future = torch_dist.start_background_save(components, state, self.config.checkpoint,
+                                                      root, staging_dir, self._background_group)
+        except BaseException:
+            if components.parallel_state.rank == 0:
+                shutil.rmtree(staging_dir, ignore_errors=True)
+            raise
+        self.pending = torch_dist.PendingSave(
+            future, state.iteration, root, staging_dir, final_dir,
+            torch_dist.metadata_fields(components, self.config.checkpoint),
+            copy_module.copy(state), started)
+        if components.parallel_state.rank == 0:
+            self.log(f"  writing checkpoint of iteration {state.iteration:7d} in the background "
+                     f"(copied in {time.perf_counter() - started:.2f} s)")
+        return final_dir
+
+    def finish(self, components, last: bool = False) -> None:
+        """Wait for the background save in flight (if any), then publish it: metadata, rename,
+        tracker. Collective; the training loop calls it at the end of training (``last``: then
+        the persistent writer process, if any, is stopped too), and every save calls it first. A failed background write raises on every rank and publishes nothing."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            if last and getattr(self.config.checkpoint, "use_persistent_ckpt_worker", False):
+                torch_dist.stop_writer_process()
+            return
+        try:
+            files = torch_dist.wait_for_background_save(components, pending)
+        except BaseException:
+            if components.parallel_state.rank == 0:
+                shutil.rmtree(pending.staging_dir, ignore_errors=True)
+            raise
+        self._publish_agreed(components, pending.state, pending.root, pending.staging_dir,
+                             pending.final_dir, files, pending.extra)
+        if components.parallel_state.rank == 0:
+            self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to "
+                     f"{pending.root} ({time.perf_counter() - pending.started:.2f} s, in the "
+                     f"background)")
+        if last and getattr(self.config.checkpoint, "use_persistent_ckpt_worker", False):
+            torch_dist.stop_writer_process()
 
     def _prepare_staging(self, components, root: str, staging_dir: str) -> None:
         """Rank 0 creates an empty staging directory (removing what a crashed save left)."""
@@ -166,12 +251,12 @@ class Checkpointer:
         return dict(entry for _, entries in gathered for entry in entries or ())
 
     def _publish_agreed(self, components, state, root: str, staging_dir: str, final_dir: str,
-                        files: dict) -> None:
+                        files: dict, extra: Optional[dict] = None) -> None:
         """Rank 0 publishes; every rank learns whether it succeeded."""
         error = None
         if components.parallel_state.rank == 0:
             try:
-                self._publish(components, state, root, staging_dir, final_dir, files)
+                self._publish(components, state, root, staging_dir, final_dir, files, extra)
             except Exception as caught:
                 error = _describe(caught)
                 shutil.rmtree(staging_dir, ignore_errors=True)
@@ -206,10 +291,11 @@ class Checkpointer:
         return relative, {"size": os.path.getsize(path), "crc32": file_crc32(path)}
 
     def _publish(self, components, state, root: str, staging_dir: str, final_dir: str,
-                 files: dict) -> None:
+                 files: dict, extra: Optional[dict] = None) -> None:
         """Rank 0, after every rank wrote: metadata, rename into place, then the tracker."""
         metadata = {
             **_checkpoint_header(components, state),
+            **(extra or {}),
             "files": dict(sorted(files.items())),
         }
         metadata_path = os.path.join(staging_dir, METADATA_FILENAME)
@@ -261,6 +347,25 @@ class Checkpointer:
             return None
         if is_first:
             self.log(f"loading checkpoint from {root} at iteration {iteration}")
+
+        iteration_dir = os.path.join(root, iteration_dir_name(iteration))
+        metadata_path = os.path.join(iteration_dir, METADATA_FILENAME)
+        metadata, error = None, None
+        try:
+            if os.path.isfile(metadata_path):
+                metadata = _read_metadata(metadata_path)
+        except Exception as caught:
+            error = str(caught)
+        _raise_if_any_failed(parallel_state, error, f"loading checkpoint {root} "
+                                                    f"(iteration {iteration})")
+        if metadata is not None and torch_dist.is_torch_dist(metadata):
+            result = torch_dist.load(components, checkpoint_config, iteration_dir, metadata,
+                                     self.log, TrainingState)
+            if is_first:
+                loaded = "weights only (--finetune), starting at iteration 0" \
+                    if checkpoint_config.finetune else f"at iteration {iteration}"
+                self.log(f"  successfully loaded checkpoint from {root} {loaded}")
+            return result
 
         payload, error = None, None
         try:

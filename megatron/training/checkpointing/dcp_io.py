@@ -1,0 +1,162 @@
+"""torch.distributed.checkpoint (DCP) underneath ``--ckpt-format torch_dist``: planners that write
+and read :class:`~.global_keys.Piece` boxes of global tensors, and a reader that checks every file's
+size and CRC-32 before DCP reads from it.
+
+- :class:`PieceSavePlanner` turns this rank's pieces (and picklable objects) into DCP write items,
+  one per box with its global offsets and the global shape. DCP's global planning drops boxes that
+  several ranks hold (Chimera's stage replicas, tensor-parallel replicas, tied embedding copies)
+  so that exactly one rank writes each, and rejects boxes that overlap or do not cover a tensor.
+- :class:`PieceLoadPlanner` asks DCP for the boxes this rank needs, whatever boxes the checkpoint
+  was saved in (DCP computes the overlaps: that is the resharding), and reads into them.
+- :class:`VerifyingReader` verifies a file against ``metadata.json`` the first time it is read, so
+  a truncated or flipped file fails with a message naming it instead of loading wrong numbers.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan,
+                                                  TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from megatron.training.checkpointing.files import CheckpointError, _verify_file
+
+DCP_METADATA_FILENAME = ".metadata"  # written by DCP's FileSystemWriter
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """Write ``pieces`` (a :class:`~.global_keys.PieceSet` or list of pieces) and ``objects``
+    (``{key: picklable value}``, saved with ``torch.save``)."""
+
+    def __init__(self, pieces, objects: dict):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {piece.index: piece for piece in pieces}
+        self.objects = dict(objects)
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False):
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for (key, offsets), piece in self.pieces.items():
+            items.append(WriteItem(
+                index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                               sizes=piece.tensor.size()),
+                    properties=TensorProperties.create_from_tensor(piece.tensor),
+                    size=torch.Size(piece.global_shape))))
+        for key in self.objects:
+            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.objects and index.offset is None:
+            return self.objects[index.fqn]
+        tensor = self.pieces[(index.fqn, tuple(index.offset))].tensor.detach()
+        # torch.save of a view writes its whole storage (a flat buffer): save a compact copy
+        return tensor if _owns_storage(tensor) else tensor.clone()
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """Read the checkpoint's boxes that overlap ``pieces`` into them, and ``object_keys`` (with
+    ``torch.load(weights_only=True)``) into :attr:`objects`."""
+
+    def __init__(self, pieces, object_keys):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {piece.index: piece for piece in pieces}
+        self.object_keys = list(object_keys)
+        self.objects: dict = {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False):
+        self.state_dict = {}
+        self.original_state_dict = {}
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        items = []
+        for (key, offsets), piece in self.pieces.items():
+            entry = saved.get(key)
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointError(f"the checkpoint holds no tensor {key!r}")
+            items += create_read_items_for_chunk_list(
+                key, entry, [ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                  sizes=piece.tensor.size())])
+        for key in self.object_keys:
+            if not isinstance(saved.get(key), BytesStorageMetadata):
+                raise CheckpointError(f"the checkpoint holds no entry {key!r}")
+            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
+                                  dest_offsets=torch.Size((0,)),
+                                  storage_index=MetadataIndex(key),
+                                  storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    def resolve_tensor(self, read_item: ReadItem):
+        piece = self.pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        return narrow_tensor_by_index(piece.tensor, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+    def fill_copies(self) -> None:
+        """After loading: every other local tensor of a box gets the box's values."""
+        for piece in self.pieces.values():
+            for copy in piece.copies:
+                copy.copy_(piece.tensor)
+
+
+class VerifyingReader(FileSystemReader):
+    """DCP's file reader that checks each file against ``files`` (``{relative path: {size,
+    crc32}}`` from ``metadata.json``) before reading it."""
+
+    def __init__(self, path: str, files: dict):
+        super().__init__(path)
+        self.directory = path
+        self.files = files
+        self.verified: set = set()
+
+    def read_metadata(self, *args, **kwargs):
+        path = os.path.join(self.directory, DCP_METADATA_FILENAME)
+        self._verify(DCP_METADATA_FILENAME)
+        try:
+            return super().read_metadata(*args, **kwargs)
+        except Exception as error:
+            raise CheckpointError(f"checkpoint file {path} cannot be read ({error}); it is "
+                                  f"corrupt: load an older iteration or save again") from None
+
+    def read_data(self, plan: LoadPlan, planner):
+        for item in plan.items:
+            self._verify(self.storage_data[item.storage_index].relative_path)
+        return super().read_data(plan, planner)
+
+    def _verify(self, relative: str) -> None:
+        if relative in self.verified:
+            return
+        recorded = self.files.get(relative)
+        path = os.path.join(self.directory, relative)
+        if recorded is None:
+            raise CheckpointError(f"checkpoint file {path} is not listed in the checkpoint's "
+                                  f"metadata.json; the checkpoint is incomplete or mixed up")
+        _verify_file(path, recorded)
+        self.verified.add(relative)

@@ -1,0 +1,121 @@
+"""``--ckpt-format torch_dist`` checkpoints resume in another parallel layout with their optimizer
+state: a run saved in one layout (iteration 3 of 6) and resumed in another prints the losses of the
+uninterrupted run for iterations 4-6 (fp32, dropout off, 1e-5 relative). Without the optimizer
+state (``--no-load-optim``) the same resume must miss those losses, so the check can fail.
+
+Layouts (at most 4 gloo ranks): Chimera PP4 with the distributed optimizer -> 1F1B TP2 x PP2;
+interleaved PP2 x DP2 (saved with --async-save) -> PP1 x DP2; Chimera PP2 x DP2 -> Chimera PP2 x TP2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import pretrain_gpt
+from dist_harness import run_distributed
+from megatron.training.arguments import parse_args
+from megatron.training.checkpointing import Checkpointer, read_tracker, write_tracker
+from megatron.training.training import pretrain
+
+pytestmark = pytest.mark.distributed
+
+TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --vocab-size 128 --make-vocab-size-divisible-by 64 "
+        "--mock-data --seed 7 --micro-batch-size 1 --global-batch-size 8 --lr 3e-3 "
+        "--lr-warmup-iters 1 --lr-decay-style cosine --clip-grad 0.5 --weight-decay 0.1 "
+        "--train-iters 6 --log-interval 1 --eval-iters 0 --attention-dropout 0 "
+        "--hidden-dropout 0 --distributed-timeout-minutes 1 --ckpt-format torch_dist")
+
+CASES = {
+    "chimera-pp4-distopt->1f1b-tp2xpp2": (
+        "--pipeline-model-parallel-size 4 --pipeline-schedule chimera "
+        "--use-distributed-optimizer", 4,
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+        "--pipeline-schedule 1f1b", 4),
+    "interleaved-pp2xdp2-async->pp1xdp2": (  # saved in the background (--async-save)
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+        "--async-save", 4, "", 2),
+    "chimera-pp2xdp2->chimera-pp2xtp2": (
+        "--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4,
+        "--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+        "--tensor-model-parallel-size 2", 4),
+}
+
+
+def _train(rank, world_size, argv):
+    config = parse_args(argv.split(), world_size=world_size)
+    lines = []
+    result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                      pretrain_gpt.forward_step,
+                      checkpointing=Checkpointer(config, log=lines.append), log=lambda _: None)
+    return {r.iteration: r.losses["lm loss"] for r in result.history}, lines
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def saved_run(request, tmp_path_factory):
+    """(case, save dir holding iterations 3 and 6 with the tracker at 3, straight losses)."""
+    source, source_world, _, _ = CASES[request.param]
+    save_dir = str(tmp_path_factory.mktemp("reshard") / "ckpt")
+    results = run_distributed(_train, source_world,
+                              f"{TINY} {source} --save {save_dir} --save-interval 3",
+                              timeout=300)
+    losses = results[0][0]
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert read_tracker(save_dir) == 6
+    write_tracker(save_dir, 3)  # resume from iteration 3; iteration 6 is the straight run's end
+    return request.param, save_dir, losses
+
+
+def _resume(case: str, save_dir: str, extra: str = ""):
+    _, _, target, target_world = CASES[case]
+    results = run_distributed(_train, target_world, f"{TINY} {target} --load {save_dir} {extra}",
+                              timeout=300)
+    return results[0]
+
+
+def _relative_errors(resumed: dict, straight: dict) -> list[float]:
+    assert sorted(resumed) == [4, 5, 6]
+    return [abs(resumed[i] - straight[i]) / abs(straight[i]) for i in (4, 5, 6)]
+
+
+def test_resume_in_another_layout_prints_the_straight_losses(saved_run):
+    case, save_dir, straight = saved_run
+    resumed, lines = _resume(case, save_dir)
+    assert any("resharding from" in line for line in lines), lines
+    errors = _relative_errors(resumed, straight)
+    assert max(errors) < 1e-5, (case, resumed, straight)
+
+
+def test_dropping_the_optimizer_state_misses_the_straight_losses(saved_run):
+    case, save_dir, straight = saved_run
+    resumed, _ = _resume(case, save_dir, "--no-load-optim")
+    errors = _relative_errors(resumed, straight)
+    assert max(errors) > 1e-5, (case, resumed, straight)
+
+
+def test_the_checkpoint_holds_global_keys_once(saved_run):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _, save_dir, _ = saved_run
+    metadata = FileSystemReader(os.path.join(save_dir, "iter_0000003")).read_metadata()
+    tensors = {key: entry for key, entry in metadata.state_dict_metadata.items()
+               if isinstance(entry, TensorStorageMetadata)}
+    # one key per parameter of the whole model, with its global shape
+    assert tuple(tensors["model.embedding.word_embeddings.weight"].size) == (128, 32)
+    assert tuple(tensors["model.decoder.layers.3.mlp.linear_fc1.weight"].size) == (128, 32)
+    for name in ("exp_avg", "exp_avg_sq", "step"):
+        assert f"optimizer.state.{name}.decoder.layers.0.self_attention.linear_qkv.weight" \
+            in tensors
+    for key, entry in tensors.items():  # every element written exactly once
+        volume = sum(_volume(chunk.sizes) for chunk in entry.chunks)
+        assert volume == _volume(entry.size), key
+
+
+def _volume(shape) -> int:
+    result = 1
+    for size in shape:
+        result *= size
+    return result
