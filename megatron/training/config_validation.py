@@ -388,10 +388,6 @@ def _validate_optimizer(config: MegatronConfig) -> None:
         if optimizer.decoupled_lr <= 0 or not 0 <= floor <= optimizer.decoupled_lr:
             raise ValueError(f"need 0 <= --decoupled-min-lr (or --min-lr) ({floor}) <= "
                              f"--decoupled-lr ({optimizer.decoupled_lr}) and --decoupled-lr > 0")
-        if config.parallel.use_distributed_optimizer:
-            raise ValueError("--decoupled-lr with --use-distributed-optimizer is not supported "
-                             "yet (the sharded optimizer steps flat shards that mix the embedding "
-                             "with other weights); drop one of the two")
     if optimizer.clip_grad < 0:
         raise ValueError(f"--clip-grad {optimizer.clip_grad} must be >= 0 (0 disables clipping)")
     for name in ("adam_beta1", "adam_beta2"):
