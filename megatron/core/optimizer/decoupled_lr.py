@@ -34,7 +34,7 @@ def mark_embedding_or_output_parameters(model_chunks: Iterable[torch.nn.Module])
     for chunk in model_chunks:
         for param in chunk.parameters():
             if id(param) in marked:
-                param.is_embedding_or_output_parameter = True
+                setattr(param, "is_embedding_or_output_parameter", True)
 
 
 def is_marked(param: torch.nn.Parameter) -> bool:
