@@ -14,7 +14,7 @@ only such elements or none, and the shards of the marked segments get the decoup
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -34,7 +34,8 @@ def mark_embedding_or_output_parameters(model_chunks: Iterable[torch.nn.Module])
     for chunk in model_chunks:
         for param in chunk.parameters():
             if id(param) in marked:
-                setattr(param, "is_embedding_or_output_parameter", True)
+                flagged: Any = param  # a plain attribute on the Parameter, like no_weight_decay
+                flagged.is_embedding_or_output_parameter = True
 
 
 def is_marked(param: torch.nn.Parameter) -> bool:
