@@ -140,7 +140,7 @@ class DistributedOptimizer(MegatronOptimizer):
         return sum(p.numel() * p.element_size() for p in self.params)
 
 
-def _decoupled_shards_and_copies(sharded: list, shards: list, replicated: list,
+def decoupled_shards_and_copies(sharded: list, shards: list, replicated: list,
                                  model_chunks) -> set[int]:
     """``id()`` of the shards cut from embedding/output weights and of such weights stepped whole.
 
@@ -172,7 +172,7 @@ def build_distributed_optimizer(config, params: list, parallel_state,
     groups = build_param_groups(shards + replicated, config.optimizer.weight_decay)
     if getattr(config.optimizer, "decoupled_lr", None) is not None:
         groups = split_decoupled_groups(
-            groups, _decoupled_shards_and_copies(sharded, shards, replicated, model_chunks),
+            groups, decoupled_shards_and_copies(sharded, shards, replicated, model_chunks),
             config.optimizer)
     optimizer, implementation = torch_optimizer(groups, config.optimizer)
     return DistributedOptimizer(
