@@ -148,7 +148,8 @@ def _run_with_checkpoints(rank, world_size, argv, save_dir):
 
 
 @pytest.mark.parametrize("layout", ["", "--pipeline-model-parallel-size 2 --pipeline-schedule "
-                                        "chimera"], ids=["dp2", "chimera-pp2"])
+                                        "chimera", "--untie-embeddings-and-output-weights"
+                                    + DECOUPLED], ids=["dp2", "chimera-pp2", "dp2-decoupled-lr"])
 def test_resume_with_sharded_optimizer_state_is_bitwise(layout, tmp_path):
     argv = f"{RESUME} {layout} --use-distributed-optimizer"
     results = run_distributed(_run_with_checkpoints, 2, argv, str(tmp_path / "ckpt"),
