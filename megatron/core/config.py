@@ -325,7 +325,7 @@ class DataConfig:
     mock_data: bool = option(False, "Train on deterministic synthetic data (no files needed).")
     tokenizer_type: Optional[str] = option(
         None, "Tokenizer.", choices=("GPT2BPETokenizer", "SentencePieceTokenizer",
-                                     "NullTokenizer"))
+                                     "GPTSentencePieceTokenizer", "NullTokenizer"))
     vocab_file: Optional[str] = option(None, "GPT-2 vocab.json.")
     merge_file: Optional[str] = option(None, "GPT-2 merges.txt.")
     tokenizer_model: Optional[str] = option(None, "SentencePiece model file.")

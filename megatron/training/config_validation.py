@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MOCK_VOCAB_SIZE = 1024
 
 # Tokenizers whose vocabulary size is only known once the tokenizer files are read.
-FILE_TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+FILE_TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 
 @dataclass(frozen=True)
 class UnsupportedFeature:
@@ -388,10 +388,6 @@ def _validate_optimizer(config: MegatronConfig) -> None:
         if optimizer.decoupled_lr <= 0 or not 0 <= floor <= optimizer.decoupled_lr:
             raise ValueError(f"need 0 <= --decoupled-min-lr (or --min-lr) ({floor}) <= "
                              f"--decoupled-lr ({optimizer.decoupled_lr}) and --decoupled-lr > 0")
-        if config.parallel.use_distributed_optimizer:
-            raise ValueError("--decoupled-lr with --use-distributed-optimizer is not supported "
-                             "yet (the sharded optimizer steps flat shards that mix the embedding "
-                             "with other weights); drop one of the two")
     if optimizer.clip_grad < 0:
         raise ValueError(f"--clip-grad {optimizer.clip_grad} must be >= 0 (0 disables clipping)")
     for name in ("adam_beta1", "adam_beta2"):
@@ -466,8 +462,9 @@ def _validate_data(config: MegatronConfig) -> None:
     tokenizer = data.tokenizer_type
     if tokenizer == "GPT2BPETokenizer" and (data.vocab_file is None or data.merge_file is None):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-    if tokenizer == "SentencePieceTokenizer" and data.tokenizer_model is None:
-        raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+    if tokenizer in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer") and \
+            data.tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {tokenizer} needs --tokenizer-model")
     if tokenizer is None and not data.mock_data:
         raise ValueError("--data-path needs a tokenizer: give --vocab-file and --merge-file (GPT-2 "
                          "BPE) or --tokenizer-type SentencePieceTokenizer --tokenizer-model FILE")

@@ -40,7 +40,8 @@ def vocabulary_size(config) -> int:
     from megatron.training.tokenizer import build_tokenizer
 
     data, model = config.data, config.model
-    if data.tokenizer_type in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
+    if data.tokenizer_type in ("GPT2BPETokenizer", "SentencePieceTokenizer",
+                               "GPTSentencePieceTokenizer"):
         try:
             return build_tokenizer(data, model).vocab_size
         except (OSError, ValueError):

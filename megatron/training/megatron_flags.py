@@ -361,7 +361,7 @@ VALUES_NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
                   "visit them in another order",
         "external": "an external data loader cannot be plugged in"},
     "--tokenizer-type": {name: reasons.TOKENIZERS for name in (
-        "BertWordPieceLowerCase", "BertWordPieceCase", "GPTSentencePieceTokenizer",
+        "BertWordPieceLowerCase", "BertWordPieceCase",
         "HuggingFaceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer", "MistralTokenizer",
         "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")},
     "--position-embedding-type": {

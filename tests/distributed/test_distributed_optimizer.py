@@ -84,6 +84,48 @@ def test_distributed_optimizer_matches_the_replicated_one(layout, world_size):
         assert expected <= sharded_numel <= expected + 8 * replicas, (stepped, ref_stepped)
 
 
+# The embedding and output layer's peak is 5x --lr, their floor 10x --min-lr (linear decay).
+DECOUPLED = " --decoupled-lr 5e-2 --decoupled-min-lr 1e-3 --min-lr 1e-4"
+
+
+@pytest.mark.parametrize("layout,world_size", [
+    ("", 2),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+     "--untie-embeddings-and-output-weights", 4)],
+    ids=["dp2-tied", "chimera-pp2xdp2-untied"])
+def test_distributed_optimizer_with_decoupled_lr_matches_the_replicated_one(layout, world_size):
+    """The embedding and output weights get shards of their own, stepped with the decoupled
+    schedule: the same model as the replicated optimizer and one process with --decoupled-lr, and
+    not the model trained without it."""
+    argv = f"{TINY} {layout}{DECOUPLED}"
+    sharded = run_distributed(_train, world_size, argv + " --use-distributed-optimizer",
+                              timeout=240)
+    replicated = run_distributed(_train, world_size, argv, timeout=240)
+    single, single_params, _ = _train(0, 1, f"{TINY}{DECOUPLED}"
+                                      + (" --untie-embeddings-and-output-weights"
+                                         if "untie" in layout else ""))
+    plain = run_distributed(_train, world_size,
+                            argv.replace(" --decoupled-lr 5e-2 --decoupled-min-lr 1e-3", "")
+                            + " --use-distributed-optimizer", timeout=240)
+    for (records, params, _), (ref_records, ref_params, _), (_, plain_params, _) in zip(
+            sharded, replicated, plain):
+        for (loss, norm), (ref_loss, ref_norm), (one_loss, _) in zip(records, ref_records, single):
+            _close(loss, ref_loss, "loss")
+            _close(norm, ref_norm, "grad norm")
+            _close(loss, one_loss, "loss vs one process", 1e-6)  # reported in float32
+        embedding_or_output = [name for name in params
+                               if name.endswith(("word_embeddings.weight", "output_layer.weight"))]
+        assert embedding_or_output, sorted(params)
+        for name, value in params.items():
+            scale = abs(ref_params[name]).max() + 1e-12
+            assert abs(value - ref_params[name]).max() / scale < 1e-9, name
+            assert abs(value - single_params[name]).max() / scale < 1e-9, name
+        # The decoupled lr changed the embedding/output weights (not a no-op).
+        for name in embedding_or_output:
+            scale = abs(plain_params[name]).max()
+            assert abs(params[name] - plain_params[name]).max() / scale > 1e-4, name
+
+
 RESUME = TINY.replace("--train-iters 3", "--train-iters 4")
 
 
@@ -106,7 +148,8 @@ def _run_with_checkpoints(rank, world_size, argv, save_dir):
 
 
 @pytest.mark.parametrize("layout", ["", "--pipeline-model-parallel-size 2 --pipeline-schedule "
-                                        "chimera"], ids=["dp2", "chimera-pp2"])
+                                        "chimera", "--untie-embeddings-and-output-weights"
+                                    + DECOUPLED], ids=["dp2", "chimera-pp2", "dp2-decoupled-lr"])
 def test_resume_with_sharded_optimizer_state_is_bitwise(layout, tmp_path):
     argv = f"{RESUME} {layout} --use-distributed-optimizer"
     results = run_distributed(_run_with_checkpoints, 2, argv, str(tmp_path / "ckpt"),

@@ -118,6 +118,27 @@ def test_null_tokenizer_and_missing_input(tmp_path, capsys):
                    "NullTokenizer", "--split-sentences"])
 
 
+def test_gpt_sentencepiece_tokenizer_appends_the_models_eos_as_eod(tmp_path):
+    import sentencepiece
+
+    from megatron.training.tokenizer.sentencepiece_training import train_sentencepiece
+
+    documents = [f"the cat {i} sat on the mat and the dog ran {i * 7}" for i in range(200)]
+    model = train_sentencepiece(documents, str(tmp_path / "tok"), vocab_size=300)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in GOOD_TEXTS[:2]),
+                      encoding="utf-8")
+    assert load_tool("preprocess_data").main([
+        "--input", str(corpus), "--output-prefix", str(tmp_path / "spm"),
+        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model,
+        "--append-eod"]) == 0
+    processor = sentencepiece.SentencePieceProcessor()
+    processor.Load(model)
+    dataset = IndexedDataset(str(tmp_path / "spm_text_document"))
+    assert [dataset[i].tolist() for i in range(2)] == [
+        processor.encode_as_ids(text) + [processor.eos_id()] for text in GOOD_TEXTS[:2]]
+
+
 def test_int32_for_large_vocabularies(tmp_path):
     corpus = tmp_path / "ids.jsonl"
     corpus.write_text('{"text": "70000 1"}\n', encoding="utf-8")

@@ -4,7 +4,8 @@
 of one model chunk over the group of all replicas of its stage (the data-parallel group, and under
 Chimera every pipeline's copy times data parallel: 2W ranks). The chunk's parameters and gradients
 become views of flat buffers, one per *segment* (parameters that share a weight-decay setting and a
-tensor-parallel kind), each padded to a multiple of the group size R. ``start()`` reduce-scatters
+tensor-parallel kind, and, for ``--decoupled-lr``, whether it is marked
+``is_embedding_or_output_parameter``), each padded to a multiple of the group size R. ``start()`` reduce-scatters
 each gradient buffer, so rank k of the group receives the sum over replicas (divided by
 ``divide_by``) of elements ``[k L/R, (k+1) L/R)``; the distributed optimizer steps only those
 elements (its *shard*: 1/R of the stage's fp32 weights, gradients and Adam state) and
@@ -12,7 +13,8 @@ elements (its *shard*: 1/R of the stage's fp32 weights, gradients and Adam state
 
 Each shard is exposed as one ``torch.nn.Parameter`` per segment (a view of this rank's slice of the
 parameter buffer, with the reduced gradient shard as its ``.grad``) carrying the segment's
-``no_weight_decay`` and ``tensor_model_parallel`` attributes, so the optimizer's parameter groups and
+``no_weight_decay``, ``tensor_model_parallel`` and ``is_embedding_or_output_parameter``
+attributes, so the optimizer's parameter groups and
 the global norm treat it like the parameters it is cut from. AdamW is elementwise, so updating the
 shards equals updating whole parameters (the numbers match the replicated optimizer; tested).
 """
@@ -42,7 +44,8 @@ def _rank_in(group: Any) -> int:
 def _segment_key(param: torch.nn.Parameter) -> tuple:
     no_decay = getattr(param, "no_weight_decay", None)
     no_decay = no_decay if no_decay is not None else param.ndim < 2
-    return (bool(no_decay), bool(getattr(param, "tensor_model_parallel", False)), param.dtype)
+    return (bool(no_decay), bool(getattr(param, "tensor_model_parallel", False)), param.dtype,
+            bool(getattr(param, "is_embedding_or_output_parameter", False)))
 
 
 @dataclass
@@ -73,7 +76,7 @@ class ShardedGradientReducer(GradientReduction):
         for param in self.params:
             by_kind.setdefault(_segment_key(param), []).append(param)
         self.segments = [self._build_segment(params) for _, params in sorted(
-            by_kind.items(), key=lambda item: (item[0][0], item[0][1], str(item[0][2])))]
+            by_kind.items(), key=lambda item: (item[0][0], item[0][1], str(item[0][2]), item[0][3]))]
         self._started = False
 
     def _build_segment(self, params: list) -> _Segment:
@@ -97,6 +100,7 @@ class ShardedGradientReducer(GradientReduction):
         shard.grad = torch.zeros_like(shard)
         shard.no_weight_decay = _segment_key(reference)[0]
         shard.tensor_model_parallel = _segment_key(reference)[1]
+        shard.is_embedding_or_output_parameter = _segment_key(reference)[3]
         return _Segment(params, param_buffer, grad_buffer, shard)
 
     def shard_ranges(self) -> list[tuple[int, int, int]]:

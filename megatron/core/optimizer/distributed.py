@@ -17,6 +17,11 @@ so the squared norms of the shards are summed over every rank (tensor-parallel-r
 counted on tensor-parallel rank 0 only); the replicated parameters' part is summed as without the
 distributed optimizer. Loss scaling and overflow skipping act on the shards unchanged.
 
+``--decoupled-lr``: the word-embedding and output-layer weights are marked before the reducers are
+built, which gives them flat segments of their own; their shards (and the replicated tied copies)
+go into the decoupled parameter groups, so every element follows the same schedule as without the
+distributed optimizer.
+
 ``--overlap-param-gather`` (Megatron's): the all-gather of the updated shards is started after the
 step and not waited for; each model chunk waits for the gathers of its own parameters just before
 its next forward pass (a forward pre-hook), so the communication overlaps with the end of the
@@ -35,6 +40,8 @@ import torch.distributed as dist
 from megatron.core.distributed.collectives import all_reduce_over
 from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.optimizer.clip_grads import default_owns_grad_norm, squared_grad_norm
+from megatron.core.optimizer.decoupled_lr import (embedding_or_output_parameters, is_marked,
+                                                  split_decoupled_groups)
 from megatron.core.optimizer.grad_scaler import build_grad_scaler
 from megatron.core.optimizer.optimizer import (MegatronOptimizer, build_param_groups,
                                                torch_optimizer)
@@ -133,6 +140,23 @@ class DistributedOptimizer(MegatronOptimizer):
         return sum(p.numel() * p.element_size() for p in self.params)
 
 
+def decoupled_shards_and_copies(sharded: list, shards: list, replicated: list,
+                                 model_chunks) -> set[int]:
+    """``id()`` of the shards cut from embedding/output weights and of such weights stepped whole.
+
+    Raises when such a weight went into a reducer unmarked: its shard would mix it with others."""
+    embedding_or_output = embedding_or_output_parameters(model_chunks)
+    unmarked = [p for reducer in sharded for p in reducer.params
+                if id(p) in embedding_or_output and not is_marked(p)]
+    if unmarked:
+        raise ValueError("--decoupled-lr with --use-distributed-optimizer needs the embedding and "
+                         "output weights marked (mark_embedding_or_output_parameters) before the "
+                         "sharded gradient reducers are built; otherwise their shards mix them with "
+                         "other weights")
+    return ({id(shard) for shard in shards if is_marked(shard)}
+            | {id(p) for p in replicated if id(p) in embedding_or_output})
+
+
 def build_distributed_optimizer(config, params: list, parallel_state,
                                 owns_grad_norm: Optional[Callable], reducers: list,
                                 model_chunks: list = ()) -> DistributedOptimizer:
@@ -146,6 +170,10 @@ def build_distributed_optimizer(config, params: list, parallel_state,
     replicated = [p for p in params if p.requires_grad and id(p) not in covered]
     shards = [shard for reducer in sharded for shard in reducer.shards]
     groups = build_param_groups(shards + replicated, config.optimizer.weight_decay)
+    if getattr(config.optimizer, "decoupled_lr", None) is not None:
+        groups = split_decoupled_groups(
+            groups, decoupled_shards_and_copies(sharded, shards, replicated, model_chunks),
+            config.optimizer)
     optimizer, implementation = torch_optimizer(groups, config.optimizer)
     return DistributedOptimizer(
         optimizer, sharded, replicated, params, parallel_state,

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from megatron.training.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
-from megatron.training.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+from megatron.training.tokenizer.sentencepiece_tokenizer import (
+    GPTSentencePieceTokenizer,
+    SentencePieceTokenizer,
+)
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "NullTokenizer")
 
 
 def build_tokenizer(data_config, model_config=None):
@@ -24,6 +28,8 @@ def build_tokenizer(data_config, model_config=None):
         return GPT2BPETokenizer(data_config.vocab_file, data_config.merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(data_config.tokenizer_model)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(data_config.tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         vocab_size = getattr(model_config, "vocab_size", None) if model_config is not None else None
         return NullTokenizer(vocab_size)
@@ -32,5 +38,5 @@ def build_tokenizer(data_config, model_config=None):
     raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {TOKENIZER_TYPES}")
 
 
-__all__ = ["GPT2BPETokenizer", "NullTokenizer", "SentencePieceTokenizer", "TOKENIZER_TYPES",
+__all__ = ["GPT2BPETokenizer", "GPTSentencePieceTokenizer", "NullTokenizer", "SentencePieceTokenizer", "TOKENIZER_TYPES",
            "build_tokenizer"]

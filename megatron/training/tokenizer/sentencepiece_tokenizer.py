@@ -1,7 +1,10 @@
-"""SentencePiece tokenizer (``--tokenizer-type SentencePieceTokenizer --tokenizer-model M``).
+"""SentencePiece tokenizers (``--tokenizer-type SentencePieceTokenizer`` or
+``GPTSentencePieceTokenizer``, with ``--tokenizer-model M``).
 
-The end-of-document id is the model's end-of-sentence piece (as in Megatron's
-GPTSentencePieceTokenizer), so a model must be trained with one; ``tools/train_tokenizer.py`` does.
+Both use the model's pieces as they are, with no added special tokens, and take the end-of-document
+id from the model's end-of-sentence piece (Megatron's GPTSentencePieceTokenizer), so a model must be
+trained with one; ``tools/train_tokenizer.py`` does. Megatron's own SentencePieceTokenizer would
+append <CLS>/<SEP>/<EOD>/<MASK> pieces; ours does not.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         if not model_file:
-            raise ValueError("SentencePieceTokenizer needs --tokenizer-model (a SentencePiece "
+            raise ValueError(f"{type(self).__name__} needs --tokenizer-model (a SentencePiece "
                              ".model file; train one with tools/train_tokenizer.py)")
         if not os.path.isfile(model_file):
             raise FileNotFoundError(f"SentencePiece model {model_file} does not exist; pass the "
@@ -48,3 +51,8 @@ class SentencePieceTokenizer:
 
     def detokenize(self, token_ids) -> str:
         return self.processor.decode([int(index) for index in token_ids])
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron's ``GPTSentencePieceTokenizer``: the model's pieces only (vocabulary = piece count),
+    ids from plain encoding, and end-of-document = the model's end-of-sentence id."""
