@@ -64,6 +64,8 @@ class ModelConfig:
         "learned_absolute", "Position embedding (none: no positions at all, as "
                             "--no-position-embedding).",
         choices=("learned_absolute", "rope", "none"))
+    use_rotary_position_embeddings: bool = option(
+        False, "Legacy (2023) spelling of --position-embedding-type rope.")
     swiglu: bool = option(False, "Use a SwiGLU MLP instead of GeLU.")
     squared_relu: bool = option(False, "Use a squared-ReLU MLP instead of GeLU.")
     rotary_percent: float = option(

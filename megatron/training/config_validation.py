@@ -157,6 +157,13 @@ def _translate_legacy_recompute(config: MegatronConfig) -> None:
 
 def _validate_model(config: MegatronConfig) -> None:
     model = config.model
+    if model.use_rotary_position_embeddings:  # the legacy spelling becomes today's (round trips)
+        if model.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError("--use-rotary-position-embeddings means --position-embedding-type "
+                             f"rope but --position-embedding-type {model.position_embedding_type} "
+                             "was given; drop one of the two")
+        model.position_embedding_type = "rope"
+        model.use_rotary_position_embeddings = False
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(model, name) is None:
             raise ValueError(f"{_flag(name)} is required; add it to the command line")

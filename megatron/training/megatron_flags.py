@@ -264,8 +264,6 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
                "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
                "--standalone-embedding-stage"),
     # Architecture details.
-    UnimplementedFlag("--use-rotary-position-embeddings",
-                      "a legacy spelling; use --position-embedding-type rope"),
     UnimplementedFlag("--rotary-seq-len-interpolation-factor",
                       "rotary position interpolation is not implemented"),
     UnimplementedFlag("--apply-residual-connection-post-layernorm",

@@ -10,6 +10,7 @@ import pytest
 
 from megatron.core.config import MegatronConfig
 from megatron.training import arguments
+from megatron.training.config_validation import ConfigurationError
 from megatron.training.arguments import (COMPATIBILITY_FLAGS, accepted_flags, config_fields,
                                          config_to_argv, flags_markdown, format_arguments,
                                          parse_args, parse_args_unvalidated)
@@ -186,7 +187,7 @@ def test_every_problem_is_reported_in_one_message(capsys):
     combinations: all in one exit, each saying which kind of problem it is."""
     argv = [item for item in TINY if item not in ("--lr", "1e-3")]
     argv += ["--num-experts", "8", "--context-parallel-size", "2",
-             "--use-rotary-position-embeddings", "--hiden-size", "64", "--fp16", "--bf16"]
+             "--fp8-format", "hybrid", "--hiden-size", "64", "--fp16", "--bf16"]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv, world_size=2)
     assert exit_info.value.code == 2
@@ -195,7 +196,7 @@ def test_every_problem_is_reported_in_one_message(capsys):
     for expected in ("--num-experts is not implemented: mixture of experts",
                      "unknown flag --hiden-size: neither Megatron-LM",
                      "--context-parallel-size is not implemented: context parallelism",
-                     "--use-rotary-position-embeddings is not implemented: a legacy spelling",
+                     "--fp8-format is not implemented: FP8 training",
                      "--fp16 and --bf16 are mutually exclusive", "--lr (peak learning rate) is "
                      "required"):
         assert expected in message, expected
@@ -305,3 +306,12 @@ def test_flags_doc_is_in_sync():
     assert generated.strip() == flags_markdown().strip(), (
         "docs/flags.md is out of date: regenerate the block between the markers with "
         "megatron.training.arguments.flags_markdown()")
+
+
+def test_the_legacy_rotary_spelling_means_rope():
+    legacy = parse_args(TINY + ["--use-rotary-position-embeddings"], world_size=1)
+    today = parse_args(TINY + ["--position-embedding-type", "rope"], world_size=1)
+    assert legacy == today and legacy.model.position_embedding_type == "rope"
+    with pytest.raises(ConfigurationError, match="--use-rotary-position-embeddings means"):
+        parse_args(TINY + ["--use-rotary-position-embeddings", "--position-embedding-type",
+                           "none"], world_size=1)
