@@ -83,3 +83,19 @@ def test_compressing_reducers_train_and_keep_every_copy_identical(flags, world_s
             moved = [key for key, values in copies.items()
                      if not (values[0] == results[0]["allreduce"][1].get(key, values[0])).all()]
             assert moved or name == "topk-all", f"{name} changed nothing"
+
+
+def test_emulated_compute_sweeps_run_and_print_their_tables(capsys, tmp_path):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import a2sgd
+    import crossover
+    a2sgd.main(["--emulate-compute", "--dp", "2", "--sizes", "20000", "--ratios", "1",
+                "--rounds", "1", "--steps", "1", "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert "bytes/worker/step" in text and "qsgd" in text and "beats all-reduce" in text
+    assert os.path.exists(tmp_path / "emulated.json")
+    assert crossover.main(["--emulate-compute", "--sizes", "20000", "--ratios", "1",
+                           "--iterations", "2", "--rounds", "1"]) == 0
+    assert "speed-up / bound" in capsys.readouterr().out
