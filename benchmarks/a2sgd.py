@@ -160,12 +160,12 @@ def emulated_main(args) -> None:
             print("beats all-reduce: " + ", ".join(
                 f"{name} {crossings(result['rows'], name)}" for name in reducers
                 if name != "allreduce"))
-        print(oversubscription_note(dp))
-    with open(os.path.join(args.out, "emulated.json"), "w") as handle:
-        json.dump({"args": vars(args), "results": {
-            dp: {numel: {**result, "rows": {str(r): v for r, v in result["rows"].items()}}
-                 for numel, result in combined.items()}
-            for dp, combined in everything.items()}}, handle, indent=1)
+        print(oversubscription_note(dp), flush=True)
+        with open(os.path.join(args.out, "emulated.json"), "w") as handle:  # after every DP size
+            json.dump({"args": vars(args), "results": {
+                dp: {numel: {**result, "rows": {str(r): v for r, v in result["rows"].items()}}
+                     for numel, result in combined.items()}
+                for dp, combined in everything.items()}}, handle, indent=1)
     print(f"wrote {args.out}/emulated.json")
 
 
