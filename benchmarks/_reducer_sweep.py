@@ -18,8 +18,8 @@ Reducers (each built once per size, all on the same :class:`EmulatedModel`; a re
 * ``topk``: :class:`TopKReducer`, ratio 0.01 (8 bytes per kept entry, all-gathered);
 * ``qsgd``: :class:`QSGDReducer`, 127 levels, buckets of 512 (1 byte per entry, all-gathered).
 
-Measurements are interleaved: round after round, every ratio, every reducer; each does one warm-up
-step and ``steps`` timed steps (each between barriers; the slowest rank's time). The step time of a
+Measurements are interleaved: round after round, every ratio, every reducer; each does ``steps``
+timed steps (after one warm-up step in the first round) (each between barriers; the slowest rank's time). The step time of a
 (reducer, ratio) is the median over rounds of each round's median, with the min-max of the round
 medians as its spread. Bytes are what one worker sends per step in a ring algorithm
 (:func:`~megatron.core.distributed.compressed.ring_bytes_sent`).
@@ -122,12 +122,13 @@ def rank_sweep(rank: int, world_size: int, sizes: list, ratios: list, reducers: 
         sync_times = {name: [] for name in reducers if name.startswith("a2sgd")}
         # built once per size: an overlapping reducer's hooks stay on the parameters for good
         built = {name: build_reducer(name, params, group, world_size) for name in reducers}
-        for _ in range(rounds):
+        for round_index in range(rounds):
             for ratio in ratios:
                 for name in reducers:
                     reducer = built[name]
                     compute = ComputeTime(sleeps[ratio])
-                    _one_step(model, reducer, compute, 0)  # warm-up
+                    if round_index == 0:
+                        _one_step(model, reducer, compute, 0)  # warm-up
                     per_step = []
                     for step in range(1, steps + 1):
                         barrier()

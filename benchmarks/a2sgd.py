@@ -127,7 +127,13 @@ def parse_arguments(argv=None):
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--reducers", nargs="+", default=None,
                         help="with --emulate-compute: a subset of the reducers")
-    return parser.parse_args(argv)
+    parser.add_argument("--max-size", nargs=2, type=float, action="append", default=[],
+                        metavar=("DP", "FLOATS"),
+                        help="with --emulate-compute: skip sizes above FLOATS at this DP size "
+                             "(memory and time caps; repeatable)")
+    args = parser.parse_args(argv)
+    args.dp_size_cap = {int(dp): int(floats) for dp, floats in args.max_size}
+    return args
 
 
 def emulated_main(args) -> None:
@@ -140,11 +146,14 @@ def emulated_main(args) -> None:
     sizes = [int(size) for size in args.sizes]
     everything = {}
     for dp in args.dp:
-        per_rank = run_distributed(rank_sweep, dp, sizes, args.ratios, reducers, args.rounds,
-                                   args.steps, timeout=7200)
-        combined = combine_ranks(per_rank, reducers, args.ratios)
-        everything[dp] = combined
-        for numel, result in combined.items():
+        combined = everything.setdefault(dp, {})
+        for numel in sizes:
+            if dp in args.dp_size_cap and numel > args.dp_size_cap[dp]:
+                continue
+            per_rank = run_distributed(rank_sweep, dp, [numel], args.ratios, reducers,
+                                       args.rounds, args.steps, timeout=7200)
+            result = combine_ranks(per_rank, reducers, args.ratios)[numel]
+            combined[numel] = result
             print(f"\nDP {dp}, {numel:,} floats: all-reduce alone M = "
                   f"{result['communication'] * 1000:.1f} ms, compute besides sleep C0 = "
                   f"{result['fixed_compute'] * 1000:.1f} ms; ms/step median (min-max of "
@@ -160,12 +169,12 @@ def emulated_main(args) -> None:
             print("beats all-reduce: " + ", ".join(
                 f"{name} {crossings(result['rows'], name)}" for name in reducers
                 if name != "allreduce"))
+            with open(os.path.join(args.out, "emulated.json"), "w") as handle:  # after each
+                json.dump({"args": vars(args), "results": {
+                    dp: {numel: {**result, "rows": {str(r): v for r, v in result["rows"].items()}}
+                         for numel, result in combined.items()}
+                    for dp, combined in everything.items()}}, handle, indent=1)
         print(oversubscription_note(dp), flush=True)
-        with open(os.path.join(args.out, "emulated.json"), "w") as handle:  # after every DP size
-            json.dump({"args": vars(args), "results": {
-                dp: {numel: {**result, "rows": {str(r): v for r, v in result["rows"].items()}}
-                     for numel, result in combined.items()}
-                for dp, combined in everything.items()}}, handle, indent=1)
     print(f"wrote {args.out}/emulated.json")
 
 
