@@ -4,11 +4,11 @@ real gradients of a chosen size and the real reducers and gloo collectives.
 On a small CPU machine the communication of a data-parallel step runs on the same cores as the
 compute, so neither A2SGD nor crossover scheduling can show what they save. Here a step's compute is
 ``time.sleep`` (a sleeping rank frees its core, as a rank waiting for its accelerator would), while
-everything a reducer does — its flat buffers, the gradients autograd accumulates into them, its own
-arithmetic (A2SGD's statistics, top-k selection, QSGD's quantisation) and its collectives — is real.
+everything a reducer does (its flat buffers, the gradients autograd accumulates into them, its own
+arithmetic: A2SGD's statistics, top-k selection, QSGD's quantisation; its collectives) is real.
 
-:class:`EmulatedModel` holds ``numel`` float32 parameters in ``tensors`` equal tensors. Its
-:meth:`EmulatedModel.forward_backward` sleeps ``forward_seconds``, then runs a real autograd backward
+:class:`EmulatedModel` holds ``numel`` float32 parameters in ``tensors`` equal tensors; its
+:meth:`EmulatedModel.forward_backward` sleeps ``forward_seconds``, then runs a real backward
 in which each tensor's backward sleeps its share of ``backward_seconds`` and returns that tensor's
 gradient (a fixed per-rank Gaussian pattern times a per-step factor, so gradients differ between
 ranks and steps). Gradients arrive tensor by tensor, last first, as in a real backward, so the

@@ -1,5 +1,5 @@
-"""``benchmarks/a2sgd.py --emulate-compute``: the data-parallel reducers over a sweep of gradient size
-and communication / compute, with sleeping compute and real gloo collectives.
+"""``benchmarks/a2sgd.py --emulate-compute``: the data-parallel reducers over a sweep of gradient
+size and communication / compute, with sleeping compute and real gloo collectives.
 
 Per data-parallel size P and gradient size N (float32 entries) it first measures, on P forked gloo
 ranks, the exact all-reduce of the gradient alone (M, median of 5) and the compute that is not
@@ -11,7 +11,8 @@ Reducers (each built once per size, all on the same :class:`EmulatedModel`; a re
 ``zero_grad`` makes the gradients views of its own buffers again):
 
 * ``allreduce``: :class:`GradientReducer`, one bucket, started after the backward;
-* ``allreduce overlap``: the same with 8 buckets launched from the backward (``--overlap-grad-reduce``);
+* ``allreduce overlap``: the same with 8 buckets launched from the backward
+  (``--overlap-grad-reduce``);
 * ``a2sgd model`` / ``a2sgd bucket``: :class:`A2SGDReducer` over the whole gradient (the paper's, 32
   bytes) / per bucket of 1 M entries; the exact parameter sync every 10 steps is measured separately
   and added amortised (one tenth of its median time per step);
@@ -19,7 +20,8 @@ Reducers (each built once per size, all on the same :class:`EmulatedModel`; a re
 * ``qsgd``: :class:`QSGDReducer`, 127 levels, buckets of 512 (1 byte per entry, all-gathered).
 
 Measurements are interleaved: round after round, every ratio, every reducer; each does ``steps``
-timed steps (after one warm-up step in the first round) (each between barriers; the slowest rank's time). The step time of a
+timed steps (after one warm-up step in the first round), each between barriers, the slowest
+rank's time. The step time of a
 (reducer, ratio) is the median over rounds of each round's median, with the min-max of the round
 medians as its spread. Bytes are what one worker sends per step in a ring algorithm
 (:func:`~megatron.core.distributed.compressed.ring_bytes_sent`).
@@ -27,7 +29,6 @@ medians as its spread. Bytes are what one worker sends per step in a ring algori
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
@@ -116,7 +117,6 @@ def rank_sweep(rank: int, world_size: int, sizes: list, ratios: list, reducers: 
             model.forward_backward(ComputeTime(0.0), 1)
             model.sgd_step()
         fixed_compute = median_seconds(compute_only, 3, barrier)
-        del exact
         sleeps = {ratio: max(communication / ratio - fixed_compute, 0.0) for ratio in ratios}
         times = {(name, ratio): [] for name in reducers for ratio in ratios}
         sync_times = {name: [] for name in reducers if name.startswith("a2sgd")}
@@ -143,8 +143,6 @@ def rank_sweep(rank: int, world_size: int, sizes: list, ratios: list, reducers: 
                     times[(name, ratio)].append(per_step)
         out[numel] = {"communication": communication, "fixed_compute": fixed_compute,
                       "sleeps": sleeps, "times": times, "sync_times": sync_times}
-        del model, params, built, reducer
-        gc.collect()
     return out
 
 
@@ -186,4 +184,5 @@ def crossings(rows: dict, name: str) -> str:
         return "never"
     if len(wins) == len(rows):
         return "everywhere"
-    return f"from M/C {min(wins):g}" + ("" if wins == sorted(rows)[-len(wins):] else " (not monotone)")
+    monotone = wins == sorted(rows)[-len(wins):]
+    return f"from M/C {min(wins):g}" + ("" if monotone else " (not monotone)")

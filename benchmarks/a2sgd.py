@@ -9,7 +9,8 @@ from the same seed on the same global batches with: exact all-reduce, and A2SGD 
 granularity (whole model portion = the paper's, per bucket of 4096 elements, per tensor). Per
 variant it reports the bytes each worker hands to data-parallel collectives per step (all-reduce:
 the whole gradient; A2SGD: 4 float64 per segment, plus the exact average of parameters and optimizer
-state amortised over ``--a2sgd-sync-interval``), the mean wall time per step, and the lm loss after the last step
+state amortised over ``--a2sgd-sync-interval``), the mean wall time per step, and the lm loss after
+the last step
 (mean of the last 5 iterations, to damp batch noise). Writes ``results.json`` and a loss plot
 ``loss.png`` to ``--out``.
 
