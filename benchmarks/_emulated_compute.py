@@ -10,9 +10,12 @@ arithmetic: A2SGD's statistics, top-k selection, QSGD's quantisation; its collec
 :class:`EmulatedModel` holds ``numel`` float32 parameters in ``tensors`` equal tensors; its
 :meth:`EmulatedModel.forward_backward` sleeps ``forward_seconds``, then runs a real backward
 in which each tensor's backward sleeps its share of ``backward_seconds`` and returns that tensor's
-gradient (a fixed per-rank Gaussian pattern times a per-step factor, so gradients differ between
-ranks and steps). Gradients arrive tensor by tensor, last first, as in a real backward, so the
-post-accumulate hooks of an overlapping all-reduce fire during the sleep.
+gradient (one of two fixed per-rank Gaussian patterns, alternating, so gradients differ between
+ranks and steps without a pass over them per step). The emulated steps of the benchmarks do not
+update the parameters (an optimizer is compute, and on a CPU every pass over the model costs about
+what the shared-memory all-reduce of it costs, which would cap communication / compute near 1);
+:meth:`EmulatedModel.sgd_step` is there for callers that want one. Gradients arrive tensor by
+tensor, last first, as in a real backward, so the post-accumulate hooks of an overlapping all-reduce fire during the sleep.
 
 Used by ``benchmarks/a2sgd.py --emulate-compute`` and ``benchmarks/crossover.py --emulate-compute``;
 deliberately independent of the emulated pipeline stages of ``benchmarks/emulated_depth.py``.
@@ -20,7 +23,6 @@ deliberately independent of the emulated pipeline stages of ``benchmarks/emulate
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ class _SleepingGradient(torch.autograd.Function):
     def backward(ctx, grad_output):
         if ctx.backward_seconds > 0:
             time.sleep(ctx.backward_seconds)
-        return ctx.gradient * grad_output, None, None
+        return ctx.gradient, None, None  # the loss is the sum: grad_output is 1
 
 
 class EmulatedModel(torch.nn.Module):
@@ -78,20 +80,28 @@ class EmulatedModel(torch.nn.Module):
         self.weights = torch.nn.ParameterList(
             torch.nn.Parameter(torch.zeros(size)) for size in sizes)
         self.patterns = [torch.randn(size, generator=generator) for size in sizes]
+        # odd steps use a second, rescaled and shuffled pattern: gradients change between steps
+        # without costing a pass over them per step
+        self.odd_patterns = [-0.5 * pattern.roll(1) for pattern in self.patterns]
 
     @property
     def numel(self) -> int:
         return sum(weight.numel() for weight in self.weights)
 
+    def gradients(self, step: int) -> list:
+        """The gradient each tensor gets at ``step``: its pattern on even steps, the odd pattern
+        (``-0.5`` times the pattern rolled by one) on odd steps."""
+        return self.odd_patterns if step % 2 else self.patterns
+
     def forward_backward(self, compute: ComputeTime, step: int) -> None:
         """Sleep the forward, then backpropagate: each tensor sleeps its share of the backward and
-        accumulates its gradient (pattern times ``1 + 0.5 sin(step)``) into ``.grad``."""
+        accumulates its gradient (:meth:`gradients`) into ``.grad``. Besides the sleep, the only
+        work is autograd's accumulation (one pass over the gradient)."""
         if compute.forward_seconds > 0:
             time.sleep(compute.forward_seconds)
-        factor = 1.0 + 0.5 * math.sin(step)
         share = compute.backward_seconds / len(self.weights)
-        loss = sum(_SleepingGradient.apply(weight, pattern * factor, share)
-                   for weight, pattern in zip(self.weights, self.patterns))
+        loss = sum(_SleepingGradient.apply(weight, gradient, share)
+                   for weight, gradient in zip(self.weights, self.gradients(step)))
         loss.backward()
 
     @torch.no_grad()

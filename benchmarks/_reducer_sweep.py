@@ -3,7 +3,7 @@ size and communication / compute, with sleeping compute and real gloo collective
 
 Per data-parallel size P and gradient size N (float32 entries) it first measures, on P forked gloo
 ranks, the exact all-reduce of the gradient alone (M, median of 5) and the compute that is not
-sleep (C0: building the gradients and the SGD update, median of 3). For each target ratio r of
+sleep (C0: zeroing and accumulating the gradients, median of 3; no optimizer step). For each target ratio r of
 communication / compute, a step then sleeps ``M / r - C0`` (at least 0), so its compute is
 C = max(M / r, C0) and M / C = r where the sleep can reach it.
 
@@ -92,8 +92,7 @@ def _one_step(model, reducer, compute: ComputeTime, step: int) -> None:
     model.forward_backward(compute, step)
     reducer.start()
     reducer.wait()
-    model.sgd_step()
-    reducer.after_step(True)
+    reducer.after_step(True)  # no optimizer: see benchmarks/_emulated_compute.py
 
 
 def rank_sweep(rank: int, world_size: int, sizes: list, ratios: list, reducers: list,
@@ -115,7 +114,6 @@ def rank_sweep(rank: int, world_size: int, sizes: list, ratios: list, reducers: 
         def compute_only():
             exact.zero_grad()
             model.forward_backward(ComputeTime(0.0), 1)
-            model.sgd_step()
         fixed_compute = median_seconds(compute_only, 3, barrier)
         sleeps = {ratio: max(communication / ratio - fixed_compute, 0.0) for ratio in ratios}
         times = {(name, ratio): [] for name in reducers for ratio in ratios}

@@ -128,7 +128,8 @@ def _rank(rank: int, world_size: int, points: list, iterations: int, rounds: int
 
 
 def _emulated_job(model, reducer, compute, iterations: int, after_compute, timings=None):
-    """One job: ``iterations`` steps of sleeping compute, the real all-reduce, an SGD update;
+    """One job: ``iterations`` steps of sleeping compute and the real all-reduce (no optimizer
+    update, see benchmarks/_emulated_compute.py);
     ``after_compute`` runs between starting the all-reduce and waiting for it (the crossover turn).
     ``timings`` (a list) gets (compute, exposed communication) seconds per iteration."""
     for iteration in range(iterations):
@@ -140,7 +141,6 @@ def _emulated_job(model, reducer, compute, iterations: int, after_compute, timin
         after_compute()
         reducer.wait()
         waited = time.perf_counter()
-        model.sgd_step()
         if timings is not None:
             timings.append(((computed - started) + (time.perf_counter() - waited),
                             waited - computed))
