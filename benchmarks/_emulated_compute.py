@@ -15,7 +15,8 @@ ranks and steps without a pass over them per step). The emulated steps of the be
 update the parameters (an optimizer is compute, and on a CPU every pass over the model costs about
 what the shared-memory all-reduce of it costs, which would cap communication / compute near 1);
 :meth:`EmulatedModel.sgd_step` is there for callers that want one. Gradients arrive tensor by
-tensor, last first, as in a real backward, so the post-accumulate hooks of an overlapping all-reduce fire during the sleep.
+tensor, last first, as in a real backward, so the post-accumulate hooks of an overlapping
+all-reduce fire during the sleep.
 
 Used by ``benchmarks/a2sgd.py --emulate-compute`` and ``benchmarks/crossover.py --emulate-compute``;
 deliberately independent of the emulated pipeline stages of ``benchmarks/emulated_depth.py``.
