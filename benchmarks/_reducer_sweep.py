@@ -3,8 +3,8 @@ size and communication / compute, with sleeping compute and real gloo collective
 
 Per data-parallel size P and gradient size N (float32 entries) it first measures, on P forked gloo
 ranks, the exact all-reduce of the gradient alone (M, median of 5) and the compute that is not
-sleep (C0: zeroing and accumulating the gradients, median of 3; no optimizer step). For each target ratio r of
-communication / compute, a step then sleeps ``M / r - C0`` (at least 0), so its compute is
+sleep (C0: zeroing and accumulating the gradients, median of 3; no optimizer step). For each target
+ratio r of communication / compute, a step then sleeps ``M / r - C0`` (at least 0), so its compute is
 C = max(M / r, C0) and M / C = r where the sleep can reach it.
 
 Reducers (each built once per size, all on the same :class:`EmulatedModel`; a reducer's
