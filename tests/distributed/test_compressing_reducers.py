@@ -99,3 +99,31 @@ def test_emulated_compute_sweeps_run_and_print_their_tables(capsys, tmp_path):
     assert crossover.main(["--emulate-compute", "--sizes", "20000", "--ratios", "1",
                            "--iterations", "2", "--rounds", "1"]) == 0
     assert "speed-up / bound" in capsys.readouterr().out
+
+
+def _rank_resume(rank, world_size, argv, save_dir):
+    """A straight run, and the same run saved at iteration 3 and resumed (new process groups)."""
+    from megatron.training.checkpointing import Checkpointer
+
+    def run(extra):
+        config = parse_args(f"{argv} {extra}".split(), world_size=world_size)
+        runtime_class = select_runtime_class(config)
+        layout = RankLayout.from_world_size(world_size, 1, 1)
+        state = create_parallel_state(layout, rank, "gloo",
+                                      extra_group_ranks=runtime_class.required_group_ranks(
+                                          config, layout))
+        result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
+                          pretrain_gpt.forward_step, parallel_state=state, log=lambda _: None,
+                          checkpointing=Checkpointer(config, log=lambda _: None))
+        return [r.losses["lm loss"] for r in result.history]
+    straight = run("")
+    run(f"--save {save_dir} --exit-interval 3")
+    return straight, run(f"--load {save_dir}")
+
+
+@pytest.mark.parametrize("name", ["topk", "qsgd"])
+def test_resume_restores_each_ranks_error_or_random_stream_exactly(name, tmp_path):
+    argv = f"{TINY.replace('--train-iters 3', '--train-iters 5')} {REDUCERS[name]}"
+    results = run_distributed(_rank_resume, 2, argv, str(tmp_path / "ckpt"), timeout=240)
+    for straight, resumed in results:
+        assert resumed == straight[3:]
