@@ -9,9 +9,18 @@ from the same seed on the same global batches with: exact all-reduce, and A2SGD 
 granularity (whole model portion = the paper's, per bucket of 4096 elements, per tensor). Per
 variant it reports the bytes each worker hands to data-parallel collectives per step (all-reduce:
 the whole gradient; A2SGD: 4 float64 per segment, plus the exact average of parameters and optimizer
-state amortised over ``--a2sgd-sync-interval``), the mean wall time per step, and the lm loss after the last step
+state amortised over ``--a2sgd-sync-interval``), the mean wall time per step, and the lm loss after
+the last step
 (mean of the last 5 iterations, to damp batch noise). Writes ``results.json`` and a loss plot
 ``loss.png`` to ``--out``.
+
+    python benchmarks/a2sgd.py --emulate-compute [--dp 2 4] [--sizes 1e6 1e7 3e7]
+                               [--ratios 0.1 0.5 1 2 10] [--rounds 3] [--steps 2]
+
+instead sweeps gradient size and communication / compute with sleeping compute and real gloo
+collectives (benchmarks/_emulated_compute.py, benchmarks/_reducer_sweep.py): exact all-reduce (also
+overlapped with the backward), A2SGD (whole model, per bucket), top-k and QSGD; step time, bytes per
+worker per step, and where each starts to beat all-reduce. Writes ``emulated.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -109,7 +118,65 @@ def parse_arguments(argv=None):
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sync-interval", type=int, default=10)
     parser.add_argument("--out", default="runs/a2sgd")
-    return parser.parse_args(argv)
+    parser.add_argument("--emulate-compute", action="store_true",
+                        help="sweep gradient size and communication/compute with sleeping compute")
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 3e7],
+                        help="with --emulate-compute: gradient sizes in float32 entries")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.5, 1, 2, 10],
+                        help="with --emulate-compute: target communication / compute")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    parser.add_argument("--reducers", nargs="+", default=None,
+                        help="with --emulate-compute: a subset of the reducers")
+    parser.add_argument("--max-size", nargs=2, type=float, action="append", default=[],
+                        metavar=("DP", "FLOATS"),
+                        help="with --emulate-compute: skip sizes above FLOATS at this DP size "
+                             "(memory and time caps; repeatable)")
+    args = parser.parse_args(argv)
+    args.dp_size_cap = {int(dp): int(floats) for dp, floats in args.max_size}
+    return args
+
+
+def emulated_main(args) -> None:
+    """The --emulate-compute sweep (see benchmarks/_reducer_sweep.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _harness import oversubscription_note
+    from _reducer_sweep import (REDUCERS, bytes_per_step, combine_ranks, crossings,
+                                rank_sweep)
+    reducers = args.reducers or list(REDUCERS)
+    sizes = [int(size) for size in args.sizes]
+    everything = {}
+    for dp in args.dp:
+        combined = everything.setdefault(dp, {})
+        for numel in sizes:
+            if dp in args.dp_size_cap and numel > args.dp_size_cap[dp]:
+                continue
+            per_rank = run_distributed(rank_sweep, dp, [numel], args.ratios, reducers,
+                                       args.rounds, args.steps, timeout=7200)
+            result = combine_ranks(per_rank, reducers, args.ratios)[numel]
+            combined[numel] = result
+            print(f"\nDP {dp}, {numel:,} floats: all-reduce alone M = "
+                  f"{result['communication'] * 1000:.1f} ms, compute besides sleep C0 = "
+                  f"{result['fixed_compute'] * 1000:.1f} ms; ms/step median (min-max of "
+                  f"{args.rounds} round medians), x = speed-up over all-reduce")
+            print(f"{'M/C':>6} " + " ".join(f"{name:>26}" for name in reducers))
+            for row in result["rows"].values():
+                base = row["allreduce"][0]
+                cells = [f"{row[n][0] * 1e3:7.1f} ({row[n][1] * 1e3:.0f}-{row[n][2] * 1e3:.0f}) "
+                         f"x{base / row[n][0]:.2f}" for n in reducers]
+                print(f"{row['ratio']:>6.2f} " + " ".join(f"{c:>26}" for c in cells))
+            print("bytes/worker/step: " + ", ".join(
+                f"{name} {bytes_per_step(name, numel, dp):,.0f}" for name in reducers))
+            print("beats all-reduce: " + ", ".join(
+                f"{name} {crossings(result['rows'], name)}" for name in reducers
+                if name != "allreduce"))
+            with open(os.path.join(args.out, "emulated.json"), "w") as handle:  # after each
+                json.dump({"args": vars(args), "results": {
+                    dp: {numel: {**result, "rows": {str(r): v for r, v in result["rows"].items()}}
+                         for numel, result in combined.items()}
+                    for dp, combined in everything.items()}}, handle, indent=1)
+        print(oversubscription_note(dp), flush=True)
+    print(f"wrote {args.out}/emulated.json")
 
 
 def _plot(all_results: dict, path: str) -> None:
@@ -130,6 +197,10 @@ def _plot(all_results: dict, path: str) -> None:
 def main(argv=None) -> None:
     args = parse_arguments(argv)
     os.chdir(REPO)
+    if args.emulate_compute:
+        os.makedirs(args.out, exist_ok=True)
+        emulated_main(args)
+        return
     if not os.path.exists("data/demo/corpus_text_document.idx"):
         sys.exit("data/demo/ is missing; run `python tools/build_demo_corpus.py` first")
     os.makedirs(args.out, exist_ok=True)

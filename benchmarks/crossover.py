@@ -14,6 +14,15 @@ Per point it prints the aggregate tokens/s of the pair (back to back and crossov
 spread over rounds), the per-job iteration time under crossover, and the analytical bound of the
 speedup (C + M) / max(C, M) from the compute time C (forward, backward, optimizer step) and the
 exposed communication M (time waiting for the gradient all-reduce) of one job measured alone.
+
+    python benchmarks/crossover.py --emulate-compute [--sizes 1e6 1e7] [--ratios 0.1 0.5 1 2 10]
+
+runs the same comparison with emulated compute (benchmarks/_emulated_compute.py): each job's
+forward and backward sleep (freeing the core, as a rank waiting for its accelerator would) while its
+gradient of ``--sizes`` float32 entries is really all-reduced over gloo; the sleep is chosen so the
+all-reduce / compute ratio M / C of one job alone sweeps ``--ratios``. Per point: back to back and
+crossover wall time of the pair (median and min-max over interleaved rounds), speed-up, the bound
+(C + M) / max(C, M) from the median C and M of the back-to-back iterations, and speed-up / bound.
 """
 
 from __future__ import annotations
@@ -118,6 +127,111 @@ def _rank(rank: int, world_size: int, points: list, iterations: int, rounds: int
     return results
 
 
+def _emulated_job(model, reducer, compute, iterations: int, after_compute, timings=None):
+    """One job: ``iterations`` steps of sleeping compute and the real all-reduce (no optimizer
+    update, see benchmarks/_emulated_compute.py);
+    ``after_compute`` runs between starting the all-reduce and waiting for it (the crossover turn).
+    ``timings`` (a list) gets (compute, exposed communication) seconds per iteration."""
+    for iteration in range(iterations):
+        started = time.perf_counter()
+        reducer.zero_grad()
+        model.forward_backward(compute, iteration)
+        reducer.start()
+        computed = time.perf_counter()
+        after_compute()
+        reducer.wait()
+        waited = time.perf_counter()
+        if timings is not None:
+            timings.append(((computed - started) + (time.perf_counter() - waited),
+                            waited - computed))
+
+
+def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, iterations: int,
+                   rounds: int) -> dict:
+    """The emulated-compute sweep on one rank: per (size, ratio) the pair's wall times and the C, M
+    of job a's back-to-back iterations."""
+    import torch
+    import torch.distributed as dist
+    from _emulated_compute import ComputeTime, EmulatedModel, median_seconds
+    from megatron.core.distributed.gradient_reducer import GradientReducer
+    from megatron.training.crossover import CrossoverJob, run_crossover
+    torch.set_num_threads(1)
+    names = ("a", "b")
+    groups = {name: dist.new_group(list(range(world_size))) for name in names}  # one per job
+    results = {}
+    for numel in sizes:
+        models = {name: EmulatedModel(numel, seed=100 * index + rank)
+                  for index, name in enumerate(names)}
+        reducers = {name: GradientReducer(models[name].parameters(), groups[name],
+                                          divide_by=world_size) for name in names}
+        models["a"].forward_backward(ComputeTime(0.0), 0)
+        communication = median_seconds(lambda: (reducers["a"].start(), reducers["a"].wait()), 5,
+                                       dist.barrier)
+        fixed = median_seconds(lambda: _emulated_job(models["a"], reducers["a"],
+                                                     ComputeTime(0.0), 1, lambda: None), 3,
+                               dist.barrier) - communication
+        fixed = max(fixed, 0.0)
+        computes = {ratio: ComputeTime(max(communication / ratio - fixed, 0.0))
+                    for ratio in ratios}
+        points = {ratio: {"back_to_back": [], "crossover": [], "timings": []} for ratio in ratios}
+        for _ in range(rounds):
+            for ratio in ratios:
+                point, compute = points[ratio], computes[ratio]
+                dist.barrier()
+                started = time.perf_counter()
+                _emulated_job(models["a"], reducers["a"], compute, iterations, lambda: None,
+                              point["timings"])
+                _emulated_job(models["b"], reducers["b"], compute, iterations, lambda: None)
+                dist.barrier()
+                point["back_to_back"].append(time.perf_counter() - started)
+                jobs = [CrossoverJob(name, ()) for name in names]
+                dist.barrier()
+                started = time.perf_counter()
+                run_crossover(jobs, lambda job, after, log: _emulated_job(
+                    models[job.name], reducers[job.name], compute, iterations, after),
+                    log=lambda _: None)
+                dist.barrier()
+                point["crossover"].append(time.perf_counter() - started)
+        results[numel] = points
+    return results
+
+
+def emulated_main(args) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sizes = [int(size) for size in args.sizes]
+    iterations, rounds = args.iterations or 6, args.rounds or 3
+    per_rank = run_distributed(_emulated_rank, WORLD_SIZE, sizes, args.ratios, iterations,
+                               rounds, timeout=7200)
+    rows = []
+    for numel in sizes:
+        for ratio in args.ratios:
+            point = per_rank[-1][numel][ratio]
+            back = [max(r[numel][ratio]["back_to_back"][i] for r in per_rank)
+                    for i in range(rounds)]
+            cross = [max(r[numel][ratio]["crossover"][i] for r in per_rank)
+                     for i in range(rounds)]
+            compute = statistics.median(t[0] for t in point["timings"])
+            exposed = statistics.median(t[1] for t in point["timings"])
+            bound = (compute + exposed) / max(compute, exposed)
+            speedup = statistics.median(back) / statistics.median(cross)
+            per_round = sorted(b / c for b, c in zip(back, cross))
+            rows.append([f"{numel:,}", f"{ratio:g}", f"{exposed / compute:.2f}",
+                         f"{compute * 1e3:.0f}", f"{exposed * 1e3:.0f}",
+                         _spread([1e3 * b / (2 * iterations) for b in back]),
+                         _spread([1e3 * c / (2 * iterations) for c in cross]),
+                         f"{speedup:.2f} ({per_round[0]:.2f}-{per_round[-1]:.2f})",
+                         f"{bound:.2f}", f"{speedup / bound:.0%}"])
+    print(format_table(["floats", "target M/C", "M/C", "C ms", "M ms",
+                        "back to back ms/iter", "crossover ms/iter", "speed-up (round min-max)",
+                        "bound", "speed-up / bound"], rows))
+    print(f"Emulated compute (sleep), real gloo all-reduce; two DP {WORLD_SIZE} jobs, "
+          f"{iterations} iterations each, {rounds} interleaved round(s); ms per iteration of one "
+          f"job (pair time / {2 * iterations}), median (min-max) over rounds; C and M are job a's "
+          f"back-to-back medians.")
+    print(oversubscription_note(WORLD_SIZE))
+    return 0
+
+
 def _spread(values: list) -> str:
     return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 
@@ -127,7 +241,15 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--iterations", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--emulate-compute", action="store_true",
+                        help="sleeping compute, real gloo all-reduce, swept M/C")
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7],
+                        help="with --emulate-compute: gradient sizes (float32 entries)")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.5, 1, 2, 10],
+                        help="with --emulate-compute: target communication / compute")
     args = parser.parse_args(argv)
+    if args.emulate_compute:
+        return emulated_main(args)
     if args.quick:
         points, iterations, rounds = [(32, 2, 4)], args.iterations or 3, args.rounds or 1
     else:

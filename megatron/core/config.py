@@ -205,10 +205,19 @@ class ParallelConfig:
                "--chimera-grad-sync).")
     dp_gradient_reducer: str = option(
         "allreduce", "Data-parallel gradient reduction: exact all-reduce, or A2SGD (two means per "
-                     "worker, error feedback; see docs/a2sgd.md).", choices=("allreduce", "a2sgd"))
+                     "worker, error feedback; see docs/a2sgd.md), top-k sparsification with error "
+                     "feedback, or QSGD quantisation.",
+        choices=("allreduce", "a2sgd", "topk", "qsgd"))
     a2sgd_sync_interval: int = option(
         10, "With --dp-gradient-reducer a2sgd: average the parameters exactly over data-parallel "
             "replicas every this many iterations (also before every checkpoint and evaluation).")
+    topk_ratio: float = option(
+        0.01, "With --dp-gradient-reducer topk: the fraction of gradient entries (largest in "
+              "magnitude, after error feedback) each data-parallel rank sends.")
+    qsgd_levels: int = option(
+        127, "With --dp-gradient-reducer qsgd: quantisation levels s (1..127; one int8 per entry).")
+    qsgd_bucket_size: int = option(
+        512, "With --dp-gradient-reducer qsgd: gradient entries per bucket (one norm each).")
     local_rank: Optional[int] = option(
         None, "Local rank passed by torch.distributed.launch.", aliases=("--local_rank",))
     world_size: Optional[int] = option(None, "Number of processes (derived).", derived=True)

@@ -89,8 +89,8 @@ def _run(extra: str):
 def test_the_built_in_table_is_unchanged_and_is_the_flags_choices():
     choices = next(f for f in dataclasses.fields(ParallelConfig)
                    if f.name == "dp_gradient_reducer").metadata["choices"]
-    assert BUILTIN_REDUCERS.names == tuple(choices) == ("allreduce", "a2sgd")
-    assert TABLE.names == ("allreduce", "a2sgd", "recording")
+    assert BUILTIN_REDUCERS.names == tuple(choices) == ("allreduce", "a2sgd", "topk", "qsgd")
+    assert TABLE.names == ("allreduce", "a2sgd", "topk", "qsgd", "recording")
     with pytest.raises(ValueError, match="unknown gradient reducer 'recording'"):
         BUILTIN_REDUCERS.get("recording")
     with pytest.raises(ValueError, match="already in the table"):

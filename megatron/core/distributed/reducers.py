@@ -9,7 +9,8 @@ data-parallel group without a pipeline; every pipeline's copy of the stage times
 Chimera), built by the :class:`~.reduction.ReducerKind` that ``--dp-gradient-reducer`` names in the
 runtime's :class:`~.reduction.ReducerTable` (:data:`BUILTIN_REDUCERS`: ``allreduce``, a
 :class:`~.gradient_reducer.GradientReducer`, or with ``--use-distributed-optimizer`` a
-:class:`~.sharded_reducer.ShardedGradientReducer`; ``a2sgd``, :mod:`~megatron.core.distributed.a2sgd`),
+:class:`~.sharded_reducer.ShardedGradientReducer`; ``a2sgd``, :mod:`~megatron.core.distributed.a2sgd`;
+``topk`` and ``qsgd``, :mod:`~.topk` and :mod:`~.qsgd`),
 plus, when the word embedding and a tied output layer live in different stages, a
 :class:`TiedEmbeddingReducer` started after everything else. A new reducer is one
 :class:`~.reduction.ReducerKind` added to a table (``BUILTIN_REDUCERS.with_kind(...)``).
@@ -26,10 +27,12 @@ import torch.distributed as dist
 from megatron.core.distributed.a2sgd import A2SGD_REDUCER
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.gradient_reducer import GradientReducer
+from megatron.core.distributed.qsgd import QSGD_REDUCER
 from megatron.core.distributed.reduction import (ChunkReductionRequest, GradientReduction,
                                                  ReducerKind, ReducerTable)
 from megatron.core.distributed.sharded_reducer import ShardedGradientReducer
 from megatron.core.distributed.timeouts import awaiting, describe_group
+from megatron.core.distributed.topk import TOPK_REDUCER
 
 __all__ = ["ALLREDUCE_REDUCER", "BUILTIN_REDUCERS", "GradientReduction", "ModelReducers",
            "TiedEmbeddingReducer", "build_gradient_reducers", "is_shared_embedding",
@@ -52,7 +55,9 @@ ALLREDUCE_REDUCER = ReducerKind(
     build=build_exact_reduction)
 
 # The kinds --dp-gradient-reducer chooses from (its choices in megatron/core/config.py).
-BUILTIN_REDUCERS = ReducerTable((ALLREDUCE_REDUCER, A2SGD_REDUCER))
+BUILTIN_REDUCERS = ReducerTable((ALLREDUCE_REDUCER, A2SGD_REDUCER,
+                                 TOPK_REDUCER,  # megatron/core/distributed/topk.py
+                                 QSGD_REDUCER))  # megatron/core/distributed/qsgd.py
 
 
 def is_shared_embedding(param: torch.nn.Parameter) -> bool:

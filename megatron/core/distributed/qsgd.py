@@ -1,0 +1,139 @@
+"""QSGD-style stochastic quantisation as the data-parallel reducer (``--dp-gradient-reducer qsgd``),
+one of the A2SGD paper's peers (Alistarh et al., arXiv 1610.02132).
+
+Per step, on data-parallel rank i, the loss-unscaled gradient is cut into buckets of ``d`` entries
+(``--qsgd-bucket-size``; the last one zero-padded). For a bucket ``v`` with ``s`` levels
+(``--qsgd-levels``) each entry is sent as its sign and an integer level:
+
+    r_j = s |v_j| / ||v||_2,   l_j = floor(r_j),
+    level_j = l_j + 1 with probability r_j - l_j, else l_j,
+    Q(v)_j = ||v||_2 * sign(v_j) * level_j / s
+
+(``Q(v) = 0`` for ``v = 0``), an unbiased estimate of ``v``. The payload is one float32 norm per
+bucket and one int8 signed level per entry (``s <= 127``): about a quarter of the float32 gradient.
+The payloads are all-gathered over the data-parallel group; every rank dequantises and sums them in
+rank order and divides by the data-parallel size, so every replica applies the same gradient. No
+error feedback (as in the paper). The random draws come from the reducer's own generator, seeded
+from the training seed (``torch.initial_seed()`` when it is built), the data-parallel rank and the
+stage, so both Chimera copies of a stage in one replica draw the same numbers and stay equal; its
+state is the reducer's ``state_dict()`` (checkpoints resume the same draws).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.collectives import group_size
+from megatron.core.distributed.compressed import (CompressingReducer, all_gather_payloads,
+                                                  refuse_distributed_optimizer,
+                                                  split_exact_params)
+from megatron.core.distributed.reduction import ChunkReductionRequest, ReducerKind
+
+MAX_LEVELS = 127  # a signed level fits one int8
+
+
+def _buckets(values: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """``values`` zero-padded to whole buckets, as [buckets, bucket_size]."""
+    padding = (-values.numel()) % bucket_size
+    if padding:
+        values = torch.cat([values, values.new_zeros(padding)])
+    return values.view(-1, bucket_size)
+
+
+def quantise(values: torch.Tensor, levels: int, bucket_size: int, uniform: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 norm per bucket, int8 signed level per entry, padded to whole buckets) of float32
+    ``values``; ``uniform`` holds one U[0, 1) draw per padded entry (see the module docstring)."""
+    buckets = _buckets(values, bucket_size)
+    norms = torch.linalg.vector_norm(buckets, dim=1)
+    ratio = buckets.abs() * (levels / norms.clamp(min=torch.finfo(torch.float32).tiny))[:, None]
+    lower = ratio.floor().clamp(max=levels)
+    level = lower + (uniform.view_as(buckets) < ratio - lower).to(buckets.dtype)
+    signed = torch.where(buckets < 0, -level, level)
+    return norms, signed.to(torch.int8).flatten()
+
+
+def dequantise(norms: torch.Tensor, signed_levels: torch.Tensor, levels: int, numel: int
+               ) -> torch.Tensor:
+    """The float32 vector (first ``numel`` entries) a :func:`quantise` payload stands for."""
+    bucket_size = signed_levels.numel() // max(norms.numel(), 1)
+    buckets = signed_levels.view(-1, bucket_size).float() * (norms / levels)[:, None]
+    return buckets.flatten()[:numel]
+
+
+def generator_seed(base_seed: int, dp_rank: int, key: Hashable) -> int:
+    """The quantiser's seed: the training seed, the data-parallel rank and the chunk's stage (the
+    same on both Chimera copies of a stage in one replica)."""
+    stage = getattr(key, "stage", key if isinstance(key, int) else 0)
+    return (int(base_seed) + 1_000_003 * int(dp_rank) + 7919 * int(stage)) % (2 ** 63)
+
+
+class QSGDReducer(CompressingReducer):
+    """QSGD over data parallel (see the module docstring).
+
+    Args (besides :class:`~.compressed.CompressingReducer`'s):
+        levels: ``s``, 1..127 (``--qsgd-levels``).
+        bucket_size: entries per norm (``--qsgd-bucket-size``).
+        seed: the seed of the reducer's generator.
+    """
+
+    def __init__(self, params, *, levels: int = 127, bucket_size: int = 512, seed: int = 0,
+                 **kwargs):
+        if not 1 <= levels <= MAX_LEVELS:
+            raise ValueError(f"QSGD levels {levels} must be in 1..{MAX_LEVELS} (--qsgd-levels)")
+        if bucket_size < 1:
+            raise ValueError(f"QSGD bucket size {bucket_size} must be >= 1 (--qsgd-bucket-size)")
+        super().__init__(params, **kwargs)
+        self.levels, self.bucket_size = int(levels), int(bucket_size)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def compressed_average(self, dtype, values):
+        padded = values.numel() + (-values.numel()) % self.bucket_size
+        uniform = torch.rand(padded, generator=self.generator)
+        norms, signed = quantise(values, self.levels, self.bucket_size, uniform)
+        payload = torch.cat([norms.view(torch.uint8), signed.view(torch.uint8)])
+        self.payload_bytes_last_step += payload.numel()
+        total = torch.zeros(values.numel(), dtype=torch.float32)
+        norm_bytes = norms.numel() * 4
+        for gathered in all_gather_payloads(payload, self.data_group):
+            total += dequantise(gathered[:norm_bytes].view(torch.float32),
+                                gathered[norm_bytes:].view(torch.int8), self.levels,
+                                values.numel())
+        return total / self.dp_size
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def build_qsgd_reduction(request: ChunkReductionRequest) -> QSGDReducer:
+    compressed, exact = split_exact_params(request)
+    parallel = request.parallel
+    dp_rank = dist.get_rank(request.data_group) if group_size(request.data_group) > 1 else 0
+    return QSGDReducer(compressed,
+                       levels=parallel.qsgd_levels if parallel is not None else 127,
+                       bucket_size=parallel.qsgd_bucket_size if parallel is not None else 512,
+                       seed=generator_seed(torch.initial_seed(), dp_rank, request.key),
+                       direction_group=request.direction_group(), data_group=request.data_group,
+                       exact_params=exact, exact_group=request.replica_group,
+                       dp_size=int(request.divide_by))
+
+
+def check_qsgd_flags(parallel) -> None:
+    if not 1 <= parallel.qsgd_levels <= MAX_LEVELS:
+        raise ValueError(f"--qsgd-levels {parallel.qsgd_levels} must be in 1..{MAX_LEVELS} (a "
+                         f"signed level is sent as one int8)")
+    if parallel.qsgd_bucket_size < 1:
+        raise ValueError(f"--qsgd-bucket-size {parallel.qsgd_bucket_size} must be >= 1")
+    refuse_distributed_optimizer(parallel, "qsgd")
+
+
+QSGD_REDUCER = ReducerKind(
+    name="qsgd", description="QSGD stochastic quantisation, int8 levels (docs/a2sgd.md)",
+    build=build_qsgd_reduction, needs_direction_groups=True, overlaps=False,
+    validate=check_qsgd_flags)

@@ -1,0 +1,127 @@
+"""Top-k sparsification with error feedback as the data-parallel reducer (``--dp-gradient-reducer
+topk``), one of the A2SGD paper's peers.
+
+Per step, on data-parallel rank i (``g`` its loss-unscaled gradient, ``e`` the error kept from the
+last step; Stich et al. 2018, Lin et al. 2018):
+
+1. ``p = g + e``;
+2. the ``k = ceil(ratio * n)`` entries of ``p`` largest in magnitude (``--topk-ratio``) are this
+   rank's payload: k values and their k indices (int32, sent bit-cast in one float32 message);
+3. the payloads are all-gathered over the data-parallel group; every rank scatters them into a zero
+   vector in rank order and divides by the data-parallel size: that average is the applied gradient,
+   bitwise equal on every replica;
+4. ``e <- p - top_k(p)`` is staged, and committed by ``after_step(ok)`` only when the optimizer
+   stepped (an overflow step keeps the old error).
+
+A worker sends 8 k bytes per step (an all-gather: each rank receives every other rank's payload).
+The exact parts (direction groups, tensor-parallel-replicated parameters, tied embeddings) and the
+frame are :mod:`~.compressed`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from megatron.core.distributed.compressed import (CompressingReducer, all_gather_payloads,
+                                                  refuse_distributed_optimizer,
+                                                  split_exact_params)
+from megatron.core.distributed.reduction import ChunkReductionRequest, ReducerKind
+
+
+def kept_entries(numel: int, ratio: float) -> int:
+    """k: how many entries top-k keeps of ``numel`` (at least one of a non-empty vector)."""
+    return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
+
+
+def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int64 indices) of the ``k`` entries of ``values`` largest in magnitude."""
+    _, indices = torch.topk(values.abs(), k, sorted=False)
+    return values[indices], indices
+
+
+def sparse_average(payloads: list[tuple[torch.Tensor, torch.Tensor]], numel: int,
+                   divide_by: float) -> torch.Tensor:
+    """The sum over ranks (in order) of each rank's sparse (values, indices), divided by
+    ``divide_by``."""
+    total = torch.zeros(numel, dtype=torch.float32)
+    for values, indices in payloads:
+        total.index_add_(0, indices.long(), values)
+    return total / divide_by
+
+
+class TopKReducer(CompressingReducer):
+    """Top-k with error feedback over data parallel (see the module docstring).
+
+    Args (besides :class:`~.compressed.CompressingReducer`'s):
+        ratio: the fraction of entries each rank sends (``--topk-ratio``), in (0, 1].
+    """
+
+    def __init__(self, params, *, ratio: float = 0.01, **kwargs):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"top-k ratio {ratio} must be in (0, 1] (--topk-ratio)")
+        super().__init__(params, **kwargs)
+        self.ratio = float(ratio)
+        self.errors = {dtype: torch.zeros(buffer.numel(), dtype=torch.float32)
+                       for dtype, buffer in self.inner.buffers.items()}
+        self._staged: Optional[dict] = None
+
+    def compressed_average(self, dtype, values):
+        corrected = values + self.errors[dtype]
+        kept, indices = top_k(corrected, kept_entries(corrected.numel(), self.ratio))
+        if indices.numel() and indices.max() >= 2 ** 31:
+            raise ValueError("top-k indices are sent as int32; this chunk has more than 2**31 "
+                             "entries of one dtype, split the model into more pipeline stages")
+        payload = torch.cat([kept, indices.to(torch.int32).view(torch.float32)])
+        self.payload_bytes_last_step += payload.numel() * payload.element_size()
+        gathered = all_gather_payloads(payload, self.data_group)
+        k = kept.numel()
+        applied = sparse_average([(p[:k], p[k:].view(torch.int32)) for p in gathered],
+                                 corrected.numel(), self.dp_size)
+        error = corrected.clone()
+        error[indices] = 0.0
+        if self._staged is None:
+            self._staged = {}
+        self._staged[dtype] = error
+        return applied
+
+    def commit(self, ok: bool) -> None:
+        if self._staged is not None and ok:
+            for dtype, error in self._staged.items():
+                self.errors[dtype].copy_(error)
+        self._staged = None
+
+    def state_dict(self) -> dict:
+        return {"errors": {str(dtype): error.clone() for dtype, error in self.errors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for dtype, error in self.errors.items():
+            saved = state["errors"][str(dtype)]
+            if saved.shape != error.shape:
+                raise ValueError(f"top-k error buffer of {saved.numel()} elements does not fit "
+                                 f"this model chunk ({error.numel()}); load with the same model "
+                                 f"and parallel layout, or without the optimizer state")
+            error.copy_(saved)
+
+
+def build_topk_reduction(request: ChunkReductionRequest) -> TopKReducer:
+    compressed, exact = split_exact_params(request)
+    ratio = request.parallel.topk_ratio if request.parallel is not None else 0.01
+    return TopKReducer(compressed, ratio=ratio, direction_group=request.direction_group(),
+                       data_group=request.data_group, exact_params=exact,
+                       exact_group=request.replica_group, dp_size=int(request.divide_by))
+
+
+def check_topk_flags(parallel) -> None:
+    if not 0 < parallel.topk_ratio <= 1:
+        raise ValueError(f"--topk-ratio {parallel.topk_ratio} must be in (0, 1] (the fraction of "
+                         f"gradient entries each data-parallel rank sends)")
+    refuse_distributed_optimizer(parallel, "topk")
+
+
+TOPK_REDUCER = ReducerKind(
+    name="topk", description="top-k sparsification with error feedback (docs/a2sgd.md)",
+    build=build_topk_reduction, needs_direction_groups=True, overlaps=False,
+    validate=check_topk_flags)
