@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
+from megatron.core.distributed.error_feedback import ErrorFeedback
 from megatron.core.distributed.gradient_reducer import GradientReducer
 from megatron.core.distributed.reduction import (ChunkReductionRequest, GradientReduction,
                                                  ReducerKind)
@@ -121,8 +122,9 @@ class A2SGDReducer(GradientReduction):
         self.sync_interval = int(sync_interval)
         self.loss_scale: Callable[[], float] = lambda: 1.0
         self._optimizer_state: Optional[dict] = None  # the torch optimizer's state, once attached
-        self.errors = {dtype: torch.zeros_like(buf) for dtype, buf in self.inner.buffers.items()}
-        self._staged: Optional[dict] = None
+        self.feedback = ErrorFeedback(
+            {dtype: torch.zeros_like(buf) for dtype, buf in self.inner.buffers.items()}, "A2SGD")
+        self.errors = self.feedback.errors
         self._sizes = {dtype: [p.numel() for p in self.inner.params[::-1] if p.dtype == dtype]
                        for dtype in self.inner.buffers}
         self.bytes_last_step = 0  # data-parallel bytes all-reduced by the last wait()
@@ -144,7 +146,7 @@ class A2SGDReducer(GradientReduction):
         if self.exact is not None:
             self.exact.wait()
         scale = float(self.loss_scale())
-        staged, self.bytes_last_step = {}, 0
+        self.bytes_last_step = 0
         for dtype, buffer in self.inner.buffers.items():
             values = buffer.double() / scale + self.errors[dtype].double()
             bounds = segment_bounds(self._sizes[dtype], self.granularity, self.bucket_size)
@@ -153,9 +155,8 @@ class A2SGDReducer(GradientReduction):
                 dist.all_reduce(stats, group=self.data_group)
             self.bytes_last_step += stats.numel() * stats.element_size()
             applied = two_level_values(values, stats, bounds)
-            staged[dtype] = (values - applied).to(buffer.dtype)
+            self.feedback.stage(dtype, (values - applied).to(buffer.dtype))
             buffer.copy_(applied * scale)
-        self._staged = staged
 
     def attach(self, optimizer) -> None:
         """Read the loss scale (the errors are kept unscaled) and, for ``synchronize()``, the
@@ -172,10 +173,7 @@ class A2SGDReducer(GradientReduction):
 
     def finish_step(self, update_successful: bool) -> None:
         """Commit the staged error when the optimizer stepped; drop it on an overflow step."""
-        if self._staged is not None and update_successful:
-            for dtype, error in self._staged.items():
-                self.errors[dtype].copy_(error)
-        self._staged = None
+        self.feedback.commit(update_successful)
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
@@ -184,16 +182,10 @@ class A2SGDReducer(GradientReduction):
 
     def state_dict(self) -> dict:
         """The error buffers (per dtype, in this reducer's flat layout)."""
-        return {"errors": {str(dtype): error.clone() for dtype, error in self.errors.items()}}
+        return self.feedback.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        for dtype, error in self.errors.items():
-            saved = state["errors"][str(dtype)]
-            if saved.shape != error.shape:
-                raise ValueError(f"A2SGD error buffer of {saved.numel()} elements does not fit this "
-                                 f"model chunk ({error.numel()}); load with the same model and "
-                                 f"parallel layout, or without the optimizer state")
-            error.copy_(saved)
+        self.feedback.load_state_dict(state)
 
     def average_parameters(self, optimizer_state: Optional[dict] = None) -> None:
         """Make the replicas identical: the exact mean over the data-parallel group of every

@@ -21,13 +21,13 @@ frame are :mod:`~.compressed`'s.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
 from megatron.core.distributed.compressed import (CompressingReducer, all_gather_payloads,
                                                   refuse_distributed_optimizer,
                                                   split_exact_params)
+from megatron.core.distributed.error_feedback import ErrorFeedback
 from megatron.core.distributed.reduction import ChunkReductionRequest, ReducerKind
 
 
@@ -64,9 +64,9 @@ class TopKReducer(CompressingReducer):
             raise ValueError(f"top-k ratio {ratio} must be in (0, 1] (--topk-ratio)")
         super().__init__(params, **kwargs)
         self.ratio = float(ratio)
-        self.errors = {dtype: torch.zeros(buffer.numel(), dtype=torch.float32)
-                       for dtype, buffer in self.inner.buffers.items()}
-        self._staged: Optional[dict] = None
+        self.feedback = ErrorFeedback({dtype: torch.zeros(buffer.numel(), dtype=torch.float32)
+                                       for dtype, buffer in self.inner.buffers.items()}, "top-k")
+        self.errors = self.feedback.errors
 
     def compressed_average(self, dtype, values):
         corrected = values + self.errors[dtype]
@@ -82,28 +82,17 @@ class TopKReducer(CompressingReducer):
                                  corrected.numel(), self.dp_size)
         error = corrected.clone()
         error[indices] = 0.0
-        if self._staged is None:
-            self._staged = {}
-        self._staged[dtype] = error
+        self.feedback.stage(dtype, error)
         return applied
 
     def commit(self, ok: bool) -> None:
-        if self._staged is not None and ok:
-            for dtype, error in self._staged.items():
-                self.errors[dtype].copy_(error)
-        self._staged = None
+        self.feedback.commit(ok)
 
     def state_dict(self) -> dict:
-        return {"errors": {str(dtype): error.clone() for dtype, error in self.errors.items()}}
+        return self.feedback.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        for dtype, error in self.errors.items():
-            saved = state["errors"][str(dtype)]
-            if saved.shape != error.shape:
-                raise ValueError(f"top-k error buffer of {saved.numel()} elements does not fit "
-                                 f"this model chunk ({error.numel()}); load with the same model "
-                                 f"and parallel layout, or without the optimizer state")
-            error.copy_(saved)
+        self.feedback.load_state_dict(state)
 
 
 def build_topk_reduction(request: ChunkReductionRequest) -> TopKReducer:
