@@ -55,7 +55,8 @@ def test_statistics_count_only_the_parameters_this_rank_owns():
     duplicate = torch.nn.Parameter(torch.tensor([100.0]))
     duplicate.grad = torch.tensor([0.0])
     optimizer = SimpleNamespace(params=[owned, duplicate],
-                                owns_grad_norm=lambda param: param is owned)
+                                owns_grad_norm=lambda param: param is owned,
+                                finish_parameter_gather=lambda: None)
     state = ParallelState.single_process()
     assert params_norm(optimizer, state) == pytest.approx(5.0)
     assert num_zeros_in_grads(optimizer, state) == 2

@@ -26,7 +26,8 @@ def test_chimera_split_backward_prints_per_instruction_timers():
     assert {"forward-backward", "optimizer", "batch-generator", "all-grads-sync",
             "forward-compute", "backward-input-compute", "backward-weight-compute", "p2p-post",
             "p2p-wait", "grad-sync-start"} <= set(timers), timers
-    assert "backward-compute" not in timers  # every backward is split
+    # A first stage has no input gradient: the planner keeps its backward whole where that is not
+    # slower (docs/schedules.md), so "backward-compute" may appear beside the split halves.
     per_rank_work = sum(timers[name][0] for name in (
         "forward-compute", "backward-input-compute", "backward-weight-compute", "p2p-post"))
     assert 0 < per_rank_work <= timers["forward-backward"][1] + 0.05

@@ -105,6 +105,7 @@ def test_a2sgd_benchmark_arguments_and_variants():
     assert [g for _, g in a2sgd_benchmark.VARIANTS] == [None, "model", "bucket", "tensor"]
 
 
+@pytest.mark.distributed  # starts two gloo ranks
 def test_sequence_parallel_memory_quick(capsys):
     import sequence_parallel_memory
     assert sequence_parallel_memory.main(["--quick"]) == 0
