@@ -140,7 +140,8 @@ def build_interleaved(pipeline_size: int, num_microbatches: int, num_model_chunk
 
 def interleaved_layout(pipeline_size: int, num_model_chunks: int,
                        microbatch_group_size=None) -> ScheduleLayout:
-    """One pipeline of D * v virtual stages; virtual stage c * D + r on rank r (its chunk c)."""
+    """One pipeline of D * v virtual stages; virtual stage c * D + r on rank r (its chunk c).
+    The micro-batch group size orders ops only; it does not change the layout."""
     num_stages = pipeline_size * num_model_chunks
     return ScheduleLayout("interleaved-1f1b", pipeline_size, num_stages,
                           (tuple(stage % pipeline_size for stage in range(num_stages)),))
@@ -159,7 +160,7 @@ INTERLEAVED_1F1B = ScheduleFamily(
             "microbatch_group_size", None, "microbatch_group_size_per_virtual_pipeline_stage",
             "--microbatch-group-size", int,
             help="Micro-batches per group through the chunks for interleaved-1f1b (default D; "
-                 "D <= G <= N, N mod G = 0 or >= D).")),
+                 "D <= G <= N, N mod G = 0 or >= D).", bounded_by_microbatches=True)),
     op_label=lambda op, options: f"c{op.chunk}",
     selected_by=("num_layers_per_virtual_pipeline_stage",),
     derive_config=derive_interleaved_config,
