@@ -226,6 +226,10 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = option(
         None, "Model chunks per pipeline rank for interleaved 1F1B (derived from "
               "--num-layers-per-virtual-pipeline-stage).", derived=True)
+    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = option(
+        None, "With interleaved 1F1B: micro-batches run through the model chunks in groups of "
+              "this many (default --pipeline-model-parallel-size); between the pipeline size and "
+              "the number of micro-batches, dividing it or leaving at least the pipeline size.")
 
 
 @dataclass

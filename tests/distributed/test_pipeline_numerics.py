@@ -57,9 +57,20 @@ LAYOUTS = [
      "--chimera-variant backward-halving", 2, BATCH_N4),
     ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 2,
      "--micro-batch-size 2 --global-batch-size 2"),  # N = 1 < D
+    # Interleaved with N not a multiple of D (Megatron's micro-batch groups of G): one group of
+    # N = 3, and groups of 3 + 2 for N = 5.
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 3", 2,
+     "--micro-batch-size 2 --global-batch-size 6"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 3", 2,
+     "--micro-batch-size 1 --global-batch-size 5"),
     ("--pipeline-model-parallel-size 4 --pipeline-schedule gpipe", 4, BATCH_N4),
     ("--pipeline-model-parallel-size 4 --pipeline-schedule 1f1b", 4, BATCH_N4),
     ("--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1", 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 5", 4,
+     "--micro-batch-size 1 --global-batch-size 5"),  # Megatron's tunable_overlap test: N = 5
     ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera", 4, BATCH_N4),
     ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera", 4,
      "--micro-batch-size 1 --global-batch-size 8"),  # N = 2D, direct concatenation

@@ -129,7 +129,7 @@ BAD_COMBINATIONS = [
     (TINY + ("--rampup-batch-size 2 2 100 --pipeline-model-parallel-size 2 "
              "--num-layers-per-virtual-pipeline-stage 2").split(), 2,
      ["global batch size 2 of the --rampup-batch-size ramp", "1 micro-batches per iteration",
-      "multiple of --pipeline-model-parallel-size (2)"]),
+      "needs at least --pipeline-model-parallel-size (2) micro-batches"]),
     (replaced(TINY, "--train-iters", "5") + ["--lr-decay-samples", "10"], 1,
      ["--lr-decay-samples / --lr-warmup-samples belong to samples-based"]),
     (replaced(TINY, "--train-iters", "5") + ["--train-samples", "80", "--lr-warmup-iters", "1"], 1,
@@ -288,11 +288,21 @@ def test_real_schedule_options_reject_bad_microbatch_counts():
         parse_args(replaced(TINY, "--global-batch-size", "12") + doubling, world_size=4)
     with pytest.raises(ValueError, match="variant .* 2 pipelines only"):
         parse_args(TINY + doubling + ["--chimera-pipelines", "4"], world_size=4)
-    # Interleaved 1F1B needs N to be a multiple of D and at least two chunks per rank.
+    # Interleaved 1F1B (as Megatron) runs micro-batches in groups of G (default D) with
+    # D <= G <= N and N mod G 0 or >= D; at least two chunks per rank.
     interleaved = ["--pipeline-model-parallel-size", "2"]
-    with pytest.raises(ValueError, match="--pipeline-schedule interleaved-1f1b .* 3 micro-batches"):
-        parse_args(replaced(TINY, "--global-batch-size", "6") + interleaved + [
-            "--num-layers-per-virtual-pipeline-stage", "2"], world_size=2)
+    three = replaced(TINY, "--global-batch-size", "6") + interleaved + [
+        "--num-layers-per-virtual-pipeline-stage", "2"]
+    with pytest.raises(ValueError, match="--pipeline-schedule interleaved-1f1b .* 3 micro-batches"
+                                         ".* last group of 1 < 2.*"
+                                         "--microbatch-group-size-per-virtual-pipeline-stage"):
+        parse_args(three, world_size=2)
+    group = ["--microbatch-group-size-per-virtual-pipeline-stage"]
+    assert parse_args(three + group + ["3"], world_size=2).training.num_microbatches == 3
+    with pytest.raises(ValueError, match="must lie between .* \\(2\\) and .* \\(3\\)"):
+        parse_args(three + group + ["4"], world_size=2)
+    with pytest.raises(ValueError, match="only applies to --pipeline-schedule interleaved-1f1b"):
+        parse_args(TINY + interleaved + group + ["2"], world_size=2)
     with pytest.raises(ValueError, match="num_model_chunks >= 2"):
         parse_args(TINY + interleaved + ["--num-layers-per-virtual-pipeline-stage", "4"],
                    world_size=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from megatron.core.pipeline_parallel.planning.instructions import (
     parse_schedule_csv)
 from megatron.core.pipeline_parallel.planning.schedules import (
     build_schedule, check_schedule_options, placement, schedule_layout)
+from megatron.core.pipeline_parallel.planning.simulator import simulate_schedule
 from megatron.core.pipeline_parallel.planning.validator import ScheduleError, validate_schedule
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "schedules")
@@ -204,6 +206,14 @@ def test_backward_halving_needs_even_micro_batch_size():
     ("chimera", 4, 4, {"variant": "sideways"}, "allowed: direct, forward-doubling"),
     ("chimera", 4, 0, {}, "positive int"),
     ("interleaved-1f1b", 4, 6, {"num_model_chunks": 2}, "multiple of"),
+    ("interleaved-1f1b", 4, 6, {"num_model_chunks": 2}, "last group of 2 < 4"),
+    ("interleaved-1f1b", 4, 3, {"num_model_chunks": 2}, "at least .* micro-batches"),
+    ("interleaved-1f1b", 4, 6, {"num_model_chunks": 2, "microbatch_group_size": 3},
+     "must lie between"),
+    ("interleaved-1f1b", 4, 6, {"num_model_chunks": 2, "microbatch_group_size": 7},
+     "must lie between"),
+    ("interleaved-1f1b", 4, 9, {"num_model_chunks": 2, "microbatch_group_size": 6},
+     "last group of 3 < 4"),
     ("interleaved-1f1b", 4, 8, {"num_model_chunks": 1}, "num_model_chunks >= 2"),
     ("interleaved-1f1b", 4, 8, {}, "num_model_chunks >= 2"),
     ("interleaved-1f1b", 1, 8, {"num_model_chunks": 2}, ">= 2"),
@@ -248,6 +258,44 @@ def test_interleaved_matches_megatron_warmup():
     # first forwards of rank 0: micro-batches 0..3 on chunk 0, then 0..3 on chunk 1
     assert [(op.chunk, op.microbatch) for op in schedule[0][:8]] == \
         [(0, m) for m in range(4)] + [(1, m) for m in range(4)]
+
+
+# Megatron's rule: groups of G with D <= G <= N and N mod G = 0 or >= D; N not a multiple of D
+# runs with G = N (one group) or a G whose last group still holds >= D micro-batches.
+INTERLEAVED_UNEVEN = [(depth, chunks, n, group)
+                      for depth, ns in ((2, (3, 5, 7)), (4, (5, 6, 7, 9, 11, 14)))
+                      for chunks in (2, 3) for n in ns
+                      for group in range(depth, n + 1)
+                      if n % group == 0 or n % group >= depth]
+
+
+@pytest.mark.parametrize("depth, chunks, num_microbatches, group", INTERLEAVED_UNEVEN)
+def test_interleaved_uneven_microbatches_valid_and_deadlock_free(depth, chunks,
+                                                                 num_microbatches, group):
+    options = {"num_model_chunks": chunks, "microbatch_group_size": group}
+    schedule = build_schedule("interleaved-1f1b", depth, num_microbatches, **options)
+    validate_schedule(schedule, schedule_layout("interleaved-1f1b", depth, **options),
+                      num_microbatches)
+    for rank, ops in enumerate(schedule):
+        done = collections.Counter((op.kind, op.chunk, op.microbatch) for op in ops)
+        assert set(done.values()) == {1} and len(done) == 2 * chunks * num_microbatches
+        assert {(op.stage, op.chunk) for op in ops} == {(c * depth + rank, c)
+                                                        for c in range(chunks)}
+        total = num_microbatches * chunks
+        first_backward = next(i for i, op in enumerate(ops) if op.kind is Kind.BACKWARD)
+        warmup = min(2 * (depth - 1 - rank) + (chunks - 1) * group, total)
+        assert first_backward == warmup + (warmup < total)  # the first 1F1B pair's forward
+    for fwd, bwd in ((1, 1), (1, 2)):
+        simulate_schedule("interleaved-1f1b", depth, num_microbatches, fwd, bwd, **options)
+
+
+def test_interleaved_groups_follow_megatron_schedule_table():
+    # Megatron's docstring example: PP=2, VP=2, group 3, 5 micro-batches -> 0 1 2 0 1 2 3 4 3 4
+    forwards = [op for op in build_schedule("interleaved-1f1b", 2, 5, num_model_chunks=2,
+                                            microbatch_group_size=3)[0]
+                if op.kind is Kind.FORWARD]
+    assert [op.microbatch for op in forwards] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [op.chunk for op in forwards] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
 
 
 # ------------------------------------------------------------------------ text round trips

@@ -5,7 +5,8 @@ around D, 2D and 4D; 2f > 2 pipelines up to 2D at D = 32) for D = 16 and 32, whi
 grid well under a minute on two cores. Costs (F, Bk) in {(1,1), (1,2), (1,3)} for D <= 8,
 (1, 2) above. Every schedule family, Chimera variant and 2f pipeline count that the
 options allow is built, validated, lowered, simulated without deadlock, and compared with the
-closed forms where one exists.
+closed forms where one exists (interleaved 1F1B with N not a multiple of D runs as one micro-batch
+group, G = N).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def grid_cases():
             yield "1f1b", depth, num_microbatches, {}
             if depth >= 2 and num_microbatches % depth == 0:
                 yield "interleaved-1f1b", depth, num_microbatches, {"num_model_chunks": 2}
+            elif depth >= 2 and num_microbatches > depth:  # Megatron's G = N (one group)
+                yield "interleaved-1f1b", depth, num_microbatches, {
+                    "num_model_chunks": 2, "microbatch_group_size": num_microbatches}
             yield "chimera", depth, num_microbatches, {}
             if num_microbatches % depth == 0:
                 for variant in ("forward-doubling", "backward-halving"):

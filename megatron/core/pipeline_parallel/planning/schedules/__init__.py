@@ -62,8 +62,12 @@ def resolve_schedule(name: str, pipeline_size, num_microbatches, options: dict,
     resolved = family.defaults()
     resolved.update({key: value for key, value in options.items()
                      if key in resolved and value is not None})
+    checked = resolved
+    if num_microbatches is None:  # options bounded by N are checked when the schedule is built
+        checked = {key: value for key, value in resolved.items()
+                   if not family.option(key).bounded_by_microbatches}
     family.check(pipeline_size, pipeline_size if num_microbatches is None else num_microbatches,
-                 **resolved)
+                 **checked)
     return family, resolved
 
 

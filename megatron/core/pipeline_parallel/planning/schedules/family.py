@@ -35,6 +35,8 @@ class ScheduleOption:
         choices: allowed values, or None.
         help: one line for ``--help``.
         tool_default: value tools use when the flag is not given (None: ``default``).
+        bounded_by_microbatches: the option's valid values depend on the number of
+            micro-batches N, so a check without N (a layout's) leaves it out.
     """
 
     name: str
@@ -45,6 +47,7 @@ class ScheduleOption:
     choices: Optional[tuple] = None
     help: str = ""
     tool_default: Any = None
+    bounded_by_microbatches: bool = False
 
     @property
     def default_for_tools(self) -> Any:
