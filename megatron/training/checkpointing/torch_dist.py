@@ -10,11 +10,12 @@ Layout on disk (the tracker, staging and publishing are the same as for ``--ckpt
 Keys (see :mod:`.global_keys`): ``model.<name>`` and ``optimizer.state.<state>.<name>`` as global
 tensors; objects ``progress`` (iteration, consumed samples: the data iterator position),
 ``config``, ``opt_param_scheduler``, ``optimizer.grad_scaler`` (fp16), and per global rank
-``rng_state.rank_NNNNN`` and ``gradient_reducer_state.rank_NNNNN`` (A2SGD error buffers).
+``rng_state.rank_NNNNN`` and ``gradient_reducer_state.rank_NNNNN`` (the gradient reducers' own
+state, e.g. error-feedback buffers).
 
 Loading reads, on every rank, the boxes of each global tensor that the rank's parameters and
 optimizer shards need, whatever the saved layout (TP, PP, DP, schedule, distributed optimizer on or
-off). Per-rank states (RNG, A2SGD buffers) are restored only into the same layout and world size;
+off). Per-rank states (RNG, reducer state) are restored only into the same layout and world size;
 otherwise a note says they start afresh (dropout here is counter-based, so it is unaffected).
 """
 
@@ -73,7 +74,7 @@ def _no_dist(parallel_state) -> bool:
 
 
 def run_layout(components) -> dict:
-    """The layout that per-rank states (RNG, A2SGD buffers) depend on."""
+    """The layout that per-rank states (RNG, reducer state) depend on."""
     return {**parallel_layout(components.config, len(components.model_chunks)),
             "data_parallel_size": components.parallel_state.dp_size,
             "world_size": components.parallel_state.world_size}
@@ -385,7 +386,8 @@ def apply(components, checkpoint_config, request: LoadRequest, objects: dict, lo
         restore_rng_state(objects[rng_key])
     elif not request.same_layout and parallel_state.rank == 0:
         log("  the checkpoint was saved in another layout or world size: weights and optimizer "
-            "state are resharded; per-rank RNG states and A2SGD error buffers start afresh")
+            "state are resharded; per-rank RNG states and gradient-reducer states (error "
+            "feedback) start afresh")
     progress = objects["progress"]
     return training_state_class(
         iteration=int(progress["iteration"]),
