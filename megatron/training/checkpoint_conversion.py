@@ -38,11 +38,11 @@ from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
 from megatron.core.tensor_parallel.utils import shard_of
 from megatron.training.checkpointing import (
     CHECKPOINT_FILENAME, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
-    STAGING_SUFFIX,
     CheckpointError, _read_metadata, _verify_file, checkpoint_file, describe_layout, file_crc32,
     iteration_dir_name, load_file, model_keys, parallel_layout, rank_dir_name, read_tracker,
     save_file, write_tracker)
 from megatron.training.checkpointing import torch_dist
+from megatron.training.checkpointing.files import fresh_staging_dir
 
 # Flags of the parallel layout besides the schedule families' own (see layout_fields); everything
 # else of the source run's config carries over.
@@ -354,12 +354,7 @@ def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, 
     """Write ``chunks`` (from :func:`split_for_layout`) as a weights-only checkpoint of the
     layout of ``config`` into ``root``: rank files, metadata with CRCs, then the tracker.
     Returns the iteration directory. Refuses to overwrite an existing iteration directory."""
-    final_dir = os.path.join(root, iteration_dir_name(iteration))
-    if os.path.exists(final_dir):
-        raise ConversionError(f"{final_dir} already exists; choose an empty --save directory")
-    staging_dir = final_dir + STAGING_SUFFIX
-    os.makedirs(root, exist_ok=True)
-    shutil.rmtree(staging_dir, ignore_errors=True)
+    final_dir, staging_dir = fresh_staging_dir(root, iteration, ConversionError)
     num_chunks = len(next(iter(chunks.values())))
     layout = parallel_layout(config, num_chunks, registry)
     header = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zlib
 from typing import Optional
 
@@ -33,6 +34,19 @@ def _describe(error: BaseException) -> str:
 def iteration_dir_name(iteration: int) -> str:
     """Megatron's directory name of an iteration: ``iter_0000100``."""
     return f"iter_{iteration:07d}"
+
+
+def fresh_staging_dir(root: str, iteration: int, error: type = ValueError) -> tuple[str, str]:
+    """(final, staging) directories for writing ``iteration`` under ``root`` outside training
+    (conversion, weights-only checkpoints): an existing final directory is refused with ``error``,
+    a staging directory left by an interrupted writer is cleared."""
+    final_dir = os.path.join(root, iteration_dir_name(iteration))
+    if os.path.exists(final_dir):
+        raise error(f"{final_dir} already exists; choose an empty --save directory")
+    staging_dir = final_dir + STAGING_SUFFIX
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(staging_dir, ignore_errors=True)
+    return final_dir, staging_dir
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:

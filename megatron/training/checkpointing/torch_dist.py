@@ -470,16 +470,10 @@ def write_full_weights(root: str, iteration: int, config, full: dict, progress: 
 
     from megatron.training.checkpointing.files import (CHECKPOINT_FORMAT,
                                                       CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
-                                                      STAGING_SUFFIX, iteration_dir_name,
-                                                      write_tracker)
+                                                      fresh_staging_dir, write_tracker)
     from megatron.training.checkpointing.global_keys import Piece, model_key
 
-    final_dir = os.path.join(root, iteration_dir_name(iteration))
-    if os.path.exists(final_dir):
-        raise CheckpointError(f"{final_dir} already exists; choose an empty --save directory")
-    staging_dir = final_dir + STAGING_SUFFIX
-    os.makedirs(root, exist_ok=True)
-    shutil.rmtree(staging_dir, ignore_errors=True)
+    final_dir, staging_dir = fresh_staging_dir(root, iteration, CheckpointError)
     progress = {"iteration": iteration,
                 "consumed_train_samples": int(progress.get("consumed_train_samples", 0)),
                 "consumed_valid_samples": int(progress.get("consumed_valid_samples", 0))}
