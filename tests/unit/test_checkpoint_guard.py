@@ -72,3 +72,15 @@ def test_unwritable_save_is_named(tmp_path):
         with pytest.raises(ValueError, match=f"--save {save} is not a writable directory"):
             check_checkpoint_directories(_checkpoint_config(save=save))
     assert not any(name.startswith(".write-probe") for name in os.listdir(tmp_path))
+
+
+def test_an_offline_writer_never_overwrites_an_iteration_and_clears_a_leftover_staging_dir(tmp_path):
+    from megatron.training.checkpointing.files import fresh_staging_dir
+    final_dir, staging_dir = fresh_staging_dir(str(tmp_path), 7)
+    assert final_dir.endswith("iter_0000007") and staging_dir == final_dir + ".tmp"
+    os.makedirs(os.path.join(staging_dir, "leftover"))
+    assert fresh_staging_dir(str(tmp_path), 7) == (final_dir, staging_dir)
+    assert not os.path.exists(staging_dir)  # the interrupted writer's files are gone
+    os.makedirs(final_dir)
+    with pytest.raises(KeyError, match="iter_0000007 already exists; choose an empty --save"):
+        fresh_staging_dir(str(tmp_path), 7, KeyError)
