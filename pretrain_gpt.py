@@ -133,12 +133,12 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _run(argv, log) -> None:
-    """One run, or several jobs under crossover scheduling (``--crossover-config FILE``)."""
+def _run(argv, log) -> int:
+    """One run, or several jobs under crossover scheduling (``--crossover-config FILE``); returns
+    the exit status (the re-run engine's 16 or 17 when it stopped the run, else 0)."""
     path = crossover_config_path(argv)
     if path is None:
-        train_one_job(argv, log)
-        return
+        return train_one_job(argv, log).exit_code
     try:
         jobs = load_crossover_jobs(path)
     except ValueError as error:
@@ -148,9 +148,10 @@ def _run(argv, log) -> None:
         _configure(list(job.args))  # every job's flags are checked before any job starts
     run_crossover(jobs, lambda job, after_compute, job_log: train_one_job(
         list(job.args), job_log, after_compute), log=log)
+    return 0
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log = functools.partial(print, flush=True)
@@ -160,7 +161,7 @@ def main(argv=None) -> None:
     watchdog = None if "--exit-signal-handler" in argv else StopWatchdog().install()
     finished = False
     try:
-        _run(argv, log)
+        exit_code = _run(argv, log)
         finished = True
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
@@ -172,10 +173,12 @@ def main(argv=None) -> None:
         shutdown_distributed(finished)
         sys.stdout.flush()
         sys.stderr.flush()
+    return exit_code
 
 
-def exit_after_finished_run() -> None:
-    """End the process with status 0 without the interpreter's own teardown.
+def exit_after_finished_run(status: int = 0) -> None:
+    """End the process with ``status`` (0, or the re-run engine's 16/17: the run stopped in order
+    on its verdict) without the interpreter's own teardown.
 
     By now the run is complete and shut down in order: every rank passed the final barrier, the
     process groups are destroyed, checkpoints are fsynced and published, the TensorBoard/W&B
@@ -189,9 +192,8 @@ def exit_after_finished_run() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    exit_after_finished_run()
+    exit_after_finished_run(main(sys.argv[1:]))

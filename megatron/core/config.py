@@ -284,6 +284,24 @@ class TrainingConfig:
     max_consecutive_skipped_iterations: int = option(
         100, "Stop when this many iterations in a row skipped their update (overflow/NaN the "
              "loss scaler cannot recover from); 0 disables.")
+    rerun_mode: str = option(
+        "disabled", "validate_results: check every iteration's local losses (NaN and Inf; spikes "
+                    "with --check-for-spiky-loss) before the update and re-run a rejected "
+                    "iteration on the same ranks to tell a transient fault (exit 17) from a "
+                    "reproducible one (save, exit 16; see docs/reliability.md).",
+        choices=("disabled", "validate_results"))
+    check_for_spiky_loss: bool = option(
+        False, "With --rerun-mode validate_results: also reject a loss at least 10 times the "
+               "largest of the first 100 (re-run, then continue).")
+    error_injection_rate: int = option(
+        0, "With --rerun-mode validate_results: reject each validated result with probability "
+           "1/N on purpose (0: never), to test the re-run engine.")
+    error_injection_type: str = option(
+        "transient_error", "What the re-run of an injected error finds.",
+        choices=("correct_result", "transient_error", "persistent_error"))
+    result_rejected_tracker_filename: Optional[str] = option(
+        None, "With --rerun-mode validate_results: append a line for every rejected result and "
+              "its re-run to this file (Megatron's format).")
     num_microbatches: Optional[int] = option(
         None, "Micro-batches per iteration per data-parallel rank (derived).", derived=True)
 

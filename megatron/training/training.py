@@ -26,6 +26,7 @@ globals; config, process groups and components are passed explicitly. Checkpoint
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import time
@@ -58,6 +59,7 @@ from megatron.training.gpt_spec import as_model_spec
 from megatron.training.model_spec import ModelSpec
 from megatron.training.per_token_loss import (TOKENS_KEY, per_token_correction,
                                               per_token_forward_step)
+from megatron.training.rerun import RerunEngine, RerunStop
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.timers import Timers
@@ -95,6 +97,7 @@ class IterationRecord:
     loss_scale: float
     skipped: bool
     got_nan: bool
+    rerun_stop: Optional[RerunStop] = None  # --rerun-mode validate_results stopped the run here
 
 
 @dataclass
@@ -104,6 +107,7 @@ class TrainingResult:
     validation: list[tuple[str, dict]] = field(default_factory=list)
     exited_early: bool = False
     components: Optional[TrainingComponents] = None  # the trained model, optimizer, ...
+    exit_code: int = 0  # the re-run engine's exit status when it stopped the run (else 0)
 
 
 def is_logging_rank(parallel_state) -> bool:
@@ -170,31 +174,48 @@ def _timed(timers: Optional[Timers], name: str):
 
 def train_step(components: TrainingComponents, forward_step_func, microbatches: list[dict],
                global_batch_size: Optional[int] = None,
-               timers: Optional[Timers] = None) -> IterationRecord:
+               timers: Optional[Timers] = None, rerun: Optional[RerunEngine] = None,
+               iteration: int = 0) -> IterationRecord:
     """One iteration on already-built micro-batches of ``global_batch_size`` samples (default
     ``--global-batch-size``); returns its record (iteration unset: 0). ``timers`` (optional)
-    records forward-backward, all-grads-sync and optimizer."""
+    records forward-backward, all-grads-sync and optimizer. ``rerun`` (--rerun-mode
+    validate_results) validates the passes of iteration ``iteration`` (1-based) before the update
+    and may re-run them or stop before the update (the record's ``rerun_stop``)."""
     optimizer = components.optimizer
     for chunk in components.model_chunks:
         chunk.train()
-    optimizer.zero_grad()
     learning_rate = optimizer.param_groups[0]["lr"]
-    clock = timers.instruction_clock() if timers is not None else None
     per_token = _per_token_reference(components)
     if per_token:
         forward_step_func = per_token_forward_step(forward_step_func, per_token)
-    with _timed(timers, "forward-backward"):
-        loss_dicts = components.runtime.forward_backward(
-            forward_step_func=forward_step_func, model_chunks=components.model_chunks,
-            microbatches=microbatches, scale_loss=optimizer.scale_loss,
-            gradient_reducers=components.gradient_reducers, forward_only=False,
-            autocast=components.autocast, instruction_seconds=clock)
-    if clock is not None:
-        timers.add(clock.seconds)
-    components.after_compute()
-    with _timed(timers, "all-grads-sync"):
-        for reducer in components.gradient_reducers:
-            reducer.wait()
+
+    def forward_backward_and_reduce() -> list[dict]:
+        optimizer.zero_grad()
+        clock = timers.instruction_clock() if timers is not None else None
+        with _timed(timers, "forward-backward"):
+            loss_dicts = components.runtime.forward_backward(
+                forward_step_func=forward_step_func, model_chunks=components.model_chunks,
+                microbatches=microbatches, scale_loss=optimizer.scale_loss,
+                gradient_reducers=components.gradient_reducers, forward_only=False,
+                autocast=components.autocast, instruction_seconds=clock)
+        if clock is not None:
+            timers.add(clock.seconds)
+        components.after_compute()
+        with _timed(timers, "all-grads-sync"):
+            for reducer in components.gradient_reducers:
+                reducer.wait()
+        return loss_dicts
+
+    if rerun is None:
+        loss_dicts = forward_backward_and_reduce()
+    else:
+        loss_dicts, stop = rerun.run_iteration(
+            iteration, forward_backward_and_reduce,
+            lambda dicts: _local_losses(dicts, components.model_spec.loss_keys))
+        if stop is not None:  # no update: the run stops before it
+            return IterationRecord(iteration=0, losses={}, learning_rate=learning_rate,
+                                   grad_norm=None, loss_scale=optimizer.loss_scale,
+                                   skipped=True, got_nan=False, rerun_stop=stop)
     correction = _per_token_correction(components, loss_dicts, per_token)
     if correction != 1.0:
         optimizer.scale_gradients(correction)  # --calculate-per-token-loss
@@ -212,6 +233,31 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
     return IterationRecord(iteration=0, losses=losses, learning_rate=learning_rate,
                            grad_norm=result.grad_norm, loss_scale=optimizer.loss_scale,
                            skipped=not result.update_successful, got_nan=got_nan)
+
+
+def _local_losses(loss_dicts: list[dict], keys: Sequence[str]) -> list[float]:
+    """This rank's losses of the iteration, micro-batch by micro-batch (what the re-run engine
+    validates; empty on a rank that computed no loss)."""
+    return [float(loss_dict[key].detach().float().item()) for loss_dict in loss_dicts
+            for key in keys]
+
+
+def _rerun_engine(components: TrainingComponents) -> Optional[RerunEngine]:
+    """--rerun-mode's engine; a re-run starts from the generator and gradient-reducer states the
+    iteration started from."""
+    from megatron.core.distributed.reduction import load_reducer_states, reducer_states
+    from megatron.training.checkpointing.state import capture_rng_state, restore_rng_state
+    reducers = components.gradient_reducers
+
+    def save_state():
+        return capture_rng_state(), copy.deepcopy(reducer_states(reducers))  # no aliases
+
+    def restore_state(state) -> None:
+        rng_state, reducers_state = state
+        restore_rng_state(rng_state)
+        load_reducer_states(reducers, [reducers_state], dp_rank=0)
+    return RerunEngine.from_config(components.config, components.parallel_state.rank,
+                                   components.device, save_state, restore_state)
 
 
 def _per_token_reference(components: TrainingComponents) -> int:
@@ -311,6 +357,7 @@ class _LoopContext:
     timers: Timers
     exit_signal: Optional[ExitSignalHandler] = None
     health: Optional[IterationHealth] = None
+    rerun: Optional[RerunEngine] = None  # --rerun-mode validate_results
     interval: IntervalStats = field(default_factory=IntervalStats)
     interval_start: float = 0.0
     last_saved: Optional[int] = None
@@ -352,7 +399,9 @@ def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord
     with awaiting(lambda: f"a collective of iteration {state.iteration + 1} on one of this "
                           f"rank's groups: {_describe_rank_groups(loop.components.parallel_state)}"):
         record = train_step(loop.components, loop.forward_step_func, microbatches, batch_size,
-                            loop.timers)
+                            loop.timers, rerun=loop.rerun, iteration=state.iteration + 1)
+    if record.rerun_stop is not None:
+        return record, batch_size  # the iteration did not happen
     state.iteration += 1
     state.consumed_train_samples += batch_size
     record.iteration = state.iteration
@@ -450,7 +499,8 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         start_time=time.time() if start_time is None else start_time,
         timers=Timers(components.config.logging.timing_log_level,
                       components.config.logging.timing_log_option, components.device),
-        health=IterationHealth.from_config(components.config, components.parallel_state.rank))
+        health=IterationHealth.from_config(components.config, components.parallel_state.rank),
+        rerun=_rerun_engine(components))
     if components.config.training.exit_signal_handler:
         with ExitSignalHandler() as loop.exit_signal:
             return _run_loop(loop, train_dataset, valid_dataset)
@@ -462,6 +512,8 @@ def _run_loop(loop: _LoopContext, train_dataset, valid_dataset) -> TrainingResul
     loop.restart_interval_clock()
     while state.iteration < config.training.train_iters:
         record, batch_size = _train_iteration(loop, train_dataset)
+        if record.rerun_stop is not None:
+            return _stop_for_rerun(loop, record.rerun_stop)
         if len(loop.result.history) == 1:
             _report_memory(loop)
         if state.iteration % config.logging.log_interval == 0:
@@ -472,6 +524,18 @@ def _run_loop(loop: _LoopContext, train_dataset, valid_dataset) -> TrainingResul
             return loop.result
     if state.iteration > 0:
         loop.save()
+    return loop.result
+
+
+def _stop_for_rerun(loop: _LoopContext, stop: RerunStop) -> TrainingResult:
+    """The re-run engine's verdict ends the run: save first when it asks, say why, keep the exit
+    status (Megatron's 16 or 17) for the entry point."""
+    if stop.save_checkpoint:
+        loop.save()
+    if is_logging_rank(loop.components.parallel_state):
+        loop.log(f"re-run engine: {stop.message}")
+    loop.result.exited_early = True
+    loop.result.exit_code = stop.exit_code
     return loop.result
 
 

@@ -1,0 +1,292 @@
+"""The re-run engine (Megatron-LM's ``--rerun-mode validate_results``): tell a transient fault from a
+persistent one by running a suspicious iteration a second time.
+
+Each iteration's local losses (one per micro-batch whose loss this rank computed) are validated
+before the optimizer steps: NaN and infinite losses (fatal) always, a spiky loss (not fatal, at
+least ``SPIKY_LOSS_FACTOR`` times the largest of the first ``SPIKY_LOSS_SAMPLES`` losses) with
+``--check-for-spiky-loss``. The first iteration of a job is not validated (Megatron's rule: a
+checkpoint may not be possible before the optimizer has stepped once).
+
+When any rank rejects a result, every rank (the decision is an all-reduce over the world, so every
+schedule, Chimera included, re-runs together) restores the state the iteration started from (the
+Python, NumPy, torch and CUDA generator states, the gradient reducers' state) and runs the
+forward and backward passes again on the same micro-batches. At the validation that failed:
+
+- the result differs (beyond ``TOLERANCE``): a transient fault. Fatal checks stop the run with
+  ``EXIT_CODE_FAILED_ON_RESULT_VALIDATION`` (17) without saving ("resume from the last
+  checkpoint"); a non-fatal one (spiky loss) continues with the re-run's gradients.
+- the result is the same: a persistent fault or a correct result, which only a run on other
+  hardware can tell apart. Fatal checks save a checkpoint (with ``--save``) and stop with
+  ``EXIT_CODE_RESUME_TO_DISAMBIGUATE`` (16); a non-fatal one continues.
+
+``--error-injection-rate N`` makes each validation reject its result with probability 1/N
+(Megatron's draw: ``(randint(0, N - 1) + rank) % N == 0``, here from the engine's own generator
+seeded with ``--seed``, so training's random streams are untouched), and ``--error-injection-type``
+decides what the re-run finds: ``transient_error`` a different result, ``persistent_error`` and
+``correct_result`` the same one. ``--result-rejected-tracker-filename`` appends one line per
+rejected result in Megatron's format. A run without faults computes exactly what it computes
+without the engine: the engine only reads the losses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import random
+import socket
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, TypeVar
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Megatron-LM's exit codes (megatron/core/rerun_state_machine.py).
+EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
+EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
+
+SPIKY_LOSS_FACTOR = 10.0   # pretrain_gpt.py's SPIKY_LOSS_FACTOR
+SPIKY_LOSS_SAMPLES = 100   # losses seen before a spike can be called
+TOLERANCE = 0.0            # forward passes are deterministic: any difference is a fault
+
+RERUN_MODES = ("disabled", "validate_results")
+INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
+
+MATCH = 0.0
+MISMATCH = math.inf
+
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class RerunStop:
+    """The run must stop now: why, with which exit status, and whether to save first."""
+
+    exit_code: int
+    save_checkpoint: bool
+    message: str
+
+
+@dataclass(frozen=True)
+class Check:
+    """One validation applied to every local loss."""
+
+    message: str
+    fatal: bool
+
+
+NAN_CHECK = Check("found NaN in local forward loss calculation", fatal=True)
+INF_CHECK = Check("found Inf in local forward loss calculation", fatal=True)
+SPIKY_CHECK = Check("Spiky loss", fatal=False)
+
+
+def relative_difference(initial: float, rerun: float) -> float:
+    """Megatron's comparison: 0 for equal results (NaN equals NaN), inf when one is NaN or infinite
+    and the other is not, else the relative difference."""
+    if initial == rerun or (math.isnan(initial) and math.isnan(rerun)):
+        return MATCH
+    if math.isnan(initial) or math.isnan(rerun) or math.isinf(initial) or math.isinf(rerun):
+        return MISMATCH
+    return abs((initial - rerun) / (initial + rerun) * 2)
+
+
+@dataclass
+class ErrorInjector:
+    """``--error-injection-rate`` / ``--error-injection-type``: rejects results on purpose and
+    decides what the re-run of an injected error finds."""
+
+    rate: int
+    kind: str
+    rank: int
+    generator: random.Random
+    injected: Optional[str] = None  # the kind of the injected error still being diagnosed
+
+    def maybe_inject(self) -> bool:
+        """Reject this validation's result? (At most one injection until it is diagnosed.)"""
+        if self.rate <= 0 or self.injected is not None:
+            return False
+        if (self.generator.randint(0, self.rate - 1) + self.rank) % self.rate != 0:
+            return False
+        self.injected = self.kind
+        logger.warning("rank %d: injecting an error of type %s", self.rank, self.kind)
+        return True
+
+    def compare_in_place(self, initial: float, rerun: float) -> float:
+        """The comparison of the re-run on the same rank: an injected transient error differs, an
+        injected persistent error or correct result matches; without injection, the real one."""
+        if self.injected is None:
+            return relative_difference(initial, rerun)
+        kind, self.injected = self.injected, None
+        return MISMATCH if kind == "transient_error" else MATCH
+
+
+def world_any(device: torch.device) -> Callable[[Sequence[bool]], list[bool]]:
+    """Each flag OR-ed over every rank of the world (one all-reduce; no-op in one process)."""
+    from megatron.core.distributed import all_reduce_world
+
+    def agree(flags: Sequence[bool]) -> list[bool]:
+        tensor = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=device)
+        all_reduce_world(tensor, op=torch.distributed.ReduceOp.MAX)
+        return [bool(value > 0) for value in tensor.tolist()]
+    return agree
+
+
+@dataclass
+class _Failure:
+    """The first rejected validation of an iteration's initial run on this rank."""
+
+    call: tuple[str, int]  # (check message, how many times that check ran before, + 1)
+    check: Check
+    initial: float
+
+
+@dataclass
+class RerunEngine:
+    """Validates each iteration's local losses and re-runs a suspicious iteration (see the module
+    docstring). The training loop owns one per run; ``run_iteration`` is its only hook."""
+
+    rank: int
+    checks: tuple[Check, ...]
+    injector: ErrorInjector
+    agree_any: Callable[[Sequence[bool]], list[bool]]
+    save_state: Callable[[], object]
+    restore_state: Callable[[object], None]
+    tracker_filename: Optional[str] = None
+    first_iteration_complete: bool = False
+    spiky_samples: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config, rank: int, device: torch.device,
+                    save_state: Callable[[], object] = lambda: None,
+                    restore_state: Callable[[object], None] = lambda state: None,
+                    agree_any: Optional[Callable[[Sequence[bool]], list[bool]]] = None
+                    ) -> Optional["RerunEngine"]:
+        """The engine ``--rerun-mode`` asks for (None when disabled)."""
+        training = config.training
+        if training.rerun_mode == "disabled":
+            return None
+        checks = (NAN_CHECK, INF_CHECK) + ((SPIKY_CHECK,) if training.check_for_spiky_loss
+                                           else ())
+        injector = ErrorInjector(rate=training.error_injection_rate,
+                                 kind=training.error_injection_type, rank=rank,
+                                 generator=random.Random(training.seed))
+        tracker = training.result_rejected_tracker_filename
+        if tracker is not None:
+            try:
+                with open(tracker, "a"):
+                    pass
+            except OSError as error:
+                raise ValueError(f"--result-rejected-tracker-filename {tracker}: cannot append to "
+                                 f"it ({error}); give a writable file") from None
+        return cls(rank=rank, checks=checks, injector=injector,
+                   agree_any=agree_any or world_any(device), save_state=save_state,
+                   restore_state=restore_state, tracker_filename=tracker)
+
+    # ------------------------------------------------------------------------------- the hook
+
+    def run_iteration(self, iteration: int, compute: Callable[[], Result],
+                      local_losses: Callable[[Result], list[float]]
+                      ) -> tuple[Result, Optional[RerunStop]]:
+        """Run ``compute`` (zero the gradients, forward and backward, wait for the reductions) for
+        iteration ``iteration`` (1-based), validate its ``local_losses`` and re-run it when any rank
+        rejected a result. Returns the result to step with, and a stop when the run must end
+        before the optimizer step (the same on every rank)."""
+        saved = self.save_state()
+        result = compute()
+        failure = self._validate_initial(iteration, local_losses(result))
+        self.first_iteration_complete = True
+        if not self.agree_any([failure is not None])[0]:
+            return result, None
+        if self.rank == 0:
+            logger.warning("iteration %d: re-running the iteration to check whether the "
+                           "rejected result reproduces", iteration)
+        self.restore_state(saved)
+        result = compute()
+        reproduced = None if failure is None else \
+            self._compare(iteration, failure, local_losses(result))
+        fatal_reproduced = failure is not None and failure.check.fatal and bool(reproduced)
+        fatal_transient = failure is not None and failure.check.fatal and reproduced is False
+        will_checkpoint, will_fail = self.agree_any([fatal_reproduced, fatal_transient])
+        if will_checkpoint:
+            return result, RerunStop(
+                EXIT_CODE_RESUME_TO_DISAMBIGUATE, save_checkpoint=True,
+                message=f"iteration {iteration}: a rejected result reproduced when the iteration "
+                        f"was re-run on the same rank: a persistent fault or a correct result. "
+                        f"Saving a checkpoint and exiting (status "
+                        f"{EXIT_CODE_RESUME_TO_DISAMBIGUATE}); resume from it on other GPUs to "
+                        f"re-run the iteration there")
+        if will_fail:
+            return result, RerunStop(
+                EXIT_CODE_FAILED_ON_RESULT_VALIDATION, save_checkpoint=False,
+                message=f"iteration {iteration}: a rejected result did not reproduce when the "
+                        f"iteration was re-run on the same rank: a transient fault. Exiting "
+                        f"(status {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}) without saving; "
+                        f"resume from the last checkpoint")
+        if self.rank == 0:
+            logger.warning("iteration %d: continuing with the re-run's result (the rejected "
+                           "result's check is not fatal)", iteration)
+        return result, None
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _validate_initial(self, iteration: int, losses: list[float]) -> Optional[_Failure]:
+        """The first rejected validation of the initial run (None: all accepted)."""
+        if not self.first_iteration_complete:
+            return None
+        counts: dict[str, int] = {}
+        for loss in losses:
+            for check in self.checks:
+                counts[check.message] = counts.get(check.message, 0) + 1
+                if self.injector.maybe_inject() or self._rejects(check, loss):
+                    self._track(iteration, "initial_run", loss, check)
+                    logger.error("rank %d: iteration %d: unexpected result %s (invocation #%d, "
+                                 "message='%s')", self.rank, iteration, loss,
+                                 counts[check.message], check.message)
+                    return _Failure((check.message, counts[check.message]), check, loss)
+        return None
+
+    def _rejects(self, check: Check, loss: float) -> bool:
+        if check is NAN_CHECK:
+            return math.isnan(loss)
+        if check is INF_CHECK:
+            return math.isinf(loss)
+        return self._is_spike(loss)
+
+    def _is_spike(self, loss: float) -> bool:
+        """Megatron's is_unexpectedly_large: the first SPIKY_LOSS_SAMPLES finite losses set the
+        scale; later ones at least SPIKY_LOSS_FACTOR times their maximum are spikes."""
+        value = abs(loss)
+        if not math.isfinite(value):
+            return False  # NaN and inf have checks of their own
+        if len(self.spiky_samples) < SPIKY_LOSS_SAMPLES:
+            self.spiky_samples.append(value)
+            return False
+        return value >= max(self.spiky_samples) * SPIKY_LOSS_FACTOR
+
+    def _compare(self, iteration: int, failure: _Failure, losses: list[float]) -> bool:
+        """Does the re-run reproduce the rejected result? (Looked up at the same validation.)"""
+        message, invocation = failure.call  # each check runs once per loss, in loss order
+        rerun = losses[invocation - 1] if invocation <= len(losses) else math.nan
+        reproduced = self.injector.compare_in_place(failure.initial, rerun) <= TOLERANCE
+        status = "first_rerun_reproducible" if reproduced else "first_rerun_not_reproducible"
+        self._track(iteration, status, rerun, failure.check)
+        level = logging.ERROR if failure.check.fatal else logging.WARNING
+        verdict = ("reproducible: a persistent fault or a correct result; only other hardware "
+                   "can tell" if reproduced else "not reproducible: possible transient error")
+        logger.log(level, "rank %d: iteration %d: re-run: the unexpected result is %s (%s %s "
+                          "%s, message='%s')", self.rank, iteration, verdict, rerun,
+                   "=" if reproduced else "!=", failure.initial, message)
+        return reproduced
+
+    def _track(self, iteration: int, status: str, result: float, check: Check) -> None:
+        """One line of --result-rejected-tracker-filename, in Megatron's format."""
+        if self.tracker_filename is None:
+            return
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        with open(self.tracker_filename, "a") as tracker:
+            tracker.write(f"ts={datetime.datetime.now()} node={socket.gethostname()} "
+                          f"device={device} jobID={os.getenv('SLURM_JOBID', 'N/A')} "
+                          f"rank={self.rank} iteration={iteration} status={status} "
+                          f"result={result} message='{check.message}'\n")

@@ -1,0 +1,159 @@
+"""Tier 0: the re-run engine's decisions (megatron/training/rerun.py) on real and injected faults,
+with a scripted iteration instead of a model (no process, no collective)."""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.training.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+                                     EXIT_CODE_RESUME_TO_DISAMBIGUATE, SPIKY_LOSS_FACTOR,
+                                     SPIKY_LOSS_SAMPLES, ErrorInjector, RerunEngine,
+                                     relative_difference)
+
+
+def _config(mode="validate_results", spiky=False, rate=0, kind="transient_error", tracker=None):
+    return SimpleNamespace(training=SimpleNamespace(
+        rerun_mode=mode, check_for_spiky_loss=spiky, error_injection_rate=rate,
+        error_injection_type=kind, result_rejected_tracker_filename=tracker, seed=1234))
+
+
+class Script:
+    """The passes of each iteration: a list of loss lists, one per run of the iteration, and a
+    record of every state saved and restored."""
+
+    def __init__(self):
+        self.runs: list[list[float]] = []
+        self.calls = 0
+        self.restored: list[object] = []
+        self.saved = 0
+
+    def engine(self, config=None, agree_any=None, rank=0):
+        def save_state():
+            self.saved += 1
+            return ("state", self.saved)
+        engine = RerunEngine.from_config(config or _config(), rank, device=None,
+                                         save_state=save_state,
+                                         restore_state=self.restored.append,
+                                         agree_any=agree_any or (lambda flags: list(flags)))
+        assert engine is not None
+        return engine
+
+    def iteration(self, engine, iteration, *runs):
+        self.runs, self.calls = [list(run) for run in runs], 0
+
+        def compute():
+            self.calls += 1
+            return self.runs[min(self.calls, len(self.runs)) - 1]
+        return engine.run_iteration(iteration, compute, list)
+
+
+def test_disabled_mode_builds_no_engine():
+    assert RerunEngine.from_config(_config(mode="disabled"), 0, device=None) is None
+
+
+def test_results_without_faults_run_once_and_continue():
+    script = Script()
+    engine = script.engine()
+    for iteration in (1, 2, 3):
+        result, stop = script.iteration(engine, iteration, [2.5, 2.4])
+        assert (result, stop, script.calls) == ([2.5, 2.4], None, 1)
+    assert script.restored == []
+
+
+def test_the_first_iteration_of_a_job_is_not_validated():
+    script = Script()
+    result, stop = script.iteration(script.engine(), 1, [math.nan])
+    assert stop is None and script.calls == 1
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_reproducible_fatal_result_saves_and_exits_16(bad):
+    script = Script()
+    engine = script.engine()
+    script.iteration(engine, 1, [2.0])
+    result, stop = script.iteration(engine, 2, [2.0, bad], [2.0, bad])
+    assert script.calls == 2 and script.restored == [("state", 2)]  # the iteration's own state
+    assert stop.exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE and stop.save_checkpoint
+    assert "reproduced" in stop.message and "iteration 2" in stop.message
+
+
+def test_a_fatal_result_that_does_not_reproduce_is_transient_and_exits_17():
+    script = Script()
+    engine = script.engine()
+    script.iteration(engine, 1, [2.0])
+    result, stop = script.iteration(engine, 2, [math.nan, 2.0], [2.1, 2.0])
+    assert script.calls == 2
+    assert stop.exit_code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION and not stop.save_checkpoint
+    assert "transient" in stop.message
+
+
+@pytest.mark.parametrize("kind, code", [("transient_error", EXIT_CODE_FAILED_ON_RESULT_VALIDATION),
+                                        ("persistent_error", EXIT_CODE_RESUME_TO_DISAMBIGUATE),
+                                        ("correct_result", EXIT_CODE_RESUME_TO_DISAMBIGUATE)])
+def test_injected_errors_are_diagnosed_by_their_type(kind, code):
+    script = Script()
+    engine = script.engine(_config(rate=1, kind=kind))
+    assert script.iteration(engine, 1, [2.0]) == ([2.0], None)  # never in the first iteration
+    result, stop = script.iteration(engine, 2, [2.0], [2.0])
+    assert script.calls == 2 and stop.exit_code == code
+
+
+def test_a_spiky_loss_is_rerun_and_training_continues_with_the_rerun():
+    script = Script()
+    engine = script.engine(_config(spiky=True))
+    script.iteration(engine, 1, [2.0])
+    for iteration in range(2, 2 + SPIKY_LOSS_SAMPLES):
+        assert script.iteration(engine, iteration, [2.0])[1] is None
+    assert script.calls == 1
+    spike = 2.0 * SPIKY_LOSS_FACTOR
+    result, stop = script.iteration(engine, 200, [spike], [spike + 1])
+    assert stop is None and result == [spike + 1] and script.calls == 2
+    assert script.iteration(engine, 201, [spike * 0.99])[1] is None  # below the factor
+
+
+def test_every_rank_reruns_when_another_rank_rejected_a_result():
+    """This rank saw nothing wrong; the world's vote (another rank's NaN) makes it re-run, and the
+    second vote (that rank's verdict) makes it stop with the same status."""
+    votes = iter([[True], [True, False]])
+    script = Script()
+    engine = script.engine(agree_any=lambda flags: next(votes))
+    engine.first_iteration_complete = True
+    result, stop = script.iteration(engine, 5, [2.0], [2.0])
+    assert script.calls == 2 and stop.exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+
+
+def test_the_tracker_file_gets_megatron_lines(tmp_path):
+    tracker = tmp_path / "rejected.txt"
+    script = Script()
+    engine = script.engine(_config(tracker=str(tracker)), rank=3)
+    script.iteration(engine, 1, [2.0])
+    script.iteration(engine, 2, [math.nan], [math.nan])
+    lines = tracker.read_text().splitlines()
+    assert len(lines) == 2
+    assert "rank=3 iteration=2 status=initial_run result=nan" in lines[0]
+    assert "status=first_rerun_reproducible" in lines[1]
+    assert lines[0].startswith("ts=") and "message='found NaN in local forward loss" in lines[0]
+
+
+def test_an_unwritable_tracker_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--result-rejected-tracker-filename"):
+        RerunEngine.from_config(_config(tracker=str(tmp_path / "missing" / "f")), 0, None)
+
+
+def test_injection_draws_megatrons_rank_offset():
+    """(randint(0, N-1) + rank) % N == 0: with one shared draw, exactly one rank in N injects."""
+    hits = [ErrorInjector(4, "transient_error", rank, random.Random(9)).maybe_inject()
+            for rank in range(4)]
+    assert sum(hits) == 1
+
+
+def test_megatrons_comparison():
+    assert relative_difference(2.0, 2.0) == 0.0
+    assert relative_difference(math.nan, math.nan) == 0.0
+    assert relative_difference(math.nan, 2.0) == math.inf
+    assert relative_difference(math.inf, 2.0) == math.inf
+    assert relative_difference(2.0, 2.2) == pytest.approx(0.2 / 2.1)
