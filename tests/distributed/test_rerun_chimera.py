@@ -1,0 +1,46 @@
+"""Tier 2 (2 gloo ranks): the re-run engine under the Chimera schedule (PP 2, two pipelines in
+opposite directions, so each rank computes the loss of half the micro-batches). Without faults the
+losses are bit-identical to a run without the engine; an error injected on one rank makes both
+ranks re-run the iteration and stop with the same Megatron exit status."""
+
+from __future__ import annotations
+
+import pytest
+
+import pretrain_gpt
+from dist_harness import run_distributed
+from megatron.training.arguments import parse_args
+from megatron.training.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+                                     EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+from megatron.training.training import pretrain
+
+CHIMERA = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+           "--max-position-embeddings 16 --vocab-size 128 --make-vocab-size-divisible-by 64 "
+           "--mock-data --seed 7 --micro-batch-size 1 --global-batch-size 4 --lr 1e-2 "
+           "--train-iters 3 --log-interval 1 --eval-iters 0 --attention-dropout 0 "
+           "--hidden-dropout 0 --pipeline-model-parallel-size 2 --pipeline-schedule chimera")
+
+
+def _train(rank, world_size, argv):
+    config = parse_args(argv.split(), world_size=world_size)
+    result = pretrain(config, pretrain_gpt.GPT_SPEC, log=lambda _: None)
+    return [record.losses["lm loss"] for record in result.history], result.exit_code
+
+
+def test_validation_leaves_chimera_losses_bit_identical():
+    plain = run_distributed(_train, 2, CHIMERA, timeout=240)
+    validated = run_distributed(_train, 2, f"{CHIMERA} --rerun-mode validate_results "
+                                           f"--check-for-spiky-loss", timeout=240)
+    assert validated == plain
+    assert len(plain[0][0]) == 3 and plain[0][1] == 0
+
+
+@pytest.mark.parametrize("kind, code", [("transient_error", EXIT_CODE_FAILED_ON_RESULT_VALIDATION),
+                                        ("persistent_error", EXIT_CODE_RESUME_TO_DISAMBIGUATE)])
+def test_an_error_injected_on_one_rank_stops_both_ranks_alike(kind, code):
+    # Rate 2: (draw + rank) % 2 == 0 holds on exactly one of the two ranks.
+    runs = run_distributed(_train, 2, f"{CHIMERA} --rerun-mode validate_results "
+                                      f"--error-injection-rate 2 --error-injection-type {kind}",
+                           timeout=240)
+    assert [exit_code for _, exit_code in runs] == [code, code]
+    assert [len(losses) for losses, _ in runs] == [1, 1]  # stopped before iteration 2's update

@@ -1,0 +1,52 @@
+"""Tier 1 (one process): ``--rerun-mode validate_results`` in real runs of ``pretrain_gpt``: no fault
+leaves the losses bit-identical, injected and real faults end the run with Megatron's exit
+statuses (17 transient, 16 reproducible after saving a checkpoint)."""
+
+import pretrain_gpt
+from megatron.training.checkpointing import read_tracker
+from megatron.training.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+                                     EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --vocab-size 64 --mock-data --seed 1234 "
+        "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 "
+        "--train-iters 4").split()
+
+
+def _losses(*extra):
+    result = pretrain_gpt.train_one_job(TINY + [str(item) for item in extra], log=lambda _: None)
+    return [record.losses["lm loss"] for record in result.history], result
+
+
+def test_validation_without_faults_changes_no_loss():
+    plain, _ = _losses()
+    validated, result = _losses("--rerun-mode", "validate_results", "--check-for-spiky-loss")
+    assert validated == plain and len(plain) == 4 and result.exit_code == 0
+
+
+def test_an_injected_transient_error_stops_with_17_after_the_first_iteration(capsys):
+    code = pretrain_gpt.main(TINY + ["--rerun-mode", "validate_results", "--error-injection-rate",
+                                     "1", "--error-injection-type", "transient_error"])
+    out = capsys.readouterr().out
+    assert code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+    assert " iteration        1/" in out and " iteration        2/" not in out
+    assert "re-run engine: iteration 2: a rejected result did not reproduce" in out
+
+
+def test_an_injected_persistent_error_saves_then_stops_with_16(tmp_path, capsys):
+    save = str(tmp_path / "ckpt")
+    code = pretrain_gpt.main(TINY + ["--rerun-mode", "validate_results", "--error-injection-rate",
+                                     "1", "--error-injection-type", "persistent_error",
+                                     "--save", save, "--save-interval", "100"])
+    assert code == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+    assert read_tracker(save) == 1  # the last completed iteration, to re-run the next one from
+    assert "resume from it on other GPUs" in capsys.readouterr().out
+
+
+def test_a_real_nan_reproduces_and_stops_with_16(tmp_path):
+    tracker = tmp_path / "rejected.txt"
+    code = pretrain_gpt.main(TINY + ["--rerun-mode", "validate_results", "--init-method-std",
+                                     "1e10", "--result-rejected-tracker-filename", str(tracker)])
+    assert code == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+    statuses = [line.split(" status=")[1].split()[0] for line in tracker.read_text().splitlines()]
+    assert statuses == ["initial_run", "first_rerun_reproducible"]
