@@ -44,3 +44,33 @@ def test_an_error_injected_on_one_rank_stops_both_ranks_alike(kind, code):
                            timeout=240)
     assert [exit_code for _, exit_code in runs] == [code, code]
     assert [len(losses) for losses, _ in runs] == [1, 1]  # stopped before iteration 2's update
+
+
+def _train_rerunning_every_iteration(rank, world_size, argv):
+    """Every loss from the second iteration on counts as a spike (one sample sets the scale, any
+    multiple of it is a spike): each iteration is re-run and training continues with the re-run."""
+    import megatron.training.checkpointing.state as state
+    import megatron.training.rerun as rerun
+    rerun.SPIKY_LOSS_SAMPLES, rerun.SPIKY_LOSS_FACTOR = 1, 0.0
+    restores = []
+    restore = state.restore_rng_state
+    state.restore_rng_state = lambda saved: (restores.append(1), restore(saved))
+    losses, exit_code = _train(rank, world_size, f"{argv} --rerun-mode validate_results "
+                                                 f"--check-for-spiky-loss")
+    assert len(restores) == 2, "iterations 2 and 3 must each have been re-run on every rank"
+    return losses, exit_code
+
+
+@pytest.mark.parametrize("layout", [
+    "--pipeline-model-parallel-size 2 --pipeline-schedule chimera",
+    "--pipeline-model-parallel-size 2",
+    "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"],
+    ids=["chimera-pp2", "1f1b-pp2", "dp2-distopt-overlap"])
+def test_a_rerun_that_continues_trains_exactly_as_one_run(layout):
+    """The re-run starts from the iteration's own state (gradients zeroed, reducers and parameter
+    gathers settled), so stepping with its gradients gives the losses of a run without re-runs."""
+    base = CHIMERA.replace(" --pipeline-model-parallel-size 2 --pipeline-schedule chimera", "")
+    plain = run_distributed(_train, 2, f"{base} {layout}", timeout=240)
+    rerunning = run_distributed(_train_rerunning_every_iteration, 2, f"{base} {layout}",
+                                timeout=240)
+    assert rerunning == plain and len(plain[0][0]) == 3
