@@ -1,7 +1,9 @@
-"""Tier 2 (2 gloo ranks): the re-run engine under the Chimera schedule (PP 2, two pipelines in
-opposite directions, so each rank computes the loss of half the micro-batches). Without faults the
-losses are bit-identical to a run without the engine; an error injected on one rank makes both
-ranks re-run the iteration and stop with the same Megatron exit status."""
+"""Tier 2 (2 gloo ranks): the re-run engine in parallel layouts. Under Chimera (PP 2, two
+pipelines in opposite directions, so each rank computes the loss of half the micro-batches) the
+losses without faults are bit-identical to a run without the engine, and an error injected on one
+rank makes both ranks re-run the iteration and stop with the same Megatron exit status. Under
+Chimera, 1F1B and the distributed optimizer with overlapped communication, re-running every
+iteration and continuing trains exactly as a run without re-runs."""
 
 from __future__ import annotations
 
