@@ -167,6 +167,9 @@ class RerunEngine:
         training = config.training
         if training.rerun_mode == "disabled":
             return None
+        if training.error_injection_rate < 0:
+            raise ValueError(f"--error-injection-rate {training.error_injection_rate} must be >= 0 "
+                             f"(one injected error per N validations; 0 injects none)")
         checks = (NAN_CHECK, INF_CHECK) + ((SPIKY_CHECK,) if training.check_for_spiky_loss
                                            else ())
         injector = ErrorInjector(rate=training.error_injection_rate,

@@ -144,6 +144,11 @@ def test_an_unwritable_tracker_file_is_refused(tmp_path):
         RerunEngine.from_config(_config(tracker=str(tmp_path / "missing" / "f")), 0, None)
 
 
+def test_a_negative_injection_rate_is_refused():
+    with pytest.raises(ValueError, match="--error-injection-rate -1 must be >= 0"):
+        RerunEngine.from_config(_config(rate=-1), 0, None)
+
+
 def test_injection_draws_megatrons_rank_offset():
     """(randint(0, N-1) + rank) % N == 0: with one shared draw, exactly one rank in N injects."""
     hits = [ErrorInjector(4, "transient_error", rank, random.Random(9)).maybe_inject()
