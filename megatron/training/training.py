@@ -7,7 +7,9 @@ micro-batch collation and FLOPs function (``pretrain_gpt.py`` builds GPT's). One
 1. build this rank's micro-batches of the global batch ``[consumed, consumed + global_batch_size)``
    (order documented in :mod:`megatron.training.microbatches`);
 2. ``runtime.forward_backward`` runs them (no pipeline: gradient accumulation; a pipeline runtime:
-   its schedule) and starts the gradient reducers;
+   its schedule) and starts the gradient reducers (with ``--rerun-mode validate_results`` the
+   re-run engine, :mod:`megatron.training.rerun`, validates the losses and may run this step twice
+   or stop the run before the update);
 3. wait for the reducers; the optimizer unscales (fp16), checks for overflow on every rank, clips by
    the global norm and steps; the LR schedule advances by the global batch when the step succeeded;
 4. each of the spec's losses is averaged over all micro-batches of the global batch (all-reduced over
