@@ -67,6 +67,9 @@ def datasets_provider(config, parallel_state, num_samples, tokenizer=None):
         return build_mock_datasets(num_samples, seq_length, vocab_size, seed)
     from megatron.core.datasets.builder import build_gpt_datasets
     train, valid, test = build_gpt_datasets(config.data, seq_length, seed, num_samples, tokenizer)
+    if config.data.fim_data:
+        from megatron.core.datasets.fim_dataset import wrap_fim_datasets
+        train, valid, test = wrap_fim_datasets((train, valid, test), config.data, tokenizer, seed)
     if train is None or len(train) == 0:
         # Caught here, before the first iteration: a missing train split used to end in a bare
         # TypeError inside the micro-batch builder.

@@ -348,6 +348,25 @@ class DataConfig:
     num_workers: int = option(2, "Data-loader worker processes.")
     data_cache_path: Optional[str] = option(
         None, "Where dataset index caches go; default next to the data.")
+    fim_data: bool = option(
+        False, "Fill-in-the-middle: rewrite samples into prefix/suffix/middle order with the "
+               "tokenizer's FIM tokens (Megatron's FIM dataset; see docs/data.md).")
+    fim_rate: float = option(0.5, "With --fim-data: probability that a segment is rewritten.")
+    fim_spm_rate: float = option(
+        0.5, "With --fim-data: probability that a rewritten segment uses SPM order (else PSM).")
+    fim_split_sample: Optional[str] = option(
+        None, "With --fim-data: token at which a segment is cut into fragments rewritten one by "
+              "one (needs --fim-fragment-rate).")
+    fim_fragment_rate: Optional[float] = option(
+        None, "With --fim-split-sample: probability that each fragment is rewritten.")
+    fim_no_prefix: Optional[str] = option(
+        None, "With --fim-data: leave segments whose text starts with this string unchanged.")
+    fim_prefix_token: str = option("<fim_prefix>", "FIM prefix token.")
+    fim_middle_token: str = option("<fim_middle>", "FIM middle token.")
+    fim_suffix_token: str = option("<fim_suffix>", "FIM suffix token.")
+    fim_pad_token: str = option("<fim_pad>", "FIM padding token.")
+    fim_eod_token: str = option("<|endoftext|>", "FIM end-of-document token (segments are cut "
+                                                 "at it).")
 
 
 @dataclass

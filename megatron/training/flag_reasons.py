@@ -72,7 +72,6 @@ OTHER_OPTIMIZERS = "only the adam and sgd optimizers are implemented"
 MUP = "maximal-update parameterisation (MuP) is not implemented"
 MHC = "hyper-connections (mHC) are not implemented"
 DISTILLATION_SFT = "distillation and supervised fine-tuning datasets are not implemented"
-FIM = "fill-in-the-middle datasets are not implemented"
 WSD = "the WSD learning-rate schedule is not implemented"
 TOKENIZER_OPTIONS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer "
                      "and NullTokenizer are implemented, without these options")
