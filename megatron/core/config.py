@@ -91,6 +91,25 @@ class ModelConfig:
     openai_gelu: bool = option(
         False, "GeLU with the tanh approximation (GPT-2's and Hugging Face's gelu_new).")
     disable_bias_linear: bool = option(False, "Linear layers without bias.")
+    use_mup: bool = option(
+        False, "Maximal-update parameterisation (Megatron's MuP rules for initialisation, "
+               "attention scale, logits and per-group learning rates; see docs/model.md).")
+    mup_base_hidden_size: Optional[int] = option(
+        None, "With --use-mup: hidden size of the base model; width multiplier m = hidden-size / "
+              "this (default: the hidden size, m = 1).")
+    mup_width_mult: Optional[float] = option(
+        None, "With --use-mup: derived as hidden-size / mup-base-hidden-size; a different value "
+              "is an error.")
+    mup_embedding_mult: float = option(
+        1.0, "With --use-mup: multiplier of the embedding output.")
+    mup_output_mult: float = option(
+        1.0, "With --use-mup: multiplier of the logits; left at 1 it becomes 1/m.")
+    mup_base_head_dim: Optional[float] = option(
+        None, "With --use-mup: attention softmax scale sqrt(this) / head-dim ** power "
+              "(default 1 / head-dim ** power).")
+    mup_attn_scale_power: float = option(
+        1.0, "With --use-mup: power p of the head dimension in the softmax scale (1: MuP's 1/d, "
+             "0.5: the standard 1/sqrt(d)).")
     vocab_size: Optional[int] = option(
         None, "Vocabulary size for the NullTokenizer and --mock-data (before padding).")
     padded_vocab_size: Optional[int] = option(

@@ -69,7 +69,6 @@ FSDP = "FSDP is not implemented (see --use-distributed-optimizer for sharded opt
 GTP = "weight sharding beyond tensor parallelism (GTP) is not implemented"
 RL = "reinforcement-learning training (GRPO) is not implemented"
 OTHER_OPTIMIZERS = "only the adam and sgd optimizers are implemented"
-MUP = "maximal-update parameterisation (MuP) is not implemented"
 MHC = "hyper-connections (mHC) are not implemented"
 DISTILLATION_SFT = "distillation and supervised fine-tuning datasets are not implemented"
 WSD = "the WSD learning-rate schedule is not implemented"
