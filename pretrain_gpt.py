@@ -101,7 +101,11 @@ def _configure(argv):
         # Before any process group, model or iteration: a run that would overwrite checkpoints it
         # does not resume, or could not save at all, stops now instead of at its first save.
         check_checkpoint_directories(config.checkpoint)
-        return config, build_run_tokenizer(config)
+        tokenizer = build_run_tokenizer(config)
+        if config.data.fim_data:  # its tokens must be in the vocabulary: say so before any work
+            from megatron.core.datasets.fim_dataset import fim_settings_from_config
+            fim_settings_from_config(config.data, tokenizer)
+        return config, tokenizer
     except (ValueError, FileNotFoundError) as error:
         # A bad flag combination or missing tokenizer file: the message says how to fix it, a
         # traceback would only bury it (argparse's convention: usage error, exit status 2).
