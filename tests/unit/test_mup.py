@@ -154,3 +154,26 @@ def test_validation_names_the_fix():
     with pytest.raises(ValueError, match="--mup-width-mult 3.0 differs"):
         validate_mup_options(config(use_mup=True, mup_base_hidden_size=16, mup_width_mult=3.0))
     validate_mup_options(config(use_mup=True, mup_base_hidden_size=16, mup_width_mult=2.0))
+
+
+def test_generation_with_a_cache_applies_the_mup_scales():
+    from megatron.inference.generation import KVCache, forward_with_cache, full_logits
+    chunk = model(config(use_mup=True, mup_base_hidden_size=8, mup_embedding_mult=3.0))
+    chunk.eval()
+    tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    cache = KVCache()
+    first = forward_with_cache(chunk, tokens[:, :5], cache)
+    rest = forward_with_cache(chunk, tokens[:, 5:], cache)
+    assert torch.allclose(torch.cat([first, rest], dim=1), full_logits(chunk, tokens),
+                          rtol=1e-10, atol=1e-14)
+
+
+def test_hugging_face_export_refuses_mup_models():
+    from megatron.training.hf_conversion import HFConversionError, check_exportable
+    from megatron.training.hf_llama import LlamaConversionError, check_llama_exportable
+    with pytest.raises(HFConversionError, match="--use-mup"):
+        check_exportable(config(use_mup=True))
+    llama = config(use_mup=True, position_embedding_type="rope", swiglu=True,
+                   normalization="RMSNorm", disable_bias_linear=True)
+    with pytest.raises(LlamaConversionError, match="--use-mup"):
+        check_llama_exportable(llama)
