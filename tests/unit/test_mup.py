@@ -177,3 +177,11 @@ def test_hugging_face_export_refuses_mup_models():
                    normalization="RMSNorm", disable_bias_linear=True)
     with pytest.raises(LlamaConversionError, match="--use-mup"):
         check_llama_exportable(llama)
+
+
+def test_loading_a_mup_checkpoint_without_the_mup_flags_is_refused():
+    from megatron.training.checkpointing.state import CheckpointError, _check_model_flags
+    saved = dataclasses.asdict(config(use_mup=True, mup_base_hidden_size=16))
+    with pytest.raises(CheckpointError, match="--use-mup True .this run: False"):
+        _check_model_flags("ckpt", saved, dataclasses.asdict(config()))
+    _check_model_flags("ckpt", saved, dict(saved))
