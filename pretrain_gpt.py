@@ -67,6 +67,9 @@ def datasets_provider(config, parallel_state, num_samples, tokenizer=None):
         return build_mock_datasets(num_samples, seq_length, vocab_size, seed)
     from megatron.core.datasets.builder import build_gpt_datasets
     train, valid, test = build_gpt_datasets(config.data, seq_length, seed, num_samples, tokenizer)
+    if config.data.fim_data:
+        from megatron.core.datasets.fim_dataset import wrap_fim_datasets
+        train, valid, test = wrap_fim_datasets((train, valid, test), config.data, tokenizer, seed)
     if train is None or len(train) == 0:
         # Caught here, before the first iteration: a missing train split used to end in a bare
         # TypeError inside the micro-batch builder.
@@ -98,7 +101,11 @@ def _configure(argv):
         # Before any process group, model or iteration: a run that would overwrite checkpoints it
         # does not resume, or could not save at all, stops now instead of at its first save.
         check_checkpoint_directories(config.checkpoint)
-        return config, build_run_tokenizer(config)
+        tokenizer = build_run_tokenizer(config)
+        if config.data.fim_data:  # its tokens must be in the vocabulary: say so before any work
+            from megatron.core.datasets.fim_dataset import fim_settings_from_config
+            fim_settings_from_config(config.data, tokenizer)
+        return config, tokenizer
     except (ValueError, FileNotFoundError) as error:
         # A bad flag combination or missing tokenizer file: the message says how to fix it, a
         # traceback would only bury it (argparse's convention: usage error, exit status 2).

@@ -91,6 +91,25 @@ class ModelConfig:
     openai_gelu: bool = option(
         False, "GeLU with the tanh approximation (GPT-2's and Hugging Face's gelu_new).")
     disable_bias_linear: bool = option(False, "Linear layers without bias.")
+    use_mup: bool = option(
+        False, "Maximal-update parameterisation (Megatron's MuP rules for initialisation, "
+               "attention scale, logits and per-group learning rates; see docs/model.md).")
+    mup_base_hidden_size: Optional[int] = option(
+        None, "With --use-mup: hidden size of the base model; width multiplier m = hidden-size / "
+              "this (default: the hidden size, m = 1).")
+    mup_width_mult: Optional[float] = option(
+        None, "With --use-mup: derived as hidden-size / mup-base-hidden-size; a different value "
+              "is an error.")
+    mup_embedding_mult: float = option(
+        1.0, "With --use-mup: multiplier of the embedding output.")
+    mup_output_mult: float = option(
+        1.0, "With --use-mup: multiplier of the logits; left at 1 it becomes 1/m.")
+    mup_base_head_dim: Optional[float] = option(
+        None, "With --use-mup: attention softmax scale sqrt(this) / head-dim ** power "
+              "(default 1 / head-dim ** power).")
+    mup_attn_scale_power: float = option(
+        1.0, "With --use-mup: power p of the head dimension in the softmax scale (1: MuP's 1/d, "
+             "0.5: the standard 1/sqrt(d)).")
     vocab_size: Optional[int] = option(
         None, "Vocabulary size for the NullTokenizer and --mock-data (before padding).")
     padded_vocab_size: Optional[int] = option(
@@ -366,6 +385,25 @@ class DataConfig:
     num_workers: int = option(2, "Data-loader worker processes.")
     data_cache_path: Optional[str] = option(
         None, "Where dataset index caches go; default next to the data.")
+    fim_data: bool = option(
+        False, "Fill-in-the-middle: rewrite samples into prefix/suffix/middle order with the "
+               "tokenizer's FIM tokens (Megatron's FIM dataset; see docs/data.md).")
+    fim_rate: float = option(0.5, "With --fim-data: probability that a segment is rewritten.")
+    fim_spm_rate: float = option(
+        0.5, "With --fim-data: probability that a rewritten segment uses SPM order (else PSM).")
+    fim_split_sample: Optional[str] = option(
+        None, "With --fim-data: token at which a segment is cut into fragments rewritten one by "
+              "one (needs --fim-fragment-rate).")
+    fim_fragment_rate: Optional[float] = option(
+        None, "With --fim-split-sample: probability that each fragment is rewritten.")
+    fim_no_prefix: Optional[str] = option(
+        None, "With --fim-data: leave segments whose text starts with this string unchanged.")
+    fim_prefix_token: str = option("<fim_prefix>", "FIM prefix token.")
+    fim_middle_token: str = option("<fim_middle>", "FIM middle token.")
+    fim_suffix_token: str = option("<fim_suffix>", "FIM suffix token.")
+    fim_pad_token: str = option("<fim_pad>", "FIM padding token.")
+    fim_eod_token: str = option("<|endoftext|>", "FIM end-of-document token (segments are cut "
+                                                 "at it).")
 
 
 @dataclass

@@ -62,7 +62,8 @@ def _attention_with_cache(attention, hidden, cache: KVCache, layer_key,
     total = key.shape[2]
     query_positions = torch.arange(total - seq_len, total, device=hidden.device)
     visible = torch.arange(total, device=hidden.device)[None, :] <= query_positions[:, None]
-    context = F.scaled_dot_product_attention(query, key, value, attn_mask=visible)
+    context = F.scaled_dot_product_attention(query, key, value, attn_mask=visible,
+                                             scale=attention.softmax_scale)
     context = context.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
     return attention.linear_proj(context)
 
@@ -84,6 +85,7 @@ def forward_with_cache(model, tokens: torch.Tensor, cache: KVCache) -> torch.Ten
     hidden = embedding.word_embeddings(tokens)
     if embedding.position_embeddings is not None:  # learned positions (not RoPE)
         hidden = hidden + embedding.position_embeddings(positions)
+    hidden = hidden * embedding.embedding_mult  # 1 unless --use-mup --mup-embedding-mult
     hidden = hidden.transpose(0, 1)  # [s, b, h]
     for key, layer in model.decoder.layers.items():
         hidden = hidden + _attention_with_cache(layer.self_attention,
@@ -91,7 +93,7 @@ def forward_with_cache(model, tokens: torch.Tensor, cache: KVCache) -> torch.Ten
         hidden = hidden + layer.mlp(layer.pre_mlp_layernorm(hidden))
     hidden = model.decoder.final_layernorm(hidden)
     weight = embedding.word_embeddings.weight if model.tied_output else None
-    logits = model.output_layer(hidden.transpose(0, 1), weight=weight)
+    logits = model.output_layer(hidden.transpose(0, 1), weight=weight) * model.output_mult
     cache.length = start + tokens.shape[1]
     return gather_along_dim(logits, -1, model.group)
 

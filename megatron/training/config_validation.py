@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from megatron.core.config import MODEL_FEATURE_GATES, MegatronConfig, ModelConfig
+from megatron.core.datasets.fim_dataset import validate_fim_options
+from megatron.core.models.gpt.mup import validate_mup_options
 from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.pipeline_parallel.planning.schedules import (BUILTIN_SCHEDULES, ScheduleRegistry,
                                                                schedule_layout)
@@ -190,6 +192,7 @@ def _validate_model(config: MegatronConfig) -> None:
                              f"[0, 1); use e.g. 0.1 or 0")
     if model.init_method_std <= 0:
         raise ValueError(f"--init-method-std {model.init_method_std} must be > 0")
+    validate_mup_options(model)
 
 
 def _validate_modern_block(model: ModelConfig) -> None:
@@ -475,6 +478,7 @@ def _validate_data(config: MegatronConfig) -> None:
     if tokenizer is None and not data.mock_data:
         raise ValueError("--data-path needs a tokenizer: give --vocab-file and --merge-file (GPT-2 "
                          "BPE) or --tokenizer-type SentencePieceTokenizer --tokenizer-model FILE")
+    validate_fim_options(data)
 
 
 def _resolve_gpt_vocabulary(config: MegatronConfig) -> None:

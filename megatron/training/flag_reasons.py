@@ -69,10 +69,8 @@ FSDP = "FSDP is not implemented (see --use-distributed-optimizer for sharded opt
 GTP = "weight sharding beyond tensor parallelism (GTP) is not implemented"
 RL = "reinforcement-learning training (GRPO) is not implemented"
 OTHER_OPTIMIZERS = "only the adam and sgd optimizers are implemented"
-MUP = "maximal-update parameterisation (MuP) is not implemented"
 MHC = "hyper-connections (mHC) are not implemented"
 DISTILLATION_SFT = "distillation and supervised fine-tuning datasets are not implemented"
-FIM = "fill-in-the-middle datasets are not implemented"
 WSD = "the WSD learning-rate schedule is not implemented"
 TOKENIZER_OPTIONS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer "
                      "and NullTokenizer are implemented, without these options")

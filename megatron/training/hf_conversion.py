@@ -90,6 +90,7 @@ def check_exportable(model_config) -> None:
     if model_config.swiglu or model_config.position_embedding_type != "learned_absolute":
         problems.append("--swiglu / rope (GPT-2 has a GeLU MLP and learned positions)")
     others = [flag for flag, used in (
+        ("--use-mup", getattr(model_config, "use_mup", False)),
         ("--squared-relu", model_config.squared_relu),
         ("--no-position-embedding", model_config.no_position_embedding),
         ("--apply-layernorm-1p", model_config.apply_layernorm_1p),

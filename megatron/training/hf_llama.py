@@ -54,6 +54,9 @@ def check_llama_exportable(model_config) -> None:
         problems.append("--normalization RMSNorm without --apply-layernorm-1p is required")
     if model_config.qk_layernorm:
         problems.append("--qk-layernorm has no Llama counterpart")
+    if getattr(model_config, "use_mup", False):
+        problems.append("--use-mup (its attention, embedding and logit scales) has no Llama "
+                        "counterpart")
     if not model_config.disable_bias_linear or model_config.add_qkv_bias:
         problems.append("--disable-bias-linear without --add-qkv-bias is required")
     if problems:

@@ -6,7 +6,7 @@ is trained (kernels, CUDA graphs, offloading, communication tuning, checkpoint f
 inference-server settings, fault-tolerance services, diagnostics) is accepted and logged as
 ignored, with Megatron's value syntax; a flag for a feature this project does not have (mixture of
 experts, FP8/FP4, multi-token prediction, multi-latent attention and other attention variants,
-Mamba/hybrid models, context parallelism, FSDP, RL, MuP, other optimizers, ...) is rejected with
+Mamba/hybrid models, context parallelism, FSDP, RL, other optimizers, ...) is rejected with
 its reason. The list of every Megatron-LM flag at d98e8a6, with its value syntax, is
 tests/golden/megatron_flags_d98e8a6.txt; tests/unit/test_megatron_flag_catalog.py checks that
 each one is classified.
@@ -240,9 +240,6 @@ RECENT_UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
            "--pipeline-model-parallel-layout"),
     *_rejected(reasons.EVALUATION_OPTIONS, "--start-eval-at-iter", "--eval-micro-batch-size",
            "--full-validation", "--multiple-validation-sets", "--validation-set-names"),
-    *_rejected(reasons.FIM, "--fim-data", "--fim-rate", "--fim-spm-rate", "--fim-split-sample",
-           "--fim-fragment-rate", "--fim-no-prefix", "--fim-prefix-token", "--fim-middle-token",
-           "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token"),
     *_rejected(reasons.FP8, "--fp8-recipe", "--fp8-quantizer-factory", "--fp8-output-proj",
            "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
            "--num-layers-at-end-in-bf16", "--use-kitchen-attention",
@@ -311,9 +308,6 @@ RECENT_UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     *_rejected(reasons.MTP, "--mtp-standalone", "--mtp-num-layers", "--mtp-loss-scaling-factor",
            "--mtp-use-repeated-layer", "--mtp-detach-heads", "--mtp-hsm",
            "--mtp-hybrid-override-pattern"),
-    *_rejected(reasons.MUP, "--use-mup", "--mup-width-mult", "--mup-base-hidden-size",
-           "--mup-embedding-mult", "--mup-output-mult", "--mup-base-head-dim",
-           "--mup-attn-scale-power"),
     *_rejected(reasons.ONE_DATA_PATH, "--data-args-path", "--per-split-data-args-path",
            "--per-dataset-sequences-path"),
     *_rejected(reasons.OTHER_OPTIMIZERS, "--muon-momentum", "--muon-no-split-qkv",

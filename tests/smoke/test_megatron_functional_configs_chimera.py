@@ -1,4 +1,4 @@
-"""Smoke (tier 3): five current Megatron-LM functional-test configurations of the classic GPT
+"""Smoke (tier 3): six current Megatron-LM functional-test configurations of the classic GPT
 architecture (tests/data/megatron_gpt_launch_configs.jsonl, from d98e8a6) train under torchrun with
 ``--pipeline-schedule chimera`` added. Only what must shrink to fit two CPU ranks changes: model
 sizes, TP x PP (1 x 2; the interleaved schedule's virtual-stage flag goes with the pipeline size),
@@ -24,7 +24,8 @@ CASES = ["gpt3_mcore_te_tp1_pp1_uniform_full_recompute",
          "gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather",
          "gpt3_mcore_tp1_pp2_fp16",
          "gpt3_mcore_te_tp2_pp2_resume_torch_dist",
-         "gpt3_mcore_tp4_pp1_resume_torch"]
+         "gpt3_mcore_tp4_pp1_resume_torch",
+         "gpt3_mcore_te_tp1_pp1_mup"]
 TRAIN_ITERS = 4
 SHRUNK = {"--num-layers": "4", "--hidden-size": "32", "--num-attention-heads": "4",
           "--seq-length": "16", "--max-position-embeddings": "16", "--micro-batch-size": "1",

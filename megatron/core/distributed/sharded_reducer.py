@@ -5,7 +5,7 @@ of one model chunk over the group of all replicas of its stage (the data-paralle
 Chimera every pipeline's copy times data parallel: 2W ranks). The chunk's parameters and gradients
 become views of flat buffers, one per *segment* (parameters that share a weight-decay setting and a
 tensor-parallel kind, and, for ``--decoupled-lr``, whether it is marked
-``is_embedding_or_output_parameter``), each padded to a multiple of the group size R. ``start()`` reduce-scatters
+``is_embedding_or_output_parameter``, and for ``--use-mup`` its ``mup_class``), each padded to a multiple of the group size R. ``start()`` reduce-scatters
 each gradient buffer, so rank k of the group receives the sum over replicas (divided by
 ``divide_by``) of elements ``[k L/R, (k+1) L/R)``; the distributed optimizer steps only those
 elements (its *shard*: 1/R of the stage's fp32 weights, gradients and Adam state) and
@@ -45,7 +45,8 @@ def _segment_key(param: torch.nn.Parameter) -> tuple:
     no_decay = getattr(param, "no_weight_decay", None)
     no_decay = no_decay if no_decay is not None else param.ndim < 2
     return (bool(no_decay), bool(getattr(param, "tensor_model_parallel", False)), param.dtype,
-            bool(getattr(param, "is_embedding_or_output_parameter", False)))
+            bool(getattr(param, "is_embedding_or_output_parameter", False)),
+            str(getattr(param, "mup_class", "")))
 
 
 @dataclass
@@ -76,7 +77,8 @@ class ShardedGradientReducer(GradientReduction):
         for param in self.params:
             by_kind.setdefault(_segment_key(param), []).append(param)
         self.segments = [self._build_segment(params) for _, params in sorted(
-            by_kind.items(), key=lambda item: (item[0][0], item[0][1], str(item[0][2]), item[0][3]))]
+            by_kind.items(), key=lambda item: (item[0][0], item[0][1], str(item[0][2]), item[0][3],
+                                               item[0][4]))]
         self._started = False
 
     def _build_segment(self, params: list) -> _Segment:
@@ -101,6 +103,8 @@ class ShardedGradientReducer(GradientReduction):
         shard.no_weight_decay = _segment_key(reference)[0]
         shard.tensor_model_parallel = _segment_key(reference)[1]
         shard.is_embedding_or_output_parameter = _segment_key(reference)[3]
+        if _segment_key(reference)[4]:  # --use-mup: the class of the segment's parameters
+            shard.mup_class = _segment_key(reference)[4]
         return _Segment(params, param_buffer, grad_buffer, shard)
 
     def shard_ranges(self) -> list[tuple[int, int, int]]:

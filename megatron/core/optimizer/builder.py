@@ -15,6 +15,7 @@ from megatron.core.optimizer.decoupled_lr import (embedding_or_output_parameters
                                                   split_decoupled_groups)
 from megatron.core.optimizer.distributed import build_distributed_optimizer
 from megatron.core.optimizer.grad_scaler import build_grad_scaler
+from megatron.core.optimizer.mup import mup_width_mult, split_mup_groups
 from megatron.core.optimizer.optimizer import (MegatronOptimizer, build_param_groups,
                                                torch_optimizer)
 
@@ -37,6 +38,7 @@ def build_optimizer(config, params: Iterable[torch.nn.Parameter], parallel_state
     if getattr(optimizer_config, "decoupled_lr", None) is not None:
         groups = split_decoupled_groups(groups, embedding_or_output_parameters(model_chunks),
                                         optimizer_config)
+    groups = split_mup_groups(groups, optimizer_config, mup_width_mult(config))
     optimizer, implementation = torch_optimizer(groups, optimizer_config)
     return MegatronOptimizer(
         optimizer, params, parallel_state, clip_grad=optimizer_config.clip_grad,

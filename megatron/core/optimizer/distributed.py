@@ -20,7 +20,7 @@ distributed optimizer. Loss scaling and overflow skipping act on the shards unch
 ``--decoupled-lr``: the word-embedding and output-layer weights are marked before the reducers are
 built, which gives them flat segments of their own; their shards (and the replicated tied copies)
 go into the decoupled parameter groups, so every element follows the same schedule as without the
-distributed optimizer.
+distributed optimizer. ``--use-mup`` works the same way with the parameters' ``mup_class``.
 
 ``--overlap-param-gather`` (Megatron's): the all-gather of the updated shards is started after the
 step and not waited for; each model chunk waits for the gathers of its own parameters just before
@@ -43,6 +43,7 @@ from megatron.core.optimizer.clip_grads import default_owns_grad_norm, squared_g
 from megatron.core.optimizer.decoupled_lr import (embedding_or_output_parameters, is_marked,
                                                   split_decoupled_groups)
 from megatron.core.optimizer.grad_scaler import build_grad_scaler
+from megatron.core.optimizer.mup import mup_width_mult, split_mup_groups
 from megatron.core.optimizer.optimizer import (MegatronOptimizer, build_param_groups,
                                                torch_optimizer)
 
@@ -174,6 +175,7 @@ def build_distributed_optimizer(config, params: list, parallel_state,
         groups = split_decoupled_groups(
             groups, decoupled_shards_and_copies(sharded, shards, replicated, model_chunks),
             config.optimizer)
+    groups = split_mup_groups(groups, config.optimizer, mup_width_mult(config))
     optimizer, implementation = torch_optimizer(groups, config.optimizer)
     return DistributedOptimizer(
         optimizer, sharded, replicated, params, parallel_state,

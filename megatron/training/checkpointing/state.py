@@ -125,7 +125,10 @@ ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_atten
                       "position_embedding_type", "swiglu", "disable_bias_linear",
                       "squared_relu", "rotary_percent", "rotary_base", "rotary_interleaved",
                       "no_position_embedding", "apply_layernorm_1p", "qk_layernorm",
-                      "add_qkv_bias", "group_query_attention", "num_query_groups", "kv_channels")
+                      "add_qkv_bias", "group_query_attention", "num_query_groups", "kv_channels",
+                      # same shapes, other forward scales: a MuP checkpoint needs the same flags
+                      "use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
+                      "mup_base_head_dim", "mup_attn_scale_power")
 
 
 def _check_model_flags(path: str, saved: dict, current: dict) -> None:

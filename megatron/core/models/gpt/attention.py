@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.models.gpt.mup import mup_scales
 from megatron.core.models.gpt.norm import Norm
 from megatron.core.models.gpt.rotary import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -77,6 +78,7 @@ class SelfAttention(torch.nn.Module):
                                     size=self.head_dim, gradient_group=group)
             self.k_layernorm = Norm(config, params_dtype=params_dtype, device=device,
                                     size=self.head_dim, gradient_group=group)
+        self.softmax_scale = mup_scales(config).softmax_scale  # None: 1/sqrt(head_dim)
         self.rotary = None
         if config.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(self.head_dim, config.rotary_percent,
@@ -118,23 +120,27 @@ class SelfAttention(torch.nn.Module):
         return self.linear_proj(context)
 
     def core_attention(self, query, key, value, dropout: DropoutContext) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hn) + causal mask), dropout, times v; ``[b, heads/tp, s, hn]``."""
+        """softmax(q k^T / sqrt(hn) + causal mask), dropout, times v; ``[b, heads/tp, s, hn]``
+        (with --use-mup the scale is MuP's instead of 1/sqrt(hn))."""
         probability = self.attention_dropout if dropout.enabled else 0.0
         if probability == 0.0:
-            return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                  scale=self.softmax_scale)
         if not dropout.layout_invariant_attention:
             seed = attention_dropout_seed(dropout.dropout.seed, self.layer_number, self.tp_rank,
                                           dropout.first_sample)
             with seeded_rng(seed, query.device):
                 return F.scaled_dot_product_attention(query, key, value, dropout_p=probability,
-                                                      is_causal=True)
+                                                      is_causal=True, scale=self.softmax_scale)
         return self.layout_invariant_core_attention(query, key, value, probability, dropout)
 
     def layout_invariant_core_attention(self, query, key, value, probability: float,
                                         dropout: DropoutContext) -> torch.Tensor:
         """Explicit s x s softmax with counter-based masks (--layout-invariant-attention-dropout)."""
         seq_len = query.shape[2]
-        scores = torch.matmul(query, key.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        scale = self.softmax_scale if self.softmax_scale is not None else \
+            1.0 / math.sqrt(self.head_dim)
+        scores = torch.matmul(query, key.transpose(-2, -1)) * scale
         future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from megatron.core.config import refused_model_features
 from megatron.core.models.gpt.init import initialize_parameters
+from megatron.core.models.gpt.mup import mup_scales
 from megatron.core.models.gpt.transformer import TransformerBlock
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
@@ -122,6 +123,7 @@ class GPTEmbedding(torch.nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
+        self.embedding_mult = mup_scales(config).embedding_mult
         self.group = tensor_parallel_group(parallel_state)
         self.sequence_parallel = sequence_parallel and self.group is not None
         self.word_embeddings = VocabParallelEmbedding(
@@ -143,6 +145,8 @@ class GPTEmbedding(torch.nn.Module):
         if self.position_embeddings is not None:
             positions = torch.arange(first, first + embedded.shape[1], device=token_ids.device)
             embedded = embedded + self.position_embeddings(positions)
+        if self.embedding_mult != 1.0:  # --use-mup --mup-embedding-mult
+            embedded = embedded * self.embedding_mult
         hidden = embedded.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         return dropout.hidden(hidden, self.hidden_dropout, 0, SITE_EMBEDDING)
 
@@ -189,6 +193,7 @@ class GPTModel(torch.nn.Module):
                              f"range({config.num_layers})")
         self.layer_range = layer_range
         self.group = tensor_parallel_group(parallel_state)
+        self.output_mult = mup_scales(config).output_mult
         common = dict(params_dtype=params_dtype, device=device,
                       sequence_parallel=self.sequence_parallel)
 
@@ -200,7 +205,8 @@ class GPTModel(torch.nn.Module):
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size, parallel_state, bias=False,
-                init_std=None if self.tied_output else config.init_method_std, **common)
+                init_std=None if self.tied_output else mup_scales(config).embedding_init_std,
+                **common)
         if self.tied_output and pre_process != post_process:
             # Two copies of the tied weight live on different stages; the pipeline runtime
             # all-reduces their gradients so they stay identical.
@@ -266,6 +272,8 @@ class GPTModel(torch.nn.Module):
             logits = self.output_layer(hidden, weight=weight).transpose(0, 1)
         else:
             logits = self.output_layer(hidden.transpose(0, 1), weight=weight)  # [b, s, V/tp]
+        if self.output_mult != 1.0:  # --use-mup: 1/width by default
+            logits = logits * self.output_mult
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.group)

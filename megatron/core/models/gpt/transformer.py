@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.core.models.gpt.attention import SelfAttention
 from megatron.core.models.gpt.mlp import MLP
+from megatron.core.models.gpt.mup import mup_scales
 from megatron.core.models.gpt.norm import Norm
 from megatron.core.tensor_parallel.random import (
     SITE_ATTENTION_OUTPUT, SITE_MLP_OUTPUT, DropoutContext)
@@ -25,9 +26,8 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         self.layer_number = layer_index + 1  # 1-based like Megatron; 0 is the embedding
         self.hidden_dropout = config.hidden_dropout
-        init_std = config.init_method_std
-        output_init_std = init_std / (2.0 * config.num_layers) ** 0.5  # GPT-2's scaled init
-        common = dict(init_std=init_std, output_init_std=output_init_std,
+        scales = mup_scales(config)  # GPT-2's scaled init; MuP divides both by sqrt(width)
+        common = dict(init_std=scales.hidden_init_std, output_init_std=scales.output_init_std,
                       params_dtype=params_dtype, device=device,
                       sequence_parallel=sequence_parallel)
         norm_group = tensor_parallel_group(parallel_state) if sequence_parallel else None
