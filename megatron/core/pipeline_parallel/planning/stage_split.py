@@ -112,7 +112,7 @@ def stage_layer_counts(num_layers: int, pipeline_size: int, num_stages: int,
         return tuple(_first_last_counts(num_layers, pipeline_size, chunks, split))
     if split.is_even:
         per_stage = _split_evenly(
-            num_layers, num_stages, f"--num-layers {num_layers}", f"use a multiple of "
+            num_layers, num_stages, "--num-layers", f"use a multiple of "
             f"{num_stages} layers, change the pipeline size / virtual stages, or give "
             f"{FIRST_FLAG} / {LAST_FLAG} for uneven stages")
         return (per_stage,) * num_stages
