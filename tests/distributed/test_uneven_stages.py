@@ -5,7 +5,8 @@ One training step (float64, dropout 0.1, clipping on; the harness of test_pipeli
 1F1B, interleaved 1F1B and Chimera with stages of different sizes: the loss, gradient norm, every
 gradient and every updated parameter (every copy) equal the single-process model's within the same
 tolerances (1e-9 relative, 1e-6 for the float32-averaged loss), and each rank holds exactly the
-layers Megatron-LM's rules give its stages.
+layers Megatron-LM's rules give its stages. (The distributed optimizer with uneven stages:
+tests/distributed/test_distributed_optimizer.py.)
 """
 
 import functools
