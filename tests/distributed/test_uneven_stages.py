@@ -57,6 +57,10 @@ UNEVEN_LAYOUTS = [
     ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera "
      "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3", 4, "",
      [{0, 5, 6, 7}, {1, 2, 3, 4}, {3, 4, 1, 2}, {5, 6, 7, 0}]),
+    # Chimera with 2f = 4 pipelines: every rank hosts all four stages [1, 2, 2, 3].
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --chimera-pipelines 4 "
+     "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3", 4, "",
+     [set(range(8))] * 4),
     # Chimera PP2 x DP2: stages [3, 5].
     ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
      "--decoder-first-pipeline-num-layers 3", 4, "",
