@@ -53,6 +53,11 @@ UNEVEN_LAYOUTS = [
     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
      "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 6", 2, "",
      [{0, 4}, {1, 2, 3, 5, 6, 7}]),
+    # Interleaved PP4 x 2 with 12 layers, first 2, last 2: [1, 2, 2, 1, 1, 2, 2, 1] in model
+    # order (Megatron's offsets, see tests/unit/test_stage_split.py).
+    ("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+     "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2", 4,
+     "--num-layers 12", [{0, 6}, {1, 2, 7, 8}, {3, 4, 9, 10}, {5, 11}]),
     # Chimera PP4: stages [1, 2, 2, 3]; rank r holds down stage r and up stage 3 - r.
     ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera "
      "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3", 4, "",
