@@ -11,6 +11,7 @@ single-process model's.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import pretrain_gpt
@@ -77,6 +78,12 @@ def train_one_step(rank: int, world_size: int, argv: list[str], runtime_class=No
             "peak_stored": getattr(getattr(runtime, "last_interpreter", None), "peak_stored", None)}
 
 
+# Layout comparisons: 1e-9 relative for gradients and parameters (float64 model; layouts differ only
+# in summation order), 1e-6 for the reported loss (averaged in float32 as Megatron does).
+TOLERANCE = 1e-9
+LOSS_TOLERANCE = 1e-6
+
+
 def merge_copies(results: list[dict], field: str) -> dict:
     """``{name: [every copy over ranks and pipelines]}`` of ``field`` ("grads" or "params")."""
     merged: dict = {}
@@ -84,3 +91,21 @@ def merge_copies(results: list[dict], field: str) -> dict:
         for (_, name), value in result[field].items():
             merged.setdefault(name, []).append(value)
     return merged
+
+
+def assert_matches_reference(results: list[dict], expected: dict,
+                             fields: tuple[str, ...] = ("grads", "params")) -> None:
+    for result in results:
+        if result["loss"] is not None:
+            assert result["loss"] == pytest.approx(expected["loss"], rel=LOSS_TOLERANCE)
+        assert result["grad_norm"] == pytest.approx(expected["grad_norm"], rel=TOLERANCE)
+    for field in fields:
+        copies = merge_copies(results, field)
+        reference_values = {name: value for (_, name), value in expected[field].items()}
+        assert set(copies) == set(reference_values), f"{field}: parameter sets differ"
+        for name, values in copies.items():
+            want = reference_values[name]
+            scale = want.abs().max().item() + 1e-30
+            for value in values:
+                error = (value - want).abs().max().item() / scale
+                assert error < TOLERANCE, f"{field} of {name}: relative error {error:.2e}"

@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=BUILTIN_SCHEDULES.names)
     parser.add_argument("--chimera-pipelines", type=int, default=2)
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                        help="uneven target stages: layers of the first pipeline stage")
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                        help="uneven target stages: layers of the last pipeline stage")
+    parser.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    parser.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     parser.add_argument("--source-format", choices=("native", "hf", "megatron-lm"),
                         default="native", help="--load holds: this project's checkpoint "
                         "(native), a Hugging Face GPT-2 directory (hf), or a Megatron-LM GPT "
@@ -69,7 +76,12 @@ def main(argv=None) -> int:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         pipeline_schedule=args.pipeline_schedule,
         chimera_pipelines=args.chimera_pipelines,
-        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        num_virtual_stages_per_pipeline_rank=args.num_virtual_stages_per_pipeline_rank,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
     try:
         if args.source_format != "native" and args.target_format != "native":
             raise ConversionError("convert to or from this project's format: --source-format "

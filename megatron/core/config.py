@@ -178,9 +178,25 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (pipeline depth D).")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per virtual pipeline stage; selects the interleaved 1F1B schedule.")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = option(
+        None, "Virtual pipeline stages (model chunks) per pipeline rank; selects the interleaved "
+              "1F1B schedule (the other way to give its size; needed with uneven stages).")
+    decoder_first_pipeline_num_layers: Optional[int] = option(
+        None, "Transformer layers of the first pipeline stage; the remaining layers split evenly "
+              "over the middle stages (default: all stages equal).")
+    decoder_last_pipeline_num_layers: Optional[int] = option(
+        None, "Transformer layers of the last pipeline stage; the remaining layers split evenly "
+              "over the middle stages (default: all stages equal).")
+    account_for_embedding_in_pipeline_split: bool = option(
+        False, "Count the embedding as one layer when splitting the layers over the pipeline "
+               "stages (the first stage builds one transformer layer fewer).")
+    account_for_loss_in_pipeline_split: bool = option(
+        False, "Count the output layer and loss as one layer when splitting the layers over the "
+               "pipeline stages (the last stage builds one transformer layer fewer).")
     pipeline_schedule: Optional[str] = option(
         None, "Pipeline schedule (default 1f1b, or interleaved-1f1b when "
-              "--num-layers-per-virtual-pipeline-stage is given).",
+              "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank "
+              "is given).",
         choices=BUILTIN_SCHEDULES.choices)  # parse_args(registry=...) lists that registry's
     chimera_pipelines: int = option(
         2, "Number of Chimera pipelines 2f (f down, f up); f must divide D/2.")
@@ -244,7 +260,8 @@ class ParallelConfig:
         None, "Data-parallel size (derived).", derived=True)
     virtual_pipeline_model_parallel_size: Optional[int] = option(
         None, "Model chunks per pipeline rank for interleaved 1F1B (derived from "
-              "--num-layers-per-virtual-pipeline-stage).", derived=True)
+              "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank).",
+        derived=True)
     microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = option(
         None, "With interleaved 1F1B: micro-batches run through the model chunks in groups of "
               "this many (default --pipeline-model-parallel-size); between the pipeline size and "

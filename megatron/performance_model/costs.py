@@ -34,9 +34,23 @@ class StageCosts:
 
 
 def check_split(model: ModelSpec, num_stages: int) -> None:
+    counts = model.stage_layer_counts
+    if counts:
+        if len(counts) != num_stages or sum(counts) != model.num_layers or min(counts) < 0:
+            raise ValueError(f"stage_layer_counts {tuple(counts)} must give the layers of each of "
+                             f"the {num_stages} model stages, {model.num_layers} in all")
+        return
     if num_stages < 1 or model.num_layers % num_stages:
         raise ValueError(f"--num-layers {model.num_layers} cannot be split evenly over "
                          f"{num_stages} pipeline stages; choose a pipeline size that divides it")
+
+
+def stage_layers(model: ModelSpec, num_stages: int, stage: int) -> int:
+    """Transformer layers of model stage ``stage`` (even split, or ``stage_layer_counts``)."""
+    check_split(model, num_stages)
+    if model.stage_layer_counts:
+        return model.stage_layer_counts[stage]
+    return model.num_layers // num_stages
 
 
 def layer_parameters(model: ModelSpec) -> int:
@@ -47,10 +61,9 @@ def layer_parameters(model: ModelSpec) -> int:
 
 
 def stage_parameters(model: ModelSpec, num_stages: int, stage: int) -> int:
-    """Parameters of one pipeline stage (even layer split; embedding + positions on stage 0,
-    final norm + untied output layer on the last stage)."""
-    check_split(model, num_stages)
-    params = model.num_layers // num_stages * layer_parameters(model)
+    """Parameters of one pipeline stage (its layers; embedding + positions on stage 0, final
+    norm + untied output layer on the last stage)."""
+    params = stage_layers(model, num_stages, stage) * layer_parameters(model)
     if stage == 0:
         params += (model.vocab_size + model.positions) * model.hidden_size
     if stage == num_stages - 1:
@@ -84,19 +97,18 @@ def output_layer_forward_flops(model: ModelSpec, micro_batch_size: int) -> float
 def stage_forward_flops(model: ModelSpec, num_stages: int, stage: int,
                         micro_batch_size: int) -> float:
     """Forward FLOPs of a stage on one micro-batch (embedding lookups are free)."""
-    check_split(model, num_stages)
-    flops = model.num_layers // num_stages * layer_forward_flops(model, micro_batch_size)
+    flops = stage_layers(model, num_stages, stage) * layer_forward_flops(model, micro_batch_size)
     if stage == num_stages - 1:
         flops += output_layer_forward_flops(model, micro_batch_size)
     return flops
 
 
 def recompute_flops(model: ModelSpec, num_stages: int, micro_batch_size: int,
-                    recompute) -> float:
+                    recompute, stage: int = 0) -> float:
     """Extra forward FLOPs one stage's backward re-runs: the stage's layers (full; the output
     layer is not recomputed), their attention cores (selective), nothing (none)."""
     mode = recompute_mode(recompute)
-    layers = model.num_layers // num_stages
+    layers = stage_layers(model, num_stages, stage)
     if mode == "full":
         return layers * layer_forward_flops(model, micro_batch_size)
     if mode == "selective":
@@ -125,25 +137,30 @@ def compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: int,
         raise ValueError(f"unknown stage balance {stage_balance!r}; use 'balanced', 'slowest' "
                          "or 'per-stage'")
     rate = hardware.sustained_rate(micro_batch_size * model.seq_length)
-    extra = recompute_flops(model, num_stages, micro_batch_size, recompute)
+    extras = [recompute_flops(model, num_stages, micro_batch_size, recompute, s)
+              for s in range(num_stages)]
+    # balanced: the mean stage; slowest: the stage with the most forward FLOPs
+    extra = (sum(extras) / num_stages if stage_balance == "balanced"
+             else extras[flops.index(max(flops))])
     overhead = hardware.op_overhead_seconds
     return stage_flops / rate + overhead, (2 * stage_flops + extra) / rate + overhead
 
 
 def stage_compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: int,
                         micro_batch_size: int, recompute):
-    """(F of each stage, Bk of each stage) of an even layer split: the last stage also runs
+    """(F of each stage, Bk of each stage) of the layer split: the last stage also runs
     the output layer (2·B·s·h·V FLOPs forward, which at the paper's GPT-2 is three layers'
     worth), which recomputation does not re-run. Same rate and op overhead as
     :func:`compute_times`."""
     check_split(model, num_stages)
     rate = hardware.sustained_rate(micro_batch_size * model.seq_length)
-    extra = recompute_flops(model, num_stages, micro_batch_size, recompute)
     overhead = hardware.op_overhead_seconds
     flops = [stage_forward_flops(model, num_stages, s, micro_batch_size)
              for s in range(num_stages)]
+    extras = [recompute_flops(model, num_stages, micro_batch_size, recompute, s)
+              for s in range(num_stages)]
     return (tuple(f / rate + overhead for f in flops),
-            tuple((2 * f + extra) / rate + overhead for f in flops))
+            tuple((2 * f + extra) / rate + overhead for f, extra in zip(flops, extras)))
 
 
 def activation_bytes_per_layer(model: ModelSpec, micro_batch_size: int, recompute) -> float:
@@ -163,10 +180,12 @@ def activation_bytes_per_layer(model: ModelSpec, micro_batch_size: int, recomput
 
 
 def activation_bytes(model: ModelSpec, micro_batch_size: int, num_stages: int,
-                     recompute) -> float:
-    """Activations one stored micro-batch of one stage occupies (its layers)."""
-    return model.num_layers // num_stages * activation_bytes_per_layer(
-        model, micro_batch_size, recompute)
+                     recompute, stages=None) -> float:
+    """Activations one stored micro-batch of one stage occupies (its layers): of the largest of
+    ``stages`` (default all; every stage alike when the split is even)."""
+    stages = range(num_stages) if stages is None else stages
+    return max(stage_layers(model, num_stages, stage) for stage in stages) * \
+        activation_bytes_per_layer(model, micro_batch_size, recompute)
 
 
 def p2p_time(hardware: HardwareSpec, message_bytes: float) -> float:

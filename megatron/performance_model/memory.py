@@ -63,11 +63,12 @@ def memory_per_worker(model: ModelSpec, hardware: HardwareSpec, scheme: str, num
     layout, _ = lowered_schedule(scheme, num_stages, num_microbatches, registry=registry)
     peaks = peak_stored_microbatches(scheme, num_stages, num_microbatches, registry)
     model_stages = layout.num_stages
-    stored = activation_bytes(model, micro_batch_size, model_stages, recompute)
     replicas = num_replicas(scheme, data_parallel, num_stages, registry)
     memory = []
     for rank in range(num_stages):
         stages = [stage for _, stage in layout.hosted(rank)]
+        # uneven stages: each stored micro-batch counted at the rank's largest hosted stage
+        stored = activation_bytes(model, micro_batch_size, model_stages, recompute, stages)
         memory.append(
             state_bytes(model, hardware, model_stages, stages, replicas, distributed_optimizer)
             + peaks[rank] * stored + hardware.framework_overhead_bytes

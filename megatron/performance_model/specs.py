@@ -17,6 +17,10 @@ class ModelSpec:
 
     ``bytes_per_value`` is the width of weights, activations and gradients (4 = fp32, as in the
     paper). The output layer is untied from the embedding (the paper's GPT-2).
+    ``stage_layer_counts``: the layers of each model stage of an uneven pipeline (as
+    ``megatron.core.pipeline_parallel.planning.stage_split.stage_layer_counts`` gives them for
+    Megatron's --decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split);
+    empty: ``num_layers`` split evenly.
     """
 
     num_layers: int
@@ -27,6 +31,7 @@ class ModelSpec:
     ffn_hidden_size: int | None = None
     max_position_embeddings: int | None = None
     bytes_per_value: int = 4
+    stage_layer_counts: tuple = ()
 
     @property
     def ffn(self) -> int:

@@ -32,7 +32,7 @@ import torch
 
 from megatron.core.config import MegatronConfig
 from megatron.core.parallel_state import ParallelState
-from megatron.core.pipeline_parallel.execution.model_chunks import stage_layer_range
+from megatron.core.pipeline_parallel.planning.stage_split import config_stage_layer_ranges
 from megatron.core.pipeline_parallel.planning.plan import layout_from_config
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.core.tensor_parallel.utils import shard_of
@@ -47,7 +47,9 @@ from megatron.training.checkpointing.files import fresh_staging_dir
 # Flags of the parallel layout besides the schedule families' own (see layout_fields); everything
 # else of the source run's config carries over.
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
-                 "chimera_grad_sync")
+                 "chimera_grad_sync", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split")
 
 
 def layout_fields(registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> tuple[str, ...]:
@@ -74,6 +76,11 @@ class TargetLayout:
     pipeline_schedule: Optional[str] = None
     chimera_pipelines: int = 2
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None  # uneven stages (stage_split)
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
 
 @dataclass
@@ -159,11 +166,11 @@ def chunk_specs(config: MegatronConfig, registry: ScheduleRegistry = BUILTIN_SCH
     """``{pp_rank: [(pre_process, post_process, layer_range), ...]}`` in hosted (file) order."""
     layout = layout_from_config(config, registry)
     num_stages = layout.num_stages
+    stage_layers = config_stage_layer_ranges(config, num_stages)
     specs = {}
     for pp_rank in range(config.parallel.pipeline_model_parallel_size):
         specs[pp_rank] = [
-            (stage == 0, stage == num_stages - 1,
-             stage_layer_range(config.model.num_layers, num_stages, stage))
+            (stage == 0, stage == num_stages - 1, stage_layers[stage])
             for _, stage in layout.hosted(pp_rank)]
     return specs
 

@@ -30,6 +30,7 @@ from megatron.core.models.gpt.mup import validate_mup_options
 from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.pipeline_parallel.planning.schedules import (BUILTIN_SCHEDULES, ScheduleRegistry,
                                                                schedule_layout)
+from megatron.core.pipeline_parallel.planning.stage_split import StageSplit, stage_layer_counts
 from megatron.training.megatron_leniency import apply_megatron_leniency
 from megatron.training.batch_validation import (require_positive, validate_batch,
                                                validate_iterations_schedule,
@@ -361,7 +362,10 @@ def _validate_recompute(config: MegatronConfig) -> None:
         if recompute.recompute_num_layers is None:
             recompute.recompute_num_layers = 1
         require_positive(recompute, ("recompute_num_layers",))
-        layers_per_stage = config.model.num_layers // config.parallel.pipeline_model_parallel_size
+        pp, split = config.parallel.pipeline_model_parallel_size, StageSplit.from_parallel_config(
+            config.parallel)
+        layers_per_stage = (config.model.num_layers // pp if split.is_even else  # uneven: largest
+                            max(stage_layer_counts(config.model.num_layers, pp, pp, split)))
         if recompute.recompute_method == "block" and \
                 recompute.recompute_num_layers > layers_per_stage:
             raise ValueError(f"--recompute-num-layers {recompute.recompute_num_layers} exceeds the "

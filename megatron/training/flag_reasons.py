@@ -36,7 +36,8 @@ ENCODER_DECODER = "encoder-decoder (T5) models are not implemented"
 BERT_T5_DATA = "read only by Megatron's BERT, T5 and ICT datasets, which are not implemented"
 ROTARY = "rotary embeddings are not implemented"
 QUERY_GROUPS = "attention is multi-head (no query groups)"
-EQUAL_STAGES = "stages always hold equal numbers of layers"
+EQUAL_STAGES = ("free-form stage layouts are not implemented (stages are even, or uneven with "
+                "--decoder-first/last-pipeline-num-layers or --account-for-*-in-pipeline-split)")
 CONSTANT_WEIGHT_DECAY = "weight decay is constant (--weight-decay)"
 ONE_LEARNING_RATE = ("parameter groups with settings of their own are not implemented (only the "
                      "embedding and output layer's --decoupled-lr)")

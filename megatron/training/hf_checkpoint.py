@@ -65,9 +65,13 @@ def layout_flags(target: TargetLayout,
             value = getattr(target, field_name, None)
             if value is not None:
                 flags += ["--" + field_name.replace("_", "-"), str(value)]
-    if target.num_layers_per_virtual_pipeline_stage is not None:
-        flags += ["--num-layers-per-virtual-pipeline-stage",
-                  str(target.num_layers_per_virtual_pipeline_stage)]
+    for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(target, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(target, name))]
+    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if getattr(target, name):
+            flags.append("--" + name.replace("_", "-"))
     return flags
 
 

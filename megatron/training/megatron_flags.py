@@ -256,9 +256,7 @@ UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
     # Parallelism and process layout.
     UnimplementedFlag("--context-parallel-size", "context parallelism is not implemented"),
     UnimplementedFlag("--use-torch-fsdp2", "FSDP is not implemented"),
-    *_rejected(reasons.EQUAL_STAGES, "--decoder-first-pipeline-num-layers",
-               "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
-               "--standalone-embedding-stage"),
+    *_rejected(reasons.EQUAL_STAGES, "--standalone-embedding-stage"),
     # Architecture details.
     UnimplementedFlag("--rotary-seq-len-interpolation-factor",
                       "rotary position interpolation is not implemented"),

@@ -24,6 +24,10 @@ def apply_megatron_leniency(config: MegatronConfig) -> None:
         logger.warning("--sequence-parallel is switched off because --tensor-model-parallel-size "
                        "is 1 (nothing to split across ranks), as Megatron-LM does")
         parallel.sequence_parallel = False
+    if parallel.num_virtual_stages_per_pipeline_rank == 1:
+        logger.info("--num-virtual-stages-per-pipeline-rank 1 is the plain (non-interleaved) "
+                    "pipeline, as in Megatron-LM")
+        parallel.num_virtual_stages_per_pipeline_rank = None
     split = config.data.split
     if split != split.strip(_QUOTES):
         config.data.split = split.strip(_QUOTES)

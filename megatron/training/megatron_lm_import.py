@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from megatron.core.pipeline_parallel.planning.stage_split import (StageSplit, stage_layer_counts,
+                                                                  stage_layer_ranges)
 from megatron.training.checkpoint_conversion import (
     ConversionError, TargetLayout, split_for_layout, write_weights_checkpoint)
 
@@ -207,13 +209,18 @@ def read_megatron_lm(root: str, iteration: Optional[int] = None) -> tuple:
     _check_args(args)
     tp_size = max(tp for tp, _ in files) + 1
     pp_size = max(pp for _, pp in files) + 1
-    per_stage = args.num_layers // pp_size
+    try:  # the stage sizes the checkpoint was saved with (even, or Megatron's uneven flags)
+        stage_layers = stage_layer_ranges(stage_layer_counts(
+            args.num_layers, pp_size, pp_size, StageSplit.from_parallel_config(args)))
+    except ValueError as error:
+        raise ConversionError(f"the checkpoint's layers do not split over its {pp_size} "
+                              f"pipeline stages: {error}") from None
     shards: dict = {}
     for (tp_rank, pp_rank), payload in payloads.items():
         flat: dict = {}
         _flatten("", payload["model"], flat)
         for name, value in flat.items():
-            ours = _our_name(name, pp_rank * per_stage)
+            ours = _our_name(name, stage_layers[pp_rank].start)
             if ours is not None:
                 shards.setdefault(ours, {})[tp_rank] = value
     full = {}

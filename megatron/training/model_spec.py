@@ -12,7 +12,8 @@ through ``pretrain`` with a spec of its own.
 
 The contract a config section keeps (read by the runtimes and the generic validation):
 
-* ``num_layers``: the units the pipeline splits evenly over its stages (``layer_range``);
+* ``num_layers``: the units the pipeline splits over its stages (``layer_range``; evenly unless
+  the uneven-stage flags of ``config.parallel`` say otherwise);
 * ``tied_embeddings``: whether the first and the last stage hold copies of one weight (a
   ``ClassVar``, a property or a field; GPT: ``not --untie-embeddings-and-output-weights``).
 """

@@ -4,7 +4,9 @@ uninterrupted run for iterations 4-6 (fp32, dropout off, 1e-5 relative). Without
 state (``--no-load-optim``) the same resume must miss those losses, so the check can fail.
 
 Layouts (at most 4 gloo ranks): Chimera PP4 with the distributed optimizer -> 1F1B TP2 x PP2;
-interleaved PP2 x DP2 (saved with --async-save) -> PP1 x DP2; Chimera PP2 x DP2 -> Chimera PP2 x TP2.
+interleaved PP2 x DP2 (saved with --async-save) -> PP1 x DP2; Chimera PP2 x DP2 -> Chimera PP2 x TP2;
+uneven stages: Chimera PP2 x DP2 with layers [1, 3] and the distributed optimizer -> 1F1B PP2 with
+layers [3, 1].
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ CASES = {
     "interleaved-pp2xdp2-async->pp1xdp2": (  # saved in the background (--async-save)
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
         "--async-save", 4, "", 2),
+    "uneven-chimera-pp2xdp2-distopt->uneven-1f1b-pp2": (
+        "--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+        "--decoder-first-pipeline-num-layers 1 --use-distributed-optimizer", 4,
+        "--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b "
+        "--decoder-last-pipeline-num-layers 1", 2),
     "chimera-pp2xdp2->chimera-pp2xtp2": (
         "--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4,
         "--pipeline-model-parallel-size 2 --pipeline-schedule chimera "

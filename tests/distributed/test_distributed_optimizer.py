@@ -55,9 +55,11 @@ def _close(a, b, what, tolerance=1e-9):
     ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule chimera "
      "--chimera-variant forward-doubling", 4),
     ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule chimera "
-     "--sequence-parallel", 4)],
+     "--sequence-parallel", 4),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+     "--decoder-first-pipeline-num-layers 1", 4)],  # uneven stages: 1 and 3 layers
     ids=["dp2", "chimera-pp2", "chimera-pp2xdp2", "1f1b-pp2xdp2", "interleaved-pp2xdp2",
-         "chimera-fd-tp2xpp2", "chimera-tp2xpp2-sequence-parallel"])
+         "chimera-fd-tp2xpp2", "chimera-tp2xpp2-sequence-parallel", "uneven-chimera-pp2xdp2"])
 def test_distributed_optimizer_matches_the_replicated_one(layout, world_size):
     argv = f"{TINY} {layout}"
     replicated = run_distributed(_train, world_size, argv, timeout=240)

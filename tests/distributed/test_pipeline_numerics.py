@@ -15,32 +15,13 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from pipeline_reference import merge_copies, train_one_step
+from pipeline_reference import assert_matches_reference, merge_copies, train_one_step
 
-TOLERANCE = 1e-9
-LOSS_TOLERANCE = 1e-6
+
 @functools.lru_cache(maxsize=None)
 def reference(batch_flags: str) -> dict:
     """The single-process run for a batch configuration (computed once per session)."""
     return train_one_step(0, 1, batch_flags.split())
-
-
-def assert_matches_reference(results: list[dict], expected: dict,
-                             fields: tuple[str, ...] = ("grads", "params")) -> None:
-    for result in results:
-        if result["loss"] is not None:
-            assert result["loss"] == pytest.approx(expected["loss"], rel=LOSS_TOLERANCE)
-        assert result["grad_norm"] == pytest.approx(expected["grad_norm"], rel=TOLERANCE)
-    for field in fields:
-        copies = merge_copies(results, field)
-        reference_values = {name: value for (_, name), value in expected[field].items()}
-        assert set(copies) == set(reference_values), f"{field}: parameter sets differ"
-        for name, values in copies.items():
-            want = reference_values[name]
-            scale = want.abs().max().item() + 1e-30
-            for value in values:
-                error = (value - want).abs().max().item() / scale
-                assert error < TOLERANCE, f"{field} of {name}: relative error {error:.2e}"
 
 
 BATCH_N4 = "--micro-batch-size 2 --global-batch-size 8"

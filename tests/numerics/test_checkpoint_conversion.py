@@ -253,6 +253,33 @@ def test_cli_converts_interleaved_checkpoint(tmp_path):
     assert main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst")]) == 1  # exists
 
 
+def test_uneven_stages_convert_and_a_different_split_is_refused(tmp_path):
+    """Chimera PP2 with stages [1, 3] converts (CLI, uneven target flags) to 1F1B PP2 with
+    stages [3, 1]: every rank holds exactly its layers, with the source's weights and loss; the
+    source loaded with even stages is refused, naming the split."""
+    from tools.convert_checkpoint import main
+    config = _config(1, 2, "chimera", extra="--decoder-first-pipeline-num-layers 1")
+    full = _random_full_weights(config)
+    _write_source(tmp_path / "src", config, full)
+    _assert_full_equal(merge_full_state(read_checkpoint(str(tmp_path / "src"))), full)
+    assert main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"),
+                 "--pipeline-model-parallel-size", "2",
+                 "--decoder-last-pipeline-num-layers", "1"]) == 0
+    last_one = "--decoder-last-pipeline-num-layers 1"
+    target = _config(1, 2, extra=last_one)
+    modules, by_rank, _, _ = _load_target(tmp_path / "dst", target, f"--finetune {last_one}")
+    layers = [{name.split(".")[2] for name in chunks[0].state_dict() if ".layers." in name}
+              for _, chunks in sorted(by_rank.items())]
+    assert layers == [{"0", "1", "2"}, {"3"}]
+    for chunk in modules.values():
+        for name, value in chunk.state_dict().items():
+            assert torch.equal(value, full[name]), name
+    assert torch.allclose(_loss([modules[(0, 0)], modules[(0, 1)]], target),
+                          _reference_loss(_config(), full), rtol=1e-6)
+    with pytest.raises(RuntimeError, match=r"layers per stage \[1, 3\]\] but this run"):
+        _load_target(tmp_path / "src", _config(1, 2, "chimera"))
+
+
 # ---- errors -----------------------------------------------------------------------------------
 
 def _diverge(parameter, pp_rank, key):

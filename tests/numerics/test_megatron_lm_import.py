@@ -32,13 +32,14 @@ def _args(**overrides):
     return argparse.Namespace(**values)
 
 
-def _stage_names(name, pp_rank, flavour):
-    """The Megatron-LM name of our ``name`` on stage ``pp_rank`` (2 layers per stage), or None."""
+def _stage_names(name, pp_rank, flavour, first_stage_layers=2):
+    """The Megatron-LM name of our ``name`` on stage ``pp_rank`` (of 2; the first holds
+    ``first_stage_layers`` of the 4 layers), or None."""
     if name.startswith("decoder.layers."):
         index, rest = name[len("decoder.layers."):].split(".", 1)
-        if int(index) // 2 != pp_rank:
+        if (int(index) >= first_stage_layers) != pp_rank:
             return None
-        local = int(index) % 2
+        local = int(index) - pp_rank * first_stage_layers
         if flavour == "legacy":
             for ours, theirs in LEGACY.items():
                 rest = rest.replace(ours + ".", theirs + ".")
@@ -84,7 +85,8 @@ def _write_megatron_lm(root, full, flavour, args=None):
         for pp_rank in range(2):
             flat = {}
             for name, value in full.items():
-                theirs = _stage_names(name, pp_rank, flavour)
+                theirs = _stage_names(name, pp_rank, flavour,
+                                      getattr(args, "decoder_first_pipeline_num_layers", None) or 2)
                 if theirs is None:
                     continue
                 flat[theirs] = _shard(name, value, tp_rank, getattr(args, "swiglu", False))
@@ -115,6 +117,20 @@ def test_megatron_lm_checkpoint_imports_with_the_same_weights(tmp_path, flavour)
     assert main(["--load", str(tmp_path / "mlm"), "--save", str(tmp_path / "ours"),
                  "--source-format", "megatron-lm", "--pipeline-model-parallel-size", "2",
                  "--pipeline-schedule", "chimera"]) == 0
+    merged = merge_full_state(read_checkpoint(str(tmp_path / "ours")))
+    assert merged.keys() == full.keys()
+    for name, value in full.items():
+        assert torch.equal(merged[name], value), name
+
+
+def test_uneven_stage_megatron_lm_checkpoint_imports_with_the_same_weights(tmp_path):
+    """Saved with --decoder-first-pipeline-num-layers 1: stage 1's local layers 0..2 are our
+    layers 1..3."""
+    from megatron.training.megatron_lm_import import import_megatron_lm
+    full = random_full_weights(tiny_config(2, 2))
+    _write_megatron_lm(tmp_path / "mlm", full, "mcore",
+                       _args(decoder_first_pipeline_num_layers=1))
+    import_megatron_lm(str(tmp_path / "mlm"), str(tmp_path / "ours"), TargetLayout())
     merged = merge_full_state(read_checkpoint(str(tmp_path / "ours")))
     assert merged.keys() == full.keys()
     for name, value in full.items():

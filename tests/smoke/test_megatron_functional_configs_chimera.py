@@ -1,7 +1,8 @@
 """Smoke (tier 3): six current Megatron-LM functional-test configurations of the classic GPT
 architecture (tests/data/megatron_gpt_launch_configs.jsonl, from d98e8a6) train under torchrun with
 ``--pipeline-schedule chimera`` added. Only what must shrink to fit two CPU ranks changes: model
-sizes, TP x PP (1 x 2; the interleaved schedule's virtual-stage flag goes with the pipeline size),
+sizes, TP x PP (1 x 2; the interleaved schedule's virtual-stage flag goes with the pipeline size,
+uneven first/last stage sizes shrink with the layers),
 batch and run lengths, mock data instead of the corpus and tokenizer files, gloo instead of nccl,
 and paths under the test's directory. Every other flag (deterministic mode, the distributed
 optimizer with overlapped parameter gathers, recomputation, fp16/bf16, checkpoint-format and
@@ -25,7 +26,8 @@ CASES = ["gpt3_mcore_te_tp1_pp1_uniform_full_recompute",
          "gpt3_mcore_tp1_pp2_fp16",
          "gpt3_mcore_te_tp2_pp2_resume_torch_dist",
          "gpt3_mcore_tp4_pp1_resume_torch",
-         "gpt3_mcore_te_tp1_pp1_mup"]
+         "gpt3_mcore_te_tp1_pp1_mup",
+         "gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline"]
 TRAIN_ITERS = 4
 SHRUNK = {"--num-layers": "4", "--hidden-size": "32", "--num-attention-heads": "4",
           "--seq-length": "16", "--max-position-embeddings": "16", "--micro-batch-size": "1",
@@ -55,9 +57,15 @@ def test_functional_config_trains_with_chimera(case, tmp_path):
                        "--save-interval": "20"})
     if "--recompute-num-layers" in argv:
         shrunk["--recompute-num-layers"] = "1"  # a stage holds 2 of the 4 layers
+    if "--decoder-first-pipeline-num-layers" in argv:
+        # uneven stages of the 4 layers over PP 2: 1 and 3 (the case's 2 + 8 + 2 of 12 over 4)
+        shrunk.update({"--decoder-first-pipeline-num-layers": "1",
+                       "--decoder-last-pipeline-num-layers": "3"})
     command = overridden(argv, {**shrunk, **paths}, drop=DROPPED)
     output = finish(launch(2, command), 300)
     assert "> pipeline schedule: chimera" in output
+    if "--decoder-first-pipeline-num-layers" in argv:
+        assert "> transformer layers per pipeline stage: [1, 3]" in output
     iterations = [int(i) for i, _, _ in LOSS.findall(output)]
     losses = [float(value) for _, _, value in LOSS.findall(output)]
     assert iterations and iterations[-1] == train_iters, output[-3000:]

@@ -166,3 +166,26 @@ def test_cli_prints_the_best_runnable_configurations_flags():
     flags = output.splitlines()[-1]
     assert flags.startswith("pretrain_gpt.py flags of the best fitting runnable configuration")
     assert "--pipeline-model-parallel-size" in flags and "--recompute-granularity selective" in flags
+
+
+def test_uneven_stages_cost_their_own_layers():
+    """stage_layer_counts (Megatron's --decoder-first/last-pipeline-num-layers): each stage's
+    parameters, forward time and stored activations follow its own layer count."""
+    from megatron.core.pipeline_parallel.planning.stage_split import StageSplit, stage_layer_counts
+    from megatron.performance_model.costs import (layer_parameters, stage_compute_times,
+                                                  stage_layers)
+    counts = stage_layer_counts(8, 4, 4, StageSplit(first=1, last=1))
+    assert counts == (1, 3, 3, 1)
+    uneven = dataclasses.replace(TINY, stage_layer_counts=counts)
+    assert [stage_layers(uneven, 4, stage) for stage in range(4)] == [1, 3, 3, 1]
+    assert stage_parameters(uneven, 4, 1) == 3 * layer_parameters(TINY)
+    assert stage_parameters(uneven, 4, 1) - stage_parameters(TINY, 4, 1) == layer_parameters(TINY)
+    assert sum(stage_parameters(uneven, 4, s) for s in range(4)) == total_parameters(TINY)
+    forward, _ = stage_compute_times(uneven, FLAT, 4, 1, "none")
+    even_forward, _ = stage_compute_times(TINY, FLAT, 4, 1, "none")
+    assert forward[1] == pytest.approx(1.5 * even_forward[1])  # 3 layers instead of 2
+    memory = memory_per_worker(uneven, FLAT, "1f1b", 4, 4, 1, "none")
+    even = memory_per_worker(TINY, FLAT, "1f1b", 4, 4, 1, "none")
+    assert memory[1] > even[1] and memory[0] < even[0]
+    with pytest.raises(ValueError, match=r"must give the layers of each of the 4 model stages"):
+        stage_parameters(dataclasses.replace(TINY, stage_layer_counts=(1, 3, 3)), 4, 0)

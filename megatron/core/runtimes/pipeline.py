@@ -43,6 +43,7 @@ from megatron.core.pipeline_parallel.execution.transport import make_transport
 from megatron.core.pipeline_parallel.planning.plan import (PipelinePlan, layout_from_config,
                                                           plan_from_config)
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES
+from megatron.core.pipeline_parallel.planning.stage_split import config_stage_layer_ranges
 
 
 def _is_tied(config) -> bool:
@@ -94,8 +95,11 @@ class PipelineRuntime:
         self.timeline_iteration = min(2, config.training.train_iters or 1)
 
     def describe(self) -> str:
-        """The log lines naming the schedule and the active packing."""
-        return f"> pipeline schedule: {self.plan.describe()}\n> {self.packer.describe()}"
+        """The log lines naming the schedule, the layers of each stage and the active packing."""
+        layers = [len(stage) for stage in config_stage_layer_ranges(self.config,
+                                                                     self.layout.num_stages)]
+        return (f"> pipeline schedule: {self.plan.describe()}\n"
+                f"> transformer layers per pipeline stage: {layers}\n> {self.packer.describe()}")
 
     def build_model_chunks(self, model_provider: Callable) -> list[torch.nn.Module]:
         chunks, self.keys = build_model_chunks(model_provider, self.config, self.parallel_state,

@@ -11,7 +11,9 @@ import random
 import numpy as np
 import torch
 
+from megatron.core.pipeline_parallel.planning.plan import layout_from_config
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
+from megatron.core.pipeline_parallel.planning.stage_split import StageSplit, stage_layer_counts
 from megatron.training.checkpointing.files import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,11 @@ def parallel_layout(config, num_chunks: int,
         for name in family.checkpoint_options:
             field_name = family.option(name).config_field
             layout[field_name] = getattr(parallel, field_name)
+        split = StageSplit.from_parallel_config(parallel)
+        if not split.is_even:  # uneven stages: which layers each file holds (even: no entry)
+            num_stages = layout_from_config(config, registry).num_stages
+            layout["stage_layer_counts"] = list(stage_layer_counts(
+                config.model.num_layers, pipeline, num_stages, split))
     return layout
 
 
@@ -54,9 +61,11 @@ def describe_layout(layout: dict) -> str:
     if "chimera_pipelines" in layout:  # the chimera family's checkpoint option
         schedule += f" ({layout['chimera_pipelines']} pipelines)"
     chunks = layout["model_chunks_per_rank"]
+    stages = (f", layers per stage {layout['stage_layer_counts']}"
+              if "stage_layer_counts" in layout else "")
     return (f"TP={layout['tensor_model_parallel_size']}, "
             f"PP={layout['pipeline_model_parallel_size']}, schedule={schedule}, "
-            f"{chunks} model chunk{'s' if chunks != 1 else ''} per rank")
+            f"{chunks} model chunk{'s' if chunks != 1 else ''} per rank{stages}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A schedule's :class:`~megatron.core.pipeline_parallel.planning.schedules.Schedul
 (pipeline, stage) modules a pipeline rank hosts: one stage for GPipe and 1F1B, v chunks for
 interleaved 1F1B, two stages for Chimera (down stage r and up stage D-1-r), 2f for 2f pipelines.
 The model's ``num_layers`` (every model config section declares it, see
-``megatron/training/model_spec.py``) are split evenly over the stages; the model provider builds
+``megatron/training/model_spec.py``) are split over the stages, evenly or as the uneven-stage
+flags say (:mod:`~megatron.core.pipeline_parallel.planning.stage_split`); the model provider builds
 stage ``layer_range`` and is told whether the stage is the first (``pre_process``: e.g. GPT's
 embedding) or the last (``post_process``: e.g. GPT's final norm, output layer and loss). A provider
 must build every chunk exactly like the same layers of the single-process model (layout-independent
@@ -18,15 +19,7 @@ from typing import Callable
 
 import torch
 
-
-def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> range:
-    """Global indices of the transformer layers of ``stage`` (layers split evenly)."""
-    if num_layers % num_stages:
-        raise ValueError(
-            f"--num-layers {num_layers} cannot be split evenly over {num_stages} pipeline stages; "
-            f"use a multiple of {num_stages} layers or change the pipeline size / virtual stages")
-    per_stage = num_layers // num_stages
-    return range(stage * per_stage, (stage + 1) * per_stage)
+from megatron.core.pipeline_parallel.planning.stage_split import config_stage_layer_ranges
 
 
 @dataclass(frozen=True)
@@ -43,11 +36,12 @@ def build_model_chunks(model_provider: Callable, config, parallel_state, schedul
 
     ``model_provider(config, parallel_state, *, pre_process, post_process, layer_range)`` builds
     one chunk (a ``ModelSpec``'s ``model_provider``); ``config.model.num_layers`` is the number
-    of layers split over the stages.
+    of layers split over the stages (``config.parallel``'s uneven-stage flags say how).
     """
     chunks, keys = [], []
+    stage_layers = config_stage_layer_ranges(config, schedule_layout.num_stages)
     for pipeline, stage in schedule_layout.hosted(parallel_state.pp_rank):
-        layers = stage_layer_range(config.model.num_layers, schedule_layout.num_stages, stage)
+        layers = stage_layers[stage]
         chunk = model_provider(config, parallel_state,
                                pre_process=schedule_layout.is_first_stage(stage),
                                post_process=schedule_layout.is_last_stage(stage),

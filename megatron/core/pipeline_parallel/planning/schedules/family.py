@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..instructions import Instruction
+from ..stage_split import StageSplit, stage_layer_counts
 from .layout import ScheduleLayout
 
 
@@ -63,9 +64,14 @@ def _no_label(op: Instruction, options: dict) -> str:
 
 
 def even_stage_config(parallel_config, num_layers: int) -> dict:
-    """Config rule of a family whose ranks hold equal stages of ``num_layers / D`` layers each
-    (the default ``derive_config``): the layers must split evenly; nothing is derived."""
+    """Config rule of a family whose ranks hold one stage each (the default ``derive_config``):
+    the layers must split evenly over the D stages, or as the uneven-stage flags say
+    (:mod:`..stage_split`); nothing is derived."""
     pp = parallel_config.pipeline_model_parallel_size
+    split = StageSplit.from_parallel_config(parallel_config)
+    if not split.is_even:
+        stage_layer_counts(num_layers, pp, pp, split)
+        return {}
     if num_layers % pp:
         raise ValueError(f"--num-layers {num_layers} is not divisible by "
                          f"--pipeline-model-parallel-size {pp}; every stage needs the same number "

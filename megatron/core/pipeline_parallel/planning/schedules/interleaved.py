@@ -12,12 +12,15 @@ Constraints (as in Megatron's forward_backward_pipelining_with_interleaving): v 
 D <= G <= N, and N mod G is 0 or at least D. With the default G = D this means N a multiple of D;
 any N >= D is accepted with G = N (one group). On the command line the family is selected by
 --num-layers-per-virtual-pipeline-stage (layers per chunk), from which
-:func:`derive_interleaved_config` derives v = num_layers / (D x layers per chunk).
+:func:`derive_interleaved_config` derives v = num_layers / (D x layers per chunk), or by
+--num-virtual-stages-per-pipeline-rank (v itself; needed with uneven first/last stages, see
+:mod:`..stage_split`).
 """
 
 from __future__ import annotations
 
 from ..instructions import Instruction, backward, forward
+from ..stage_split import StageSplit, stage_layer_counts
 from .family import ScheduleFamily, ScheduleOption
 from .layout import ScheduleLayout
 
@@ -57,23 +60,49 @@ def check_interleaved(pipeline_size: int, num_microbatches: int, num_model_chunk
 
 def derive_interleaved_config(parallel_config, num_layers: int) -> dict:
     """Megatron's config rules of the virtual pipeline; returns the derived
-    ``virtual_pipeline_model_parallel_size`` (v, the model chunks per rank)."""
+    ``virtual_pipeline_model_parallel_size`` (v, the model chunks per rank).
+
+    v comes from ``--num-virtual-stages-per-pipeline-rank``, or from
+    ``--num-layers-per-virtual-pipeline-stage`` as (layers per rank) / (layers per chunk), where
+    the layers per rank count the embedding and loss with the account-for flags; uneven first or
+    last stages need the former (as in Megatron-LM)."""
     layers_per_chunk = parallel_config.num_layers_per_virtual_pipeline_stage
+    chunks = getattr(parallel_config, "num_virtual_stages_per_pipeline_rank", None)
     pp = parallel_config.pipeline_model_parallel_size
-    if layers_per_chunk is None:
+    split = StageSplit.from_parallel_config(parallel_config)
+    if layers_per_chunk is None and chunks is None:
         raise ValueError("--pipeline-schedule interleaved-1f1b needs "
-                         "--num-layers-per-virtual-pipeline-stage (layers per model chunk)")
-    if layers_per_chunk < 1:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+                         "--num-layers-per-virtual-pipeline-stage (layers per model chunk) or "
+                         "--num-virtual-stages-per-pipeline-rank (model chunks per rank)")
+    if layers_per_chunk is not None and chunks is not None:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage and "
+                         "--num-virtual-stages-per-pipeline-rank both give the virtual pipeline's "
+                         "size; drop one")
     if pp < 2:
         raise ValueError("the interleaved-1f1b schedule needs --pipeline-model-parallel-size "
-                         ">= 2; drop --num-layers-per-virtual-pipeline-stage or raise it")
-    if num_layers % (pp * layers_per_chunk):
+                         ">= 2; drop the virtual-stage flag or raise it")
+    if chunks is not None:
+        if chunks < 2:
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {chunks} must be >= 2 for "
+                             f"interleaved-1f1b (1 is the plain 1f1b schedule: drop the flag)")
+        stage_layer_counts(num_layers, pp, pp * chunks, split)
+        return {"virtual_pipeline_model_parallel_size": chunks}
+    if layers_per_chunk < 1:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage must be >= 1")
+    if split.first is not None or split.last is not None:
+        raise ValueError("uneven first/last pipeline stages need the virtual pipeline's size as "
+                         "--num-virtual-stages-per-pipeline-rank (as in Megatron-LM); replace "
+                         "--num-layers-per-virtual-pipeline-stage")
+    units = num_layers + split.account_for_embedding + split.account_for_loss
+    if units % (pp * layers_per_chunk):
+        counted = "" if split.is_even else " (counting the embedding / loss as layers)"
         raise ValueError(
-            f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-            f"{pp} x --num-layers-per-virtual-pipeline-stage {layers_per_chunk}; "
-            f"every model chunk needs the same number of layers")
-    return {"virtual_pipeline_model_parallel_size": num_layers // (pp * layers_per_chunk)}
+            f"--num-layers {num_layers}{counted} is not divisible by "
+            f"--pipeline-model-parallel-size {pp} x --num-layers-per-virtual-pipeline-stage "
+            f"{layers_per_chunk}; every model chunk needs the same number of layers")
+    chunks = units // (pp * layers_per_chunk)
+    stage_layer_counts(num_layers, pp, pp * chunks, split)
+    return {"virtual_pipeline_model_parallel_size": chunks}
 
 
 def interleaved_flags(family, options: dict, num_layers: int, pipeline_size: int) -> list[str]:
@@ -162,7 +191,7 @@ INTERLEAVED_1F1B = ScheduleFamily(
             help="Micro-batches per group through the chunks for interleaved-1f1b (default D; "
                  "D <= G <= N, N mod G = 0 or >= D).", bounded_by_microbatches=True)),
     op_label=lambda op, options: f"c{op.chunk}",
-    selected_by=("num_layers_per_virtual_pipeline_stage",),
+    selected_by=("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"),
     derive_config=derive_interleaved_config,
     critical_path=interleaved_critical_path,
     model_variants=(("", {"num_model_chunks": 2}),),
