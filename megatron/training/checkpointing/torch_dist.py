@@ -375,9 +375,13 @@ def apply(components, checkpoint_config, request: LoadRequest, objects: dict, lo
         if "optimizer.grad_scaler" in objects:
             state["grad_scaler"] = objects["optimizer.grad_scaler"]
         _load_optimizer_state(optimizer, state)
-        components.lr_scheduler.load_state_dict(
+        differences = components.lr_scheduler.load_state_dict(
             objects["opt_param_scheduler"],
-            use_checkpoint_values=components.config.checkpoint.use_checkpoint_opt_param_scheduler)
+            use_checkpoint_values=checkpoint_config.use_checkpoint_opt_param_scheduler)
+        if differences and parallel_state.rank == 0 and \
+                not checkpoint_config.override_opt_param_scheduler:
+            log("  learning-rate schedule of the checkpoint differs from the flags: "
+                + "; ".join(differences))
         reducer_key = rank_key("gradient_reducer_state", parallel_state.rank)
         if reducer_key in objects:
             load_reducer_states(components.gradient_reducers, [objects[reducer_key]], 0)
