@@ -48,7 +48,7 @@ from megatron.training.checkpointing.global_keys import (MODEL_PREFIX, OPTIMIZER
 from megatron.training.checkpointing.state import (ARCHITECTURE_FLAGS, _check_model_flags,
                                                   _load_optimizer_state, capture_rng_state,
                                                   describe_layout, parallel_layout,
-                                                  restore_rng_state)
+                                                  restore_rng_state, runtime_registry)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ def _no_dist(parallel_state) -> bool:
 
 def run_layout(components) -> dict:
     """The layout that per-rank states (RNG, reducer state) depend on."""
-    return {**parallel_layout(components.config, len(components.model_chunks)),
+    return {**parallel_layout(components.config, len(components.model_chunks),
+                              runtime_registry(components)),
             "data_parallel_size": components.parallel_state.dp_size,
             "world_size": components.parallel_state.world_size}
 
