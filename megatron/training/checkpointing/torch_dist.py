@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import logging
+import math
 import os
 
 import torch
@@ -41,7 +42,8 @@ from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME, Piece
                                                    PieceSavePlanner, VerifyingReader)
 from megatron.training.checkpointing.files import CheckpointError, _describe, file_crc32
 from megatron.training.checkpointing.global_keys import (MODEL_PREFIX, OPTIMIZER_PREFIX,
-                                                        PieceSet, empty_optimizer_states,
+                                                        PieceSet, TensorPlacement,
+                                                        empty_optimizer_states, fill_from,
                                                         model_pieces, optimizer_params,
                                                         optimizer_pieces,
                                                         scalar_state_fallbacks)
@@ -53,6 +55,14 @@ from megatron.training.checkpointing.state import (ARCHITECTURE_FLAGS, _check_mo
 logger = logging.getLogger(__name__)
 
 TORCH_DIST = "torch_dist"
+
+#: Global tensors of at most this many bytes (biases, norms, Adam's step counts: most keys of a
+#: model, few of its bytes) are not written as DCP items of their own: each rank saves its boxes of
+#: them as ONE object, ``packed_tensors.rank_NNNNN`` (a list of (key, global shape, offsets,
+#: tensor)); DCP pays about a millisecond per item it writes. Loading reads every rank's packed
+#: object and fills this rank's boxes from them (:func:`.global_keys.fill_from`).
+PACK_LIMIT_BYTES = 1 << 20
+PACKED = "packed_tensors"
 
 
 def describe_failure(caught: BaseException) -> str:
@@ -123,7 +133,28 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
         for piece in pieces:
             if piece.tensor.device.type != "cpu":
                 piece.tensor = piece.tensor.detach().cpu()
+    packed = [piece for piece in pieces if is_packed(piece.global_shape, piece.tensor.dtype)]
+    if packed:
+        objects[rank_key(PACKED, parallel_state.rank)] = [
+            (piece.key, list(piece.global_shape), list(piece.offsets), _compact(piece.tensor))
+            for piece in packed]
+        pieces = [piece for piece in pieces
+                  if not is_packed(piece.global_shape, piece.tensor.dtype)]
     return pieces, objects
+
+
+def is_packed(global_shape, dtype) -> bool:
+    """Whether a global tensor is small enough to travel in its ranks' packed object."""
+    return math.prod(global_shape) * torch.empty((), dtype=dtype).element_size() <= \
+        PACK_LIMIT_BYTES
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with storage of its own (torch.save of a view writes the whole storage)."""
+    tensor = tensor.detach()
+    owns = tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if owns else tensor.clone()
 
 
 def writer_for(staging_dir: str) -> FileSystemWriter:
@@ -266,6 +297,40 @@ def _saved_tensors(dcp_metadata) -> dict:
             if isinstance(entry, TensorStorageMetadata)}
 
 
+def read_packed(iteration_dir: str, files: dict, dcp_metadata) -> PieceSet:
+    """Every rank's packed small tensors (see :data:`PACK_LIMIT_BYTES`) as pieces, read in this
+    process alone (identical boxes of several ranks, e.g. Chimera's stage replicas, kept once)."""
+    keys = sorted(key for key, entry in dcp_metadata.state_dict_metadata.items()
+                  if key.startswith(PACKED + ".") and not isinstance(entry, TensorStorageMetadata))
+    pieces = PieceSet()
+    if not keys:
+        return pieces
+    planner = PieceLoadPlanner([], keys)
+    try:
+        dcp.load({}, storage_reader=VerifyingReader(iteration_dir, files), planner=planner,
+                 no_dist=True)
+    except CheckpointException as caught:  # not an Exception: named here, raised as ours
+        raise CheckpointError(describe_failure(caught)) from None
+    for key in keys:
+        for name, shape, offsets, tensor in planner.objects[key]:
+            pieces.add(name, TensorPlacement(tuple(shape), tuple(offsets)), tensor)
+    return pieces
+
+
+def _saved_with_packed(dcp_metadata, packed: PieceSet) -> dict:
+    """``{key: (global shape, dtype)}`` of every tensor, DCP items and packed ones."""
+    saved = _saved_tensors(dcp_metadata)
+    saved.update({piece.key: (tuple(piece.global_shape), piece.tensor.dtype) for piece in packed})
+    return saved
+
+
+def _fill_packed(targets: list, packed: PieceSet, iteration_dir: str) -> None:
+    gaps = fill_from(targets, list(packed))
+    if gaps:
+        raise CheckpointError(f"checkpoint {iteration_dir}: its packed tensors do not cover "
+                              f"{'; '.join(gaps[:3])}; the checkpoint is incomplete")
+
+
 def _check_pieces(pieces, saved: dict, iteration_dir: str) -> None:
     """Every key this rank reads exists with this run's global shape (named otherwise)."""
     for piece in pieces:
@@ -288,6 +353,8 @@ class LoadRequest:
     model_states: list
     optimizer_states: dict
     same_layout: bool
+    packed_targets: list = dataclasses.field(default_factory=list)
+    packed: PieceSet = dataclasses.field(default_factory=PieceSet)
 
 
 def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
@@ -297,8 +364,9 @@ def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
     tp_rank, tp_size = parallel_state.tp_rank, parallel_state.tp_size
     _check_model_flags(os.path.join(iteration_dir, "metadata.json"), metadata.get("model", {}),
                        dataclasses.asdict(components.config.model))
-    saved = _saved_tensors(dcp_metadata)
-    saved_objects = set(dcp_metadata.state_dict_metadata) - set(saved)
+    packed = read_packed(iteration_dir, metadata["files"], dcp_metadata)
+    saved_objects = set(dcp_metadata.state_dict_metadata) - set(_saved_tensors(dcp_metadata))
+    saved = _saved_with_packed(dcp_metadata, packed)
     chunks = components.model_chunks
     model_states = [{name: torch.empty_like(value, device="cpu")
                      for name, value in chunk.state_dict().items()} for chunk in chunks]
@@ -346,7 +414,10 @@ def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
     if missing:
         raise CheckpointError(f"checkpoint {iteration_dir} holds no {missing}; it is incomplete "
                               f"or was not written by this project")
-    return LoadRequest(pieces, object_keys, model_states, optimizer_states, same_layout)
+    packed_keys = {piece.key for piece in packed}
+    return LoadRequest([piece for piece in pieces if piece.key not in packed_keys], object_keys,
+                       model_states, optimizer_states, same_layout,
+                       [piece for piece in pieces if piece.key in packed_keys], packed)
 
 
 def read(components, request: LoadRequest, iteration_dir: str, files: dict) -> dict:
@@ -355,6 +426,7 @@ def read(components, request: LoadRequest, iteration_dir: str, files: dict) -> d
     dcp.load({}, storage_reader=VerifyingReader(iteration_dir, files), planner=planner,
              no_dist=_no_dist(components.parallel_state))
     planner.fill_copies()
+    _fill_packed(request.packed_targets, request.packed, iteration_dir)
     return planner.objects
 
 
@@ -452,15 +524,20 @@ def read_full_weights(iteration_dir: str, metadata: dict) -> tuple[dict, dict]:
     from megatron.training.checkpointing.global_keys import Piece
 
     reader = VerifyingReader(iteration_dir, metadata["files"])
-    saved = _saved_tensors(reader.read_metadata())
-    pieces = [Piece(key, shape, (0,) * len(shape), torch.empty(shape, dtype=dtype))
-              for key, (shape, dtype) in saved.items() if key.startswith(MODEL_PREFIX)]
-    planner = PieceLoadPlanner(pieces, ["config", "progress"])
+    dcp_metadata = reader.read_metadata()
     try:
+        packed = read_packed(iteration_dir, metadata["files"], dcp_metadata)
+        saved = _saved_with_packed(dcp_metadata, packed)
+        pieces = [Piece(key, shape, (0,) * len(shape), torch.empty(shape, dtype=dtype))
+                  for key, (shape, dtype) in saved.items() if key.startswith(MODEL_PREFIX)]
+        packed_keys = {piece.key for piece in packed}
+        planner = PieceLoadPlanner([piece for piece in pieces if piece.key not in packed_keys],
+                                   ["config", "progress"])
         dcp.load({}, storage_reader=VerifyingReader(iteration_dir, metadata["files"]),
                  planner=planner, no_dist=True)
     except CheckpointException as caught:
         raise CheckpointError(describe_failure(caught)) from None
+    _fill_packed([piece for piece in pieces if piece.key in packed_keys], packed, iteration_dir)
     return ({piece.key[len(MODEL_PREFIX):]: piece.tensor for piece in pieces},
             planner.objects)
 
