@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 import pretrain_gpt
 from dist_harness import run_distributed
 from megatron.training.arguments import parse_args
-from megatron.training.checkpointing import Checkpointer, read_tracker, write_tracker
+from megatron.training.checkpointing import (Checkpointer, read_tracker, torch_dist,
+                                              write_tracker)
 from megatron.training.training import pretrain
 
 pytestmark = pytest.mark.distributed
@@ -53,19 +55,35 @@ def _train(rank, world_size, argv):
     return {r.iteration: r.losses["lm loss"] for r in result.history}, lines
 
 
+# Saved with nothing packed: every tensor is a DCP item, so DCP itself cuts the boxes on load
+# (the tiny model's tensors are all small enough to be packed otherwise, torch_dist.PACK_LIMIT_BYTES)
+UNPACKED = {"chimera-pp4-distopt->1f1b-tp2xpp2"}
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def saved_run(request, tmp_path_factory):
     """(case, save dir holding iterations 3 and 6 with the tracker at 3, straight losses)."""
     source, source_world, _, _ = CASES[request.param]
     save_dir = str(tmp_path_factory.mktemp("reshard") / "ckpt")
-    results = run_distributed(_train, source_world,
-                              f"{TINY} {source} --save {save_dir} --save-interval 3",
-                              timeout=300)
+    with pytest.MonkeyPatch.context() as patch:  # the forked ranks inherit the limit
+        if request.param in UNPACKED:
+            patch.setattr(torch_dist, "PACK_LIMIT_BYTES", 0)
+        results = run_distributed(_train, source_world,
+                                  f"{TINY} {source} --save {save_dir} --save-interval 3",
+                                  timeout=300)
+    packed = any(name.startswith(torch_dist.PACKED) for name in _saved_keys(save_dir, 3))
+    assert packed == (request.param not in UNPACKED)
     losses = results[0][0]
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert read_tracker(save_dir) == 6
     write_tracker(save_dir, 3)  # resume from iteration 3; iteration 6 is the straight run's end
     return request.param, save_dir, losses
+
+
+def _saved_keys(save_dir: str, iteration: int) -> list:
+    """Every key in the DCP index of an iteration (tensors and objects)."""
+    reader = FileSystemReader(os.path.join(save_dir, f"iter_{iteration:07d}"))
+    return list(reader.read_metadata().state_dict_metadata)
 
 
 def _resume(case: str, save_dir: str, extra: str = ""):
