@@ -114,22 +114,33 @@ def test_dropping_the_optimizer_state_misses_the_straight_losses(saved_run):
 
 
 def test_the_checkpoint_holds_global_keys_once(saved_run):
-    from torch.distributed.checkpoint import FileSystemReader
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from megatron.training.checkpointing.dcp_io import PieceLoadPlanner
+
     _, save_dir, _ = saved_run
-    metadata = FileSystemReader(os.path.join(save_dir, "iter_0000003")).read_metadata()
-    tensors = {key: entry for key, entry in metadata.state_dict_metadata.items()
-               if isinstance(entry, TensorStorageMetadata)}
+    iteration_dir = os.path.join(save_dir, "iter_0000003")
+    metadata = FileSystemReader(iteration_dir).read_metadata()
+    # {key: (global shape, [box sizes])}: DCP's items, and the boxes of every rank's packed object
+    boxes = {key: (tuple(entry.size), [tuple(chunk.sizes) for chunk in entry.chunks])
+             for key, entry in metadata.state_dict_metadata.items()
+             if isinstance(entry, TensorStorageMetadata)}
+    packs = [key for key in metadata.state_dict_metadata if key.startswith(torch_dist.PACKED)]
+    planner = PieceLoadPlanner([], packs)
+    dcp.load({}, storage_reader=FileSystemReader(iteration_dir), planner=planner, no_dist=True)
+    for pack in packs:
+        for key, shape, _, tensor in planner.objects[pack]:
+            assert key not in boxes or boxes[key][0] == tuple(shape), key
+            boxes.setdefault(key, (tuple(shape), []))[1].append(tuple(tensor.shape))
     # one key per parameter of the whole model, with its global shape
-    assert tuple(tensors["model.embedding.word_embeddings.weight"].size) == (128, 32)
-    assert tuple(tensors["model.decoder.layers.3.mlp.linear_fc1.weight"].size) == (128, 32)
+    assert boxes["model.embedding.word_embeddings.weight"][0] == (128, 32)
+    assert boxes["model.decoder.layers.3.mlp.linear_fc1.weight"][0] == (128, 32)
     for name in ("exp_avg", "exp_avg_sq", "step"):
         assert f"optimizer.state.{name}.decoder.layers.0.self_attention.linear_qkv.weight" \
-            in tensors
-    for key, entry in tensors.items():  # every element written exactly once
-        volume = sum(_volume(chunk.sizes) for chunk in entry.chunks)
-        assert volume == _volume(entry.size), key
+            in boxes
+    for key, (shape, sizes) in boxes.items():  # every element written exactly once
+        assert sum(_volume(size) for size in sizes) == _volume(shape), key
 
 
 def _volume(shape) -> int:

@@ -133,14 +133,29 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
         for piece in pieces:
             if piece.tensor.device.type != "cpu":
                 piece.tensor = piece.tensor.detach().cpu()
-    packed = [piece for piece in pieces if is_packed(piece.global_shape, piece.tensor.dtype)]
-    if packed:
+    return pieces, objects
+
+
+def agree_and_pack(parallel_state, pieces, objects: dict, error, iteration: int) -> list:
+    """Every rank learns whether every rank could collect its state (raises everywhere if not) and
+    which boxes of small tensors every rank holds; the lowest rank holding a box packs it (so a
+    box of Chimera's stage replicas, of tensor- or data-parallel replicas is saved once, as DCP
+    does for the large ones) into ``objects``. Returns the pieces DCP writes itself."""
+    small = [piece for piece in pieces or ()
+             if is_packed(piece.global_shape, piece.tensor.dtype)]
+    gathered = _all_gather(parallel_state, (error, [piece.index for piece in small]))
+    _raise_for_failures([message for message, _ in gathered],
+                        f"collecting the checkpoint state of iteration {iteration}")
+    owner: dict = {}
+    for rank, (_, indices) in enumerate(gathered):
+        for index in indices:
+            owner.setdefault(index, rank)
+    mine = [piece for piece in small if owner[piece.index] == parallel_state.rank]
+    if mine:
         objects[rank_key(PACKED, parallel_state.rank)] = [
             (piece.key, list(piece.global_shape), list(piece.offsets), _compact(piece.tensor))
-            for piece in packed]
-        pieces = [piece for piece in pieces
-                  if not is_packed(piece.global_shape, piece.tensor.dtype)]
-    return pieces, objects
+            for piece in mine]
+    return [piece for piece in pieces if not is_packed(piece.global_shape, piece.tensor.dtype)]
 
 
 def is_packed(global_shape, dtype) -> bool:
@@ -192,8 +207,7 @@ def save_files(components, state, checkpoint_config, root: str, staging_dir: str
         pieces, objects = snapshot(components, state, checkpoint_config, copy=False)
     except Exception as caught:
         error = _describe(caught)
-    _raise_if_any_failed(parallel_state, error, f"collecting the checkpoint state of iteration "
-                                                f"{state.iteration}")
+    pieces = agree_and_pack(parallel_state, pieces, objects, error, state.iteration)
     error, files = None, {}
     try:
         write_pieces(components, pieces, objects, staging_dir)
@@ -251,8 +265,7 @@ def start_background_save(components, state, checkpoint_config, root: str, stagi
         pieces, objects = snapshot(components, state, checkpoint_config, copy=True)
     except Exception as caught:
         error = _describe(caught)
-    _raise_if_any_failed(parallel_state, error, f"collecting the checkpoint state of iteration "
-                                                f"{state.iteration}")
+    pieces = agree_and_pack(parallel_state, pieces, objects, error, state.iteration)
     worker = getattr(checkpoint_config, "use_persistent_ckpt_worker", False)
     # DCP's writer process joins its peers through a process group: one process uses the thread
     executor = AsyncCheckpointerType.PROCESS if worker and not _no_dist(parallel_state) \
