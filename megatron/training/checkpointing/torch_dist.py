@@ -160,8 +160,7 @@ def agree_and_pack(parallel_state, pieces, objects: dict, error, iteration: int)
 
 def is_packed(global_shape, dtype) -> bool:
     """Whether a global tensor is small enough to travel in its ranks' packed object."""
-    return math.prod(global_shape) * torch.empty((), dtype=dtype).element_size() <= \
-        PACK_LIMIT_BYTES
+    return math.prod(global_shape) * dtype.itemsize <= PACK_LIMIT_BYTES
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:
