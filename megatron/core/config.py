@@ -460,9 +460,10 @@ class CheckpointConfig:
         False, "Start even though --save holds checkpoints this run does not resume from "
                "(they may be overwritten); without it such a run stops before training.")
     ckpt_format: str = option(
-        "torch", "Checkpoint format to save: torch (a file per tensor/pipeline position, "
-                 "resumable in the saved layout) or torch_dist (global tensors through "
-                 "torch.distributed.checkpoint, resumable in any layout). Loading detects it.",
+        "torch_dist", "Checkpoint format to save: torch_dist (the default, as in Megatron-LM: "
+                      "global tensors through torch.distributed.checkpoint, resumable in any "
+                      "layout) or torch (Megatron's legacy file per tensor/pipeline position). "
+                      "Loading detects the format.",
         choices=("torch", "torch_dist"))
     async_save: bool = option(
         False, "With --ckpt-format torch_dist: write checkpoint files in the background while "

@@ -42,6 +42,8 @@ from megatron.training.checkpointing import (
     iteration_dir_name, load_file, model_keys, parallel_layout, rank_dir_name, read_tracker,
     save_file, write_tracker)
 from megatron.training.checkpointing import torch_dist
+from megatron.training.checkpointing.global_keys import (Piece, PieceSet, TensorPlacement,
+                                                        fill_from)
 from megatron.training.checkpointing.files import fresh_staging_dir
 
 # Flags of the parallel layout besides the schedule families' own (see layout_fields); everything
@@ -268,61 +270,68 @@ def merge_full_state(source: SourceCheckpoint,
                      registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:
     """``{name: full tensor}`` of every parameter of the source checkpoint.
 
-    TP shards are concatenated along ``partition_dim``; replicated parameters must agree over TP
-    ranks, and every copy of a parameter (Chimera replicas, tied embedding copies) must agree.
-    Raises ConversionError naming the parameter otherwise.
+    Every saved tensor is a box of its global tensor (:mod:`.checkpointing.global_keys`): a
+    tensor-parallel shard at ``tp_rank x local size`` along its ``partition_dim``, anything else
+    the whole tensor; the boxes are assembled with ``fill_from``. Copies of a box (TP-replicated
+    parameters, Chimera replicas, tied embedding copies) must be identical: ConversionError names
+    the parameter otherwise.
     """
     if source.full is not None:
         return {name: value.clone() for name, value in source.full.items()}
     layout = source.metadata["layout"]
     tp_size = layout["tensor_model_parallel_size"]
-    pp_size = layout["pipeline_model_parallel_size"]
     keys = model_keys(layout["model_chunks_per_rank"])
     templates = _templates(source.config, registry)
-    full: dict = {}
-    where: dict = {}
-    for pp_rank in range(pp_size):
+    pieces, where = PieceSet(), {}
+    for pp_rank in range(layout["pipeline_model_parallel_size"]):
         if len(templates[pp_rank]) != len(keys):
             raise ConversionError(f"the checkpoint's layout [{describe_layout(layout)}] holds "
                                   f"{len(keys)} chunks per rank, but its config's schedule hosts "
                                   f"{len(templates[pp_rank])}; the checkpoint is inconsistent")
         for key, template in zip(keys, templates[pp_rank]):
-            states = [source.payloads[(tp_rank, pp_rank)][key] for tp_rank in range(tp_size)]
-            location = f"pipeline rank {pp_rank} {key}"
-            for tp_rank, state in enumerate(states):
+            for tp_rank in range(tp_size):
+                state = source.payloads[(tp_rank, pp_rank)][key]
+                location = f"pipeline rank {pp_rank} {key} (TP rank {tp_rank})"
                 if set(state) != set(template):
                     missing = sorted(set(template) - set(state))[:3]
                     unexpected = sorted(set(state) - set(template))[:3]
                     raise ConversionError(
-                        f"{location} (TP rank {tp_rank}) does not hold the parameters its layout "
-                        f"implies (missing {missing}, unexpected {unexpected}); the checkpoint "
-                        f"does not match its own config")
-            for name, (shape, dim) in template.items():
-                shards = [state[name] for state in states]
-                if dim is None:
-                    for tp_rank, shard in enumerate(shards[1:], start=1):
-                        if not torch.equal(shard, shards[0]):
-                            raise ConversionError(
-                                f"replicated parameter {name} differs between TP ranks 0 and "
-                                f"{tp_rank} ({location}); the checkpoint's replicas diverged: "
-                                f"convert an iteration saved before they diverged")
-                    value = shards[0]
-                else:
-                    value = torch.cat(shards, dim=dim)
-                if tuple(value.shape) != shape:
-                    raise ConversionError(f"{name} ({location}) merges to shape "
-                                          f"{tuple(value.shape)}, the model expects {shape}; the "
-                                          f"checkpoint does not match its config")
-                if name in full:
-                    if not torch.equal(full[name], value):
-                        raise ConversionError(
-                            f"parameter {name} differs between its copies ({where[name]} and "
-                            f"{location}): the replicas (Chimera stage replicas or tied "
-                            f"embedding copies) must be identical; convert a checkpoint whose "
-                            f"replicas were kept in sync")
-                else:
-                    full[name], where[name] = value.clone(), location
+                        f"{location} does not hold the parameters its layout implies (missing "
+                        f"{missing}, unexpected {unexpected}); the checkpoint does not match its "
+                        f"own config")
+                for name, (shape, dim) in template.items():
+                    _add_saved_box(pieces, where, name, shape, dim, state[name], tp_rank,
+                                   tp_size, location)
+    full = {piece.key: torch.empty(piece.global_shape, dtype=piece.tensor.dtype)
+            for piece in pieces}
+    gaps = fill_from([Piece(name, tuple(value.shape), (0,) * value.dim(), value)
+                      for name, value in full.items()], list(pieces))
+    if gaps:
+        raise ConversionError(f"the checkpoint does not cover {'; '.join(gaps[:3])}; it is "
+                              f"incomplete")
     return full
+
+
+def _add_saved_box(pieces: PieceSet, where: dict, name: str, shape: tuple, dim, value,
+                   tp_rank: int, tp_size: int, location: str) -> None:
+    """Add one saved tensor as its box of the global tensor ``name`` (checked: its shape, and
+    equality with an earlier copy of the same box)."""
+    local, offsets = list(shape), [0] * len(shape)
+    if dim is not None:
+        local[dim] //= tp_size
+        offsets[dim] = tp_rank * local[dim]
+    if tuple(value.shape) != tuple(local):
+        raise ConversionError(f"{name} ({location}) has shape {tuple(value.shape)}, the model "
+                              f"expects {tuple(local)} per TP rank; the checkpoint does not "
+                              f"match its config")
+    index = (name, tuple(offsets))
+    if index in pieces.by_index and not torch.equal(pieces.by_index[index].tensor, value):
+        raise ConversionError(
+            f"parameter {name} differs between its copies ({where[index]} and {location}): the "
+            f"replicas (TP-replicated parameters, Chimera stage replicas, tied embedding copies) "
+            f"must be identical; convert a checkpoint whose replicas were kept in sync")
+    where.setdefault(index, location)
+    pieces.add(name, TensorPlacement(tuple(shape), tuple(offsets)), value)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--max-position-embeddings 16 --vocab-size 128 --make-vocab-size-divisible-by 64 "
         "--mock-data --seed 7 --micro-batch-size 2 --global-batch-size 8 --log-interval 1 "
         "--lr 3e-3 --lr-decay-style cosine --lr-warmup-iters 1 --clip-grad 0.5 "
-        "--train-iters 5 --eval-interval 2 --eval-iters 1 --distributed-timeout-minutes 0.5")
+        "--train-iters 5 --eval-interval 2 --eval-iters 1 --distributed-timeout-minutes 0.5 "
+        "--ckpt-format torch")  # the legacy layout
 LAYOUTS = {"dp2": "", "tp2": "--tensor-model-parallel-size 2"}
 
 

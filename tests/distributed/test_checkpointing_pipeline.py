@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 1 "
         "--global-batch-size 8 --lr 1e-3 --train-iters 10 --pipeline-model-parallel-size 2 "
-        "--distributed-timeout-minutes 0.5")
+        "--distributed-timeout-minutes 0.5 --ckpt-format torch")  # the legacy layout
 CHIMERA = "--pipeline-schedule chimera"
 
 

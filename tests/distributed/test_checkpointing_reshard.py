@@ -14,11 +14,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 import pretrain_gpt
 from dist_harness import run_distributed
 from megatron.training.arguments import parse_args
-from megatron.training.checkpointing import Checkpointer, read_tracker, write_tracker
+from megatron.training.checkpointing import (Checkpointer, read_tracker, torch_dist,
+                                              write_tracker)
 from megatron.training.training import pretrain
 
 pytestmark = pytest.mark.distributed
@@ -60,19 +62,35 @@ def _train(rank, world_size, argv):
     return {r.iteration: r.losses["lm loss"] for r in result.history}, lines
 
 
+# Saved with nothing packed: every tensor is a DCP item, so DCP itself cuts the boxes on load
+# (the tiny model's tensors are all small enough to be packed otherwise, torch_dist.PACK_LIMIT_BYTES)
+UNPACKED = {"chimera-pp4-distopt->1f1b-tp2xpp2"}
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def saved_run(request, tmp_path_factory):
     """(case, save dir holding iterations 3 and 6 with the tracker at 3, straight losses)."""
     source, source_world, _, _ = CASES[request.param]
     save_dir = str(tmp_path_factory.mktemp("reshard") / "ckpt")
-    results = run_distributed(_train, source_world,
-                              f"{TINY} {source} --save {save_dir} --save-interval 3",
-                              timeout=300)
+    with pytest.MonkeyPatch.context() as patch:  # the forked ranks inherit the limit
+        if request.param in UNPACKED:
+            patch.setattr(torch_dist, "PACK_LIMIT_BYTES", 0)
+        results = run_distributed(_train, source_world,
+                                  f"{TINY} {source} --save {save_dir} --save-interval 3",
+                                  timeout=300)
+    packed = any(name.startswith(torch_dist.PACKED) for name in _saved_keys(save_dir, 3))
+    assert packed == (request.param not in UNPACKED)
     losses = results[0][0]
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert read_tracker(save_dir) == 6
     write_tracker(save_dir, 3)  # resume from iteration 3; iteration 6 is the straight run's end
     return request.param, save_dir, losses
+
+
+def _saved_keys(save_dir: str, iteration: int) -> list:
+    """Every key in the DCP index of an iteration (tensors and objects)."""
+    reader = FileSystemReader(os.path.join(save_dir, f"iter_{iteration:07d}"))
+    return list(reader.read_metadata().state_dict_metadata)
 
 
 def _resume(case: str, save_dir: str, extra: str = ""):
@@ -103,22 +121,33 @@ def test_dropping_the_optimizer_state_misses_the_straight_losses(saved_run):
 
 
 def test_the_checkpoint_holds_global_keys_once(saved_run):
-    from torch.distributed.checkpoint import FileSystemReader
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from megatron.training.checkpointing.dcp_io import PieceLoadPlanner
+
     _, save_dir, _ = saved_run
-    metadata = FileSystemReader(os.path.join(save_dir, "iter_0000003")).read_metadata()
-    tensors = {key: entry for key, entry in metadata.state_dict_metadata.items()
-               if isinstance(entry, TensorStorageMetadata)}
+    iteration_dir = os.path.join(save_dir, "iter_0000003")
+    metadata = FileSystemReader(iteration_dir).read_metadata()
+    # {key: (global shape, [box sizes])}: DCP's items, and the boxes of every rank's packed object
+    boxes = {key: (tuple(entry.size), [tuple(chunk.sizes) for chunk in entry.chunks])
+             for key, entry in metadata.state_dict_metadata.items()
+             if isinstance(entry, TensorStorageMetadata)}
+    packs = [key for key in metadata.state_dict_metadata if key.startswith(torch_dist.PACKED)]
+    planner = PieceLoadPlanner([], packs)
+    dcp.load({}, storage_reader=FileSystemReader(iteration_dir), planner=planner, no_dist=True)
+    for pack in packs:
+        for key, shape, _, tensor in planner.objects[pack]:
+            assert key not in boxes or boxes[key][0] == tuple(shape), key
+            boxes.setdefault(key, (tuple(shape), []))[1].append(tuple(tensor.shape))
     # one key per parameter of the whole model, with its global shape
-    assert tuple(tensors["model.embedding.word_embeddings.weight"].size) == (128, 32)
-    assert tuple(tensors["model.decoder.layers.3.mlp.linear_fc1.weight"].size) == (128, 32)
+    assert boxes["model.embedding.word_embeddings.weight"][0] == (128, 32)
+    assert boxes["model.decoder.layers.3.mlp.linear_fc1.weight"][0] == (128, 32)
     for name in ("exp_avg", "exp_avg_sq", "step"):
         assert f"optimizer.state.{name}.decoder.layers.0.self_attention.linear_qkv.weight" \
-            in tensors
-    for key, entry in tensors.items():  # every element written exactly once
-        volume = sum(_volume(chunk.sizes) for chunk in entry.chunks)
-        assert volume == _volume(entry.size), key
+            in boxes
+    for key, (shape, sizes) in boxes.items():  # every element written exactly once
+        assert sum(_volume(size) for size in sizes) == _volume(shape), key
 
 
 def _volume(shape) -> int:

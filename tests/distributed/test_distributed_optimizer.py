@@ -128,7 +128,8 @@ def test_distributed_optimizer_with_decoupled_lr_matches_the_replicated_one(layo
             assert abs(params[name] - plain_params[name]).max() / scale > 1e-4, name
 
 
-RESUME = TINY.replace("--train-iters 3", "--train-iters 4")
+# the legacy layout (distrib_optim_dpNNN.pt shard files); torch_dist: test_checkpointing_reshard
+RESUME = TINY.replace("--train-iters 3", "--train-iters 4") + " --ckpt-format torch"
 
 
 def _run_with_checkpoints(rank, world_size, argv, save_dir):

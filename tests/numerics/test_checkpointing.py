@@ -27,7 +27,7 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--max-position-embeddings 16 --vocab-size 64 --mock-data --seed 1234 "
         "--micro-batch-size 2 --global-batch-size 8 --log-interval 1 "
         "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2 --clip-grad 0.5 "
-        "--train-iters 6 --eval-interval 2 --eval-iters 1")
+        "--train-iters 6 --eval-interval 2 --eval-iters 1 --ckpt-format torch")  # the legacy layout
 # fp16 with a dynamic scale whose growth window (2) straddles the resume point at iteration 3.
 FP16 = "--fp16 --initial-loss-scale 1024 --loss-scale-window 2 --hysteresis 1"
 

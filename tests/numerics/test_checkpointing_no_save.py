@@ -17,7 +17,7 @@ from megatron.training.training import TrainingState, pretrain, setup_model_and_
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --vocab-size 64 --mock-data --seed 1234 "
         "--micro-batch-size 2 --global-batch-size 8 --log-interval 1 --lr 3e-3 "
-        "--lr-warmup-iters 2 --train-iters 5 --eval-iters 0")
+        "--lr-warmup-iters 2 --train-iters 5 --eval-iters 0 --ckpt-format torch")  # legacy layout
 
 
 def _config(extra: str):

@@ -16,7 +16,7 @@ COMMAND = ("--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 "
            "--num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
            "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --lr-warmup-iters 1 "
            "--train-iters 6 --log-interval 1 --mock-data --seed 1234 --eval-iters 1 "
-           "--eval-interval 2 --distributed-timeout-minutes 1").split()
+           "--eval-interval 2 --distributed-timeout-minutes 1 --ckpt-format torch").split()
 LOSS = re.compile(r" iteration +(\d+)/ +6 \|.*\| lm loss: ([0-9.E+-]+) \|")
 
 

@@ -27,7 +27,7 @@ COMMAND = ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera --num-l
            "--hidden-size 32 --num-attention-heads 4 --seq-length 16 "
            "--max-position-embeddings 16 --vocab-size 64 --mock-data --seed 1234 "
            "--micro-batch-size 1 --global-batch-size 8 --lr 1e-3 --log-interval 1 --eval-iters 0 "
-           f"--train-iters {TRAIN_ITERS} --distributed-timeout-minutes 1").split()
+           f"--train-iters {TRAIN_ITERS} --distributed-timeout-minutes 1 --ckpt-format torch").split()
 LOSS = re.compile(rf" iteration +(\d+)/ +{TRAIN_ITERS} \|.*\| lm loss: ([0-9.E+-]+) \|")
 
 

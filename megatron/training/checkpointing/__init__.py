@@ -1,6 +1,11 @@
 """Megatron-style checkpoints: save, load and exact resume of a training run.
 
-Layout on disk (Megatron-LM's, shared by every rank of the job)::
+Two formats (``--ckpt-format``; loading detects the one it finds): ``torch_dist``, the default as in
+Megatron-LM — global tensors through torch.distributed.checkpoint, resumable in any layout
+(:mod:`.torch_dist`, :mod:`.global_keys`, :mod:`.dcp_io`) — and ``torch``, Megatron's legacy
+layout described below.
+
+Legacy layout on disk (``--ckpt-format torch``, shared by every rank of the job)::
 
     SAVE/latest_checkpointed_iteration.txt        newest COMPLETE iteration, e.g. "100"
     SAVE/iter_0000100/metadata.json               format, iteration, parallel layout, file checksums

@@ -85,7 +85,7 @@ class Checkpointer:
     def ckpt_format(self) -> str:
         """``--ckpt-format``: ``torch`` (a file per tensor/pipeline position) or ``torch_dist``
         (global tensors through torch.distributed.checkpoint). Loading detects the format."""
-        return getattr(self.config.checkpoint, "ckpt_format", "torch")
+        return getattr(self.config.checkpoint, "ckpt_format", torch_dist.TORCH_DIST)
 
     # ---- save ------------------------------------------------------------------------------
 

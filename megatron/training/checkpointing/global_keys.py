@@ -206,6 +206,59 @@ def optimizer_params(optimizer) -> list:
     return [param for group in optimizer.optimizer.param_groups for param in group["params"]]
 
 
+def add_flat_shard(pieces: PieceSet, names: dict, segment: tuple, state: dict, numel: int,
+                   tp_rank: int, tp_size: int) -> None:
+    """Add the optimizer ``state`` of one distributed-optimizer shard to ``pieces``.
+
+    ``segment`` is ``(segment parameters, shard start, shard length, unpadded total)``; each
+    per-element state tensor (``numel`` elements, the shard's flat range) is cut into boxes of the
+    parameters the range covers; a scalar is added whole under every covered parameter."""
+    params, start, length, total = segment
+    for owner, low, high, position in _shard_param_ranges(params, start, length, total):
+        name = names[id(owner)][0]
+        for state_name, value in state.items():
+            key = optimizer_key(state_name, name)
+            if _is_per_element(value, numel):
+                flat = value.reshape(-1)
+                place = placement(owner, owner, tp_rank, tp_size)
+                for flat_offset, offsets, sizes in flat_range_boxes(owner.shape, low, high):
+                    begin = position + flat_offset - low
+                    box = flat[begin:begin + math.prod(sizes)].view(sizes)
+                    pieces.add(key, place, box, offsets)
+            elif torch.is_tensor(value):
+                pieces.add(key, TensorPlacement(tuple(value.shape), (0,) * value.dim()), value)
+
+
+def fill_from(targets, sources) -> list[str]:
+    """Copy into every target piece the parts of the ``sources`` pieces (same key) that overlap
+    it, in memory (what torch.distributed.checkpoint does between files and ranks). Sources must
+    not overlap each other (a :class:`PieceSet` holds each box once). Returns a line for every
+    target that the sources do not cover completely (empty when all are)."""
+    by_key: dict = {}
+    for source in sources:
+        by_key.setdefault(source.key, []).append(source)
+    gaps = []
+    for target in targets:
+        covered = 0
+        target_end = [o + n for o, n in zip(target.offsets, target.tensor.shape)]
+        for source in by_key.get(target.key, ()):
+            low = [max(a, b) for a, b in zip(target.offsets, source.offsets)]
+            high = [min(a, b + n) for a, b, n in zip(target_end, source.offsets,
+                                                      source.tensor.shape)]
+            if any(lo >= hi for lo, hi in zip(low, high)):
+                continue
+            into = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, target.offsets))
+            out = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, source.offsets))
+            target.tensor[into] = source.tensor[out]
+            covered += math.prod(hi - lo for lo, hi in zip(low, high))
+        if covered < target.tensor.numel():
+            gaps.append(f"{target.key} at offsets {target.offsets}: {covered} of "
+                        f"{target.tensor.numel()} elements")
+        for copy in target.copies:
+            copy.copy_(target.tensor)
+    return gaps
+
+
 def optimizer_pieces(optimizer, model_chunks, tp_rank: int, tp_size: int,
                      states: Optional[dict] = None) -> PieceSet:
     """The optimizer state as pieces keyed by parameter name.
@@ -224,22 +277,8 @@ def optimizer_pieces(optimizer, model_chunks, tp_rank: int, tp_size: int,
         if not state:
             continue
         if id(param) in shards:
-            params, start, length, total = shards[id(param)]
-            for owner, low, high, position in _shard_param_ranges(params, start, length, total):
-                name = names[id(owner)][0]
-                for state_name, value in state.items():
-                    key = optimizer_key(state_name, name)
-                    if _is_per_element(value, param.numel()):
-                        flat = value.reshape(-1)
-                        place = placement(owner, owner, tp_rank, tp_size)
-                        for flat_offset, offsets, sizes in flat_range_boxes(owner.shape, low,
-                                                                            high):
-                            begin = position + flat_offset - low
-                            box = flat[begin:begin + math.prod(sizes)].view(sizes)
-                            pieces.add(key, place, box, offsets)
-                    elif torch.is_tensor(value):
-                        pieces.add(key, TensorPlacement(tuple(value.shape),
-                                                        (0,) * value.dim()), value)
+            add_flat_shard(pieces, names, shards[id(param)], state, param.numel(), tp_rank,
+                           tp_size)
             continue
         if id(param) not in names:
             raise ValueError("an optimizer parameter belongs to no model chunk; the checkpoint "

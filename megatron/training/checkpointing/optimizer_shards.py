@@ -2,10 +2,10 @@
 
 The rank file of a (tensor, pipeline) position records only a marker; every data-parallel rank writes
 its shard of the optimizer state to ``distrib_optim_dpNNN.pt`` next to it, with the shard layout
-that :mod:`.resharding` needs to cut the state for another data-parallel size. Loading needs the
-same ``--use-distributed-optimizer`` setting (the error says how to load the weights only instead);
-at the saved data-parallel size each rank reads its own shard file, at another size the shards are
-reassembled and cut again.
+that :mod:`.resharding` maps to global keys to fill another data-parallel size's shards. Loading
+needs the same ``--use-distributed-optimizer`` setting (the error says how to load the weights only instead);
+at the saved data-parallel size each rank reads its own shard file, at another size they are read
+through their global keys (:mod:`.resharding`).
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ def optimizer_state_for_this_rank(path: str, saved: dict, components, iteration_
     position_dir = os.path.relpath(os.path.dirname(path), iteration_dir)
     if saved["data_parallel_size"] != parallel_state.dp_size:
         return resharded_optimizer_state(os.path.join(position_dir, optimizer_shard_name(0)),
-                                         iteration_dir, metadata, parallel_state.tp_rank,
-                                         components.optimizer.shard_layout())
+                                         iteration_dir, metadata, components)
     relative = os.path.join(position_dir, optimizer_shard_name(parallel_state.dp_rank))
     recorded = metadata["files"].get(relative)
     if recorded is None:

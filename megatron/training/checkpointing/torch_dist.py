@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import logging
+import math
 import os
 
 import torch
@@ -41,18 +42,27 @@ from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME, Piece
                                                    PieceSavePlanner, VerifyingReader)
 from megatron.training.checkpointing.files import CheckpointError, _describe, file_crc32
 from megatron.training.checkpointing.global_keys import (MODEL_PREFIX, OPTIMIZER_PREFIX,
-                                                        PieceSet, empty_optimizer_states,
+                                                        PieceSet, TensorPlacement,
+                                                        empty_optimizer_states, fill_from,
                                                         model_pieces, optimizer_params,
                                                         optimizer_pieces,
                                                         scalar_state_fallbacks)
 from megatron.training.checkpointing.state import (ARCHITECTURE_FLAGS, _check_model_flags,
                                                   _load_optimizer_state, capture_rng_state,
                                                   describe_layout, parallel_layout,
-                                                  restore_rng_state)
+                                                  restore_rng_state, runtime_registry)
 
 logger = logging.getLogger(__name__)
 
 TORCH_DIST = "torch_dist"
+
+#: Global tensors of at most this many bytes (biases, norms, Adam's step counts: most keys of a
+#: model, few of its bytes) are not written as DCP items of their own: each rank saves its boxes of
+#: them as ONE object, ``packed_tensors.rank_NNNNN`` (a list of (key, global shape, offsets,
+#: tensor)); DCP pays about a millisecond per item it writes. Loading reads every rank's packed
+#: object and fills this rank's boxes from them (:func:`.global_keys.fill_from`).
+PACK_LIMIT_BYTES = 1 << 20
+PACKED = "packed_tensors"
 
 
 def describe_failure(caught: BaseException) -> str:
@@ -75,7 +85,8 @@ def _no_dist(parallel_state) -> bool:
 
 def run_layout(components) -> dict:
     """The layout that per-rank states (RNG, reducer state) depend on."""
-    return {**parallel_layout(components.config, len(components.model_chunks)),
+    return {**parallel_layout(components.config, len(components.model_chunks),
+                              runtime_registry(components)),
             "data_parallel_size": components.parallel_state.dp_size,
             "world_size": components.parallel_state.world_size}
 
@@ -125,6 +136,41 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
     return pieces, objects
 
 
+def agree_and_pack(parallel_state, pieces, objects: dict, error, iteration: int) -> list:
+    """Every rank learns whether every rank could collect its state (raises everywhere if not) and
+    which boxes of small tensors every rank holds; the lowest rank holding a box packs it (so a
+    box of Chimera's stage replicas, of tensor- or data-parallel replicas is saved once, as DCP
+    does for the large ones) into ``objects``. Returns the pieces DCP writes itself."""
+    small = [piece for piece in pieces or ()
+             if is_packed(piece.global_shape, piece.tensor.dtype)]
+    gathered = _all_gather(parallel_state, (error, [piece.index for piece in small]))
+    _raise_for_failures([message for message, _ in gathered],
+                        f"collecting the checkpoint state of iteration {iteration}")
+    owner: dict = {}
+    for rank, (_, indices) in enumerate(gathered):
+        for index in indices:
+            owner.setdefault(index, rank)
+    mine = [piece for piece in small if owner[piece.index] == parallel_state.rank]
+    if mine:
+        objects[rank_key(PACKED, parallel_state.rank)] = [
+            (piece.key, list(piece.global_shape), list(piece.offsets), _compact(piece.tensor))
+            for piece in mine]
+    return [piece for piece in pieces if not is_packed(piece.global_shape, piece.tensor.dtype)]
+
+
+def is_packed(global_shape, dtype) -> bool:
+    """Whether a global tensor is small enough to travel in its ranks' packed object."""
+    return math.prod(global_shape) * dtype.itemsize <= PACK_LIMIT_BYTES
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with storage of its own (torch.save of a view writes the whole storage)."""
+    tensor = tensor.detach()
+    owns = tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if owns else tensor.clone()
+
+
 def writer_for(staging_dir: str) -> FileSystemWriter:
     """One file per rank, fsynced (the staging directory is renamed only after all are)."""
     return FileSystemWriter(staging_dir, single_file_per_rank=True, sync_files=True,
@@ -160,8 +206,7 @@ def save_files(components, state, checkpoint_config, root: str, staging_dir: str
         pieces, objects = snapshot(components, state, checkpoint_config, copy=False)
     except Exception as caught:
         error = _describe(caught)
-    _raise_if_any_failed(parallel_state, error, f"collecting the checkpoint state of iteration "
-                                                f"{state.iteration}")
+    pieces = agree_and_pack(parallel_state, pieces, objects, error, state.iteration)
     error, files = None, {}
     try:
         write_pieces(components, pieces, objects, staging_dir)
@@ -219,8 +264,7 @@ def start_background_save(components, state, checkpoint_config, root: str, stagi
         pieces, objects = snapshot(components, state, checkpoint_config, copy=True)
     except Exception as caught:
         error = _describe(caught)
-    _raise_if_any_failed(parallel_state, error, f"collecting the checkpoint state of iteration "
-                                                f"{state.iteration}")
+    pieces = agree_and_pack(parallel_state, pieces, objects, error, state.iteration)
     worker = getattr(checkpoint_config, "use_persistent_ckpt_worker", False)
     # DCP's writer process joins its peers through a process group: one process uses the thread
     executor = AsyncCheckpointerType.PROCESS if worker and not _no_dist(parallel_state) \
@@ -265,6 +309,40 @@ def _saved_tensors(dcp_metadata) -> dict:
             if isinstance(entry, TensorStorageMetadata)}
 
 
+def read_packed(iteration_dir: str, files: dict, dcp_metadata) -> PieceSet:
+    """Every rank's packed small tensors (see :data:`PACK_LIMIT_BYTES`) as pieces, read in this
+    process alone (identical boxes of several ranks, e.g. Chimera's stage replicas, kept once)."""
+    keys = sorted(key for key, entry in dcp_metadata.state_dict_metadata.items()
+                  if key.startswith(PACKED + ".") and not isinstance(entry, TensorStorageMetadata))
+    pieces = PieceSet()
+    if not keys:
+        return pieces
+    planner = PieceLoadPlanner([], keys)
+    try:
+        dcp.load({}, storage_reader=VerifyingReader(iteration_dir, files), planner=planner,
+                 no_dist=True)
+    except CheckpointException as caught:  # not an Exception: named here, raised as ours
+        raise CheckpointError(describe_failure(caught)) from None
+    for key in keys:
+        for name, shape, offsets, tensor in planner.objects[key]:
+            pieces.add(name, TensorPlacement(tuple(shape), tuple(offsets)), tensor)
+    return pieces
+
+
+def _saved_with_packed(dcp_metadata, packed: PieceSet) -> dict:
+    """``{key: (global shape, dtype)}`` of every tensor, DCP items and packed ones."""
+    saved = _saved_tensors(dcp_metadata)
+    saved.update({piece.key: (tuple(piece.global_shape), piece.tensor.dtype) for piece in packed})
+    return saved
+
+
+def _fill_packed(targets: list, packed: PieceSet, iteration_dir: str) -> None:
+    gaps = fill_from(targets, list(packed))
+    if gaps:
+        raise CheckpointError(f"checkpoint {iteration_dir}: its packed tensors do not cover "
+                              f"{'; '.join(gaps[:3])}; the checkpoint is incomplete")
+
+
 def _check_pieces(pieces, saved: dict, iteration_dir: str) -> None:
     """Every key this rank reads exists with this run's global shape (named otherwise)."""
     for piece in pieces:
@@ -287,6 +365,8 @@ class LoadRequest:
     model_states: list
     optimizer_states: dict
     same_layout: bool
+    packed_targets: list = dataclasses.field(default_factory=list)
+    packed: PieceSet = dataclasses.field(default_factory=PieceSet)
 
 
 def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
@@ -296,8 +376,9 @@ def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
     tp_rank, tp_size = parallel_state.tp_rank, parallel_state.tp_size
     _check_model_flags(os.path.join(iteration_dir, "metadata.json"), metadata.get("model", {}),
                        dataclasses.asdict(components.config.model))
-    saved = _saved_tensors(dcp_metadata)
-    saved_objects = set(dcp_metadata.state_dict_metadata) - set(saved)
+    packed = read_packed(iteration_dir, metadata["files"], dcp_metadata)
+    saved_objects = set(dcp_metadata.state_dict_metadata) - set(_saved_tensors(dcp_metadata))
+    saved = _saved_with_packed(dcp_metadata, packed)
     chunks = components.model_chunks
     model_states = [{name: torch.empty_like(value, device="cpu")
                      for name, value in chunk.state_dict().items()} for chunk in chunks]
@@ -345,7 +426,10 @@ def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
     if missing:
         raise CheckpointError(f"checkpoint {iteration_dir} holds no {missing}; it is incomplete "
                               f"or was not written by this project")
-    return LoadRequest(pieces, object_keys, model_states, optimizer_states, same_layout)
+    packed_keys = {piece.key for piece in packed}
+    return LoadRequest([piece for piece in pieces if piece.key not in packed_keys], object_keys,
+                       model_states, optimizer_states, same_layout,
+                       [piece for piece in pieces if piece.key in packed_keys], packed)
 
 
 def read(components, request: LoadRequest, iteration_dir: str, files: dict) -> dict:
@@ -354,6 +438,7 @@ def read(components, request: LoadRequest, iteration_dir: str, files: dict) -> d
     dcp.load({}, storage_reader=VerifyingReader(iteration_dir, files), planner=planner,
              no_dist=_no_dist(components.parallel_state))
     planner.fill_copies()
+    _fill_packed(request.packed_targets, request.packed, iteration_dir)
     return planner.objects
 
 
@@ -375,9 +460,13 @@ def apply(components, checkpoint_config, request: LoadRequest, objects: dict, lo
         if "optimizer.grad_scaler" in objects:
             state["grad_scaler"] = objects["optimizer.grad_scaler"]
         _load_optimizer_state(optimizer, state)
-        components.lr_scheduler.load_state_dict(
+        differences = components.lr_scheduler.load_state_dict(
             objects["opt_param_scheduler"],
-            use_checkpoint_values=components.config.checkpoint.use_checkpoint_opt_param_scheduler)
+            use_checkpoint_values=checkpoint_config.use_checkpoint_opt_param_scheduler)
+        if differences and parallel_state.rank == 0 and \
+                not checkpoint_config.override_opt_param_scheduler:
+            log("  learning-rate schedule of the checkpoint differs from the flags: "
+                + "; ".join(differences))
         reducer_key = rank_key("gradient_reducer_state", parallel_state.rank)
         if reducer_key in objects:
             load_reducer_states(components.gradient_reducers, [objects[reducer_key]], 0)
@@ -447,15 +536,20 @@ def read_full_weights(iteration_dir: str, metadata: dict) -> tuple[dict, dict]:
     from megatron.training.checkpointing.global_keys import Piece
 
     reader = VerifyingReader(iteration_dir, metadata["files"])
-    saved = _saved_tensors(reader.read_metadata())
-    pieces = [Piece(key, shape, (0,) * len(shape), torch.empty(shape, dtype=dtype))
-              for key, (shape, dtype) in saved.items() if key.startswith(MODEL_PREFIX)]
-    planner = PieceLoadPlanner(pieces, ["config", "progress"])
+    dcp_metadata = reader.read_metadata()
     try:
+        packed = read_packed(iteration_dir, metadata["files"], dcp_metadata)
+        saved = _saved_with_packed(dcp_metadata, packed)
+        pieces = [Piece(key, shape, (0,) * len(shape), torch.empty(shape, dtype=dtype))
+                  for key, (shape, dtype) in saved.items() if key.startswith(MODEL_PREFIX)]
+        packed_keys = {piece.key for piece in packed}
+        planner = PieceLoadPlanner([piece for piece in pieces if piece.key not in packed_keys],
+                                   ["config", "progress"])
         dcp.load({}, storage_reader=VerifyingReader(iteration_dir, metadata["files"]),
                  planner=planner, no_dist=True)
     except CheckpointException as caught:
         raise CheckpointError(describe_failure(caught)) from None
+    _fill_packed([piece for piece in pieces if piece.key in packed_keys], packed, iteration_dir)
     return ({piece.key[len(MODEL_PREFIX):]: piece.tensor for piece in pieces},
             planner.objects)
 
