@@ -287,6 +287,23 @@ def _resolve_pipeline_schedule(config: MegatronConfig,
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "
                        "--chimera-grad-sync)")
+    _resolve_grad_reduce_in_bf16(config)
+
+
+def _resolve_grad_reduce_in_bf16(config: MegatronConfig) -> None:
+    """--grad-reduce-in-bf16 narrows the exact reduction's collectives to bf16; as in Megatron-LM
+    it only acts with --bf16 (dropped, with a warning, otherwise)."""
+    parallel = config.parallel
+    if not parallel.grad_reduce_in_bf16:
+        return
+    if not config.training.bf16:
+        logger.warning("--grad-reduce-in-bf16 is ignored without --bf16 (as in Megatron-LM): "
+                       "gradients are reduced in fp32")
+        parallel.grad_reduce_in_bf16 = False
+    elif parallel.dp_gradient_reducer != "allreduce":
+        raise ValueError(f"--grad-reduce-in-bf16 narrows the exact all-reduce/reduce-scatter; "
+                         f"--dp-gradient-reducer {parallel.dp_gradient_reducer} communicates "
+                         f"its own encoding: drop one of them")
 
 
 def _refuse_other_families_flags(config: MegatronConfig,

@@ -80,7 +80,8 @@ PRECISION_AWARE = ("the precision-aware optimizer is not implemented (the optimi
 CKPT_CONVERT = ("converting checkpoints during training is not implemented; use "
                 "tools/convert_checkpoint.py")
 MLP_VARIANT = "the MLP activation is GeLU; other activations and their options are not implemented"
-WEIGHT_DECAY_RULE = "weight decay applies to weight matrices, never to biases and norms"
+WEIGHT_DECAY_RULE = ("weight decay applies to weight matrices, never to biases and norms (use "
+                     "--apply-wd-to-qk-layernorm for the query/key norms)")
 EVALUATION_OPTIONS = ("evaluation runs --eval-iters batches every --eval-interval iterations, with "
                       "the training micro-batch size, on one validation set")
 VOCAB_PADDING = "the vocabulary is always padded per --make-vocab-size-divisible-by"
