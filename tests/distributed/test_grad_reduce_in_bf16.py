@@ -1,0 +1,135 @@
+"""--grad-reduce-in-bf16: on DP 2 the data-parallel all-reduce (and the distributed optimizer's
+reduce-scatter) runs on bfloat16 copies of the fp32 gradient buckets, as Megatron-LM reduces its
+bf16 gradient buffers: every reduced gradient equals the bf16 sum of the bf16-rounded halves,
+differs from the fp32 reduction by bf16 rounding only, and is back in fp32 afterwards. The flag
+acts only with --bf16 (Megatron's rule) and with the exact reducer."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from megatron.core.distributed.gradient_reducer import GradientReducer
+from megatron.core.distributed.reducers import build_exact_reduction, grad_reduce_dtype
+from megatron.core.distributed.reduction import ChunkReductionRequest
+from megatron.core.distributed.sharded_reducer import ShardedGradientReducer
+from megatron.training.arguments import parse_args
+from megatron.training.config_validation import ConfigurationError
+
+SHAPES = [(7, 5), (11, 1), (3, 4)]  # all matrices: one distributed-optimizer segment
+
+
+def _gradients(rank):
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def _expected(reduce_in_bf16):
+    """Each rank's gradient divided by 2, summed: in fp32, or in bf16 as the collective does."""
+    halves = [[g / 2 for g in _gradients(rank)] for rank in range(2)]
+    if not reduce_in_bf16:
+        return [a + b for a, b in zip(*halves)]
+    return [(a.bfloat16() + b.bfloat16()).float() for a, b in zip(*halves)]
+
+
+def _within_bf16_rounding(got, fp32, magnitude):
+    """Three bf16 roundings (both halves and the sum), each at most 2^-8 relative (bf16 keeps 8
+    significant bits): the error is
+    below 2^-7 times the sum of the halves' magnitudes (a relative bound on ``fp32`` alone would
+    fail where the halves cancel)."""
+    return bool(((got - fp32).abs() <= 2 ** -7 * 1.01 * magnitude).all())
+
+
+def _magnitudes():
+    return [(a / 2).abs() + (b / 2).abs() for a, b in zip(_gradients(0), _gradients(1))]
+
+
+def _reduce(rank, world_size, sharded, reduce_dtype, bucket_size):
+    import torch.distributed as dist
+
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
+    if sharded:
+        reducer = ShardedGradientReducer(params, dist.group.WORLD, divide_by=world_size,
+                                         reduce_dtype=reduce_dtype)
+    else:
+        reducer = GradientReducer(params, dist.group.WORLD, divide_by=world_size,
+                                  bucket_size=bucket_size, reduce_dtype=reduce_dtype)
+    for param, grad in zip(params, _gradients(rank)):
+        param.grad.copy_(grad)
+    reducer.start()
+    reducer.wait()
+    if sharded:
+        return [(segment.shard.grad.clone(), reducer.shard_ranges()) for segment in
+                reducer.segments], [p.grad.dtype for p in params]
+    return [p.grad.clone() for p in params]
+
+
+def _flat_shards(results):
+    """The reduced flat gradient of the one segment, from both ranks' shards."""
+    (rank0,), _ = results[0]
+    (rank1,), _ = results[1]
+    return torch.cat([rank0[0], rank1[0]])
+
+
+@pytest.mark.parametrize("bucket_size", [None, 40])
+def test_the_all_reduce_is_the_bf16_sum(bucket_size):
+    narrow = run_distributed(_reduce, 2, False, torch.bfloat16, bucket_size)
+    exact = run_distributed(_reduce, 2, False, None, bucket_size)
+    for rank in range(2):
+        for got, want, fp32, full, magnitude in zip(narrow[rank], _expected(True),
+                                                    _expected(False), exact[rank],
+                                                    _magnitudes()):
+            assert got.dtype == torch.float32
+            assert torch.equal(got, want)  # exactly the bf16 reduction ...
+            assert torch.equal(full, fp32)  # ... where the plain reducer gives the fp32 one
+            assert _within_bf16_rounding(got, fp32, magnitude)
+    # A flag that changed nothing would leave the fp32 values.
+    assert any(not torch.equal(got, fp32) for got, fp32 in zip(narrow[0], _expected(False)))
+
+
+def test_the_distributed_optimizer_reduce_scatter_is_the_bf16_sum():
+    narrow = run_distributed(_reduce, 2, True, torch.bfloat16, None)
+    exact = run_distributed(_reduce, 2, True, None, None)
+    assert narrow[0][1] == [torch.float32] * len(SHAPES)
+    total = sum(torch.Size(shape).numel() for shape in SHAPES)
+    want = torch.cat([g.reshape(-1) for g in _expected(True)])
+    fp32 = torch.cat([g.reshape(-1) for g in _expected(False)])
+    got = _flat_shards(narrow)[:total]
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
+    assert torch.equal(_flat_shards(exact)[:total], fp32)
+    assert not torch.equal(got, fp32)
+    assert _within_bf16_rounding(got, fp32, torch.cat([m.reshape(-1) for m in _magnitudes()]))
+
+
+ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--lr", "0.01", "--train-iters", "1", "--mock-data", "--vocab-size", "64",
+        "--grad-reduce-in-bf16"]
+
+
+def test_the_flag_with_bf16_selects_bf16_collectives():
+    parallel = parse_args(ARGS + ["--bf16"], world_size=2).parallel
+    assert parallel.grad_reduce_in_bf16 and grad_reduce_dtype(parallel) == torch.bfloat16
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
+    for sharded in (False, True):  # what the runtimes build from the config
+        reducer = build_exact_reduction(ChunkReductionRequest(
+            params=params, key=0, replica_group=None, divide_by=2.0, parallel=parallel,
+            sharded=sharded))
+        assert reducer.reduce_dtype == torch.bfloat16
+
+
+def test_without_bf16_the_flag_is_ignored_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        parallel = parse_args(ARGS, world_size=2).parallel
+    assert not parallel.grad_reduce_in_bf16 and grad_reduce_dtype(parallel) is None
+    assert any("--grad-reduce-in-bf16 is ignored without --bf16" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_compressing_reducer_refuses_the_flag():
+    with pytest.raises((ConfigurationError, SystemExit, ValueError), match="grad-reduce-in-bf16"):
+        parse_args(ARGS + ["--bf16", "--dp-gradient-reducer", "topk"], world_size=2)
