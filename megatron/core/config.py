@@ -400,10 +400,13 @@ class DataConfig:
     mock_data: bool = option(False, "Train on deterministic synthetic data (no files needed).")
     tokenizer_type: Optional[str] = option(
         None, "Tokenizer.", choices=("GPT2BPETokenizer", "SentencePieceTokenizer",
-                                     "GPTSentencePieceTokenizer", "NullTokenizer"))
+                                     "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                                     "HuggingFaceTokenizer", "NullTokenizer"))
     vocab_file: Optional[str] = option(None, "GPT-2 vocab.json.")
     merge_file: Optional[str] = option(None, "GPT-2 merges.txt.")
-    tokenizer_model: Optional[str] = option(None, "SentencePiece model file.")
+    tokenizer_model: Optional[str] = option(
+        None, "SentencePiece model file; with HuggingFaceTokenizer a tokenizer directory or a "
+              "Hugging Face model name.")
     data_impl: str = option("mmap", "Legacy; only mmap exists.", choices=("mmap",))
     num_workers: int = option(2, "Data-loader worker processes.")
     data_cache_path: Optional[str] = option(

@@ -42,8 +42,8 @@ CONSTANT_WEIGHT_DECAY = "weight decay is constant (--weight-decay)"
 ONE_LEARNING_RATE = ("parameter groups with settings of their own are not implemented (only the "
                      "embedding and output layer's --decoupled-lr)")
 ONE_DATA_PATH = "use --data-path with --split"
-TOKENIZERS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and "
-              "NullTokenizer tokenizers are implemented")
+TOKENIZERS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+              "Llama2Tokenizer, HuggingFaceTokenizer and NullTokenizer tokenizers are implemented")
 LR_DECAY = "only constant, linear and cosine learning-rate decay are implemented"
 
 # Reasons first needed by the flags Megatron-LM added between 307dcf3 (May 2024) and d98e8a6
@@ -73,8 +73,9 @@ OTHER_OPTIMIZERS = "only the adam and sgd optimizers are implemented"
 MHC = "hyper-connections (mHC) are not implemented"
 DISTILLATION_SFT = "distillation and supervised fine-tuning datasets are not implemented"
 WSD = "the WSD learning-rate schedule is not implemented"
-TOKENIZER_OPTIONS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer "
-                     "and NullTokenizer are implemented, without these options")
+TOKENIZER_OPTIONS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+                     "Llama2Tokenizer, HuggingFaceTokenizer and NullTokenizer are implemented, "
+                     "without these options")
 PRECISION_AWARE = ("the precision-aware optimizer is not implemented (the optimizer keeps fp32 "
                    "master weights and state)")
 CKPT_CONVERT = ("converting checkpoints during training is not implemented; use "
