@@ -133,3 +133,36 @@ def test_without_bf16_the_flag_is_ignored_with_a_warning(caplog):
 def test_a_compressing_reducer_refuses_the_flag():
     with pytest.raises((ConfigurationError, SystemExit, ValueError), match="grad-reduce-in-bf16"):
         parse_args(ARGS + ["--bf16", "--dp-gradient-reducer", "topk"], world_size=2)
+
+
+TRAIN = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--max-position-embeddings 16 --vocab-size 128 --make-vocab-size-divisible-by 64 "
+         "--mock-data --seed 7 --micro-batch-size 2 --global-batch-size 8 --lr 1e-2 "
+         "--train-iters 2 --log-interval 1 --eval-iters 0 --bf16")
+
+
+def _train(rank, world_size, argv):
+    import pretrain_gpt
+    from megatron.training.training import pretrain
+    from pipeline_reference import test_model_provider
+
+    result = pretrain(parse_args(argv.split(), world_size=world_size), test_model_provider,
+                      pretrain_gpt.datasets_provider, pretrain_gpt.forward_step,
+                      log=lambda _: None)
+    dtypes = {str(getattr(r, "reduce_dtype", None)) for r in result.components.gradient_reducers}
+    return [(r.losses["lm loss"], r.grad_norm) for r in result.history], dtypes
+
+
+@pytest.mark.parametrize("extra", ["", " --use-distributed-optimizer"],
+                         ids=["allreduce", "distributed-optimizer"])
+def test_dp2_training_reduces_in_bf16(extra):
+    """A DP 2 bf16 run with the flag builds bf16 reductions and trains; the first loss is the
+    same (the reduction comes after it), the gradient norm differs from the fp32 reduction's by
+    bf16 rounding only."""
+    narrow = run_distributed(_train, 2, TRAIN + extra + " --grad-reduce-in-bf16", timeout=240)
+    exact = run_distributed(_train, 2, TRAIN + extra, timeout=240)
+    (records, dtypes), (exact_records, exact_dtypes) = narrow[0], exact[0]
+    assert dtypes == {"torch.bfloat16"} and exact_dtypes == {"None"}
+    assert records[0][0] == exact_records[0][0]
+    norm, exact_norm = records[0][1], exact_records[0][1]
+    assert norm != exact_norm and norm == pytest.approx(exact_norm, rel=2 ** -6)

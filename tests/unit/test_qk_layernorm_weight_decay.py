@@ -2,6 +2,7 @@
 the weight-decay group, as in Megatron-LM's get_standard_config_overrides; every other parameter
 keeps its group, for the plain optimizer's parameter groups and the distributed optimizer's shards."""
 
+import pytest
 import torch
 
 from megatron.core.config import ModelConfig
@@ -86,3 +87,37 @@ def test_distributed_optimizer_shards_carry_the_decay():
     expected = sum(param.numel() for group in build_param_groups(model.parameters(), 0.1)
                    if group["weight_decay"] > 0 for param in group["params"])
     assert decayed == expected
+
+
+TRAIN = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--max-position-embeddings 16 --vocab-size 128 --make-vocab-size-divisible-by 64 "
+         "--mock-data --seed 7 --micro-batch-size 2 --global-batch-size 2 --lr 1e-2 "
+         "--train-iters 1 --log-interval 1 --eval-iters 0 --weight-decay 0.1 --qk-layernorm")
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_training_decays_the_query_key_norms_only_with_the_flag(distributed_optimizer):
+    """Through pretrain(): the elements under weight decay grow by exactly the q/k norm
+    parameters with the flag, for the plain and the distributed optimizer."""
+    import pretrain_gpt
+    from megatron.core.parallel_state import ParallelState
+    from megatron.training.training import pretrain
+    from pipeline_reference import test_model_provider
+
+    def decayed_elements(extra):
+        argv = TRAIN.split() + extra + (["--use-distributed-optimizer"]
+                                        if distributed_optimizer else [])
+        result = pretrain(parse_args(argv, world_size=1), test_model_provider,
+                          pretrain_gpt.datasets_provider, pretrain_gpt.forward_step,
+                          parallel_state=ParallelState.single_process(), log=lambda _: None)
+        chunks = result.components.model_chunks
+        qk = sum(p.numel() for chunk in chunks for name, p in chunk.named_parameters()
+                 if "q_layernorm." in name or "k_layernorm." in name)
+        groups = result.components.optimizer.optimizer.param_groups
+        return sum(p.numel() for group in groups if group["weight_decay"] > 0
+                   for p in group["params"]), qk
+
+    plain, qk = decayed_elements([])
+    with_flag, _ = decayed_elements(["--apply-wd-to-qk-layernorm"])
+    assert qk == 2 * 2 * 2 * 8  # layers x (q, k) x (weight, bias) x head size
+    assert with_flag - plain == qk
