@@ -2,7 +2,8 @@
 reduce-scatter) runs on bfloat16 copies of the fp32 gradient buckets, as Megatron-LM reduces its
 bf16 gradient buffers: every reduced gradient equals the bf16 sum of the bf16-rounded halves,
 differs from the fp32 reduction by bf16 rounding only, and is back in fp32 afterwards. The flag
-acts only with --bf16 (Megatron's rule) and with the exact reducer."""
+acts only with --bf16 (Megatron's rule) and with the exact reducer; the tied-embedding all-reduce of
+a pipeline narrows the same way."""
 
 from __future__ import annotations
 
@@ -103,6 +104,27 @@ def test_the_distributed_optimizer_reduce_scatter_is_the_bf16_sum():
     assert torch.equal(_flat_shards(exact)[:total], fp32)
     assert not torch.equal(got, fp32)
     assert _within_bf16_rounding(got, fp32, torch.cat([m.reshape(-1) for m in _magnitudes()]))
+
+
+def _tied_reduce(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron.core.distributed.reducers import TiedEmbeddingReducer
+
+    copy = torch.nn.Parameter(torch.zeros(SHAPES[0]))
+    copy.grad = _gradients(rank)[0].clone()
+    reducer = TiedEmbeddingReducer([copy], dist.group.WORLD, divide_by=world_size,
+                                   reduce_dtype=torch.bfloat16)
+    reducer.start()
+    reducer.wait()
+    return copy.grad.clone()
+
+
+def test_the_tied_embedding_all_reduce_is_the_bf16_sum():
+    """The embedding copies of the first and last pipeline stage: summed in bf16 too."""
+    for got in run_distributed(_tied_reduce, 2):
+        assert got.dtype == torch.float32 and torch.equal(got, _expected(True)[0])
+        assert not torch.equal(got, _expected(False)[0])
 
 
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
