@@ -7,7 +7,8 @@ is ``len(tokenizer)`` (added tokens included) and the end-of-document id is its 
 
 ``NAME_OR_DIRECTORY`` is a local directory (what ``save_pretrained`` writes) or a Hugging Face hub
 name; a name is looked up in the local cache first and only then downloaded, and a failure to do
-either says how to provide the tokenizer offline.
+either says how to provide the tokenizer offline (``HF_HUB_OFFLINE=1`` skips the download attempt,
+which without internet takes a minute of retries).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _load(name_or_path: str) -> Any:
         try:
             return transformers.AutoTokenizer.from_pretrained(name_or_path)
         except (OSError, ValueError) as error:
-            reason = f"downloading it failed: {error}"
+            reason = f"downloading it failed (HF_HUB_OFFLINE=1 skips the attempt): {error}"
     raise ValueError(
         f"--tokenizer-model {name_or_path} is neither a local tokenizer directory nor a Hugging "
         f"Face model in the local cache, and {reason}. Fix: on a machine with internet access "
