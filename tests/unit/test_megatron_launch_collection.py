@@ -12,6 +12,9 @@ tools/megatron_lm/build_launch_configs.py from a Megatron-LM git directory.
 A configuration "asks for a feature we lack" when a problem reported for it says "not
 implemented" or "not supported yet" (mixture of experts, rotary embeddings, sequence parallelism
 with TP > 1, FP8, ...); every other configuration must parse and validate without any problem.
+Every configuration refused is refused only for the features the project leaves out (mixture of
+experts, FP8, context parallelism, multi-latent attention, multi-token prediction, FSDP, attention
+variants): OUT_OF_SCOPE_REASONS.
 """
 
 import collections
