@@ -47,7 +47,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT-2 vocab.json.")
     group.add_argument("--merge-file", help="GPT-2 merges.txt.")
-    group.add_argument("--tokenizer-model", help="SentencePiece .model file.")
+    group.add_argument("--tokenizer-model",
+                       help="SentencePiece .model file (SentencePiece, GPTSentencePiece, Llama2 "
+                            "tokenizers); for HuggingFaceTokenizer a tokenizer directory or a "
+                            "Hugging Face model name.")
     group.add_argument("--vocab-size", type=int, help="Vocabulary size for the NullTokenizer.")
     group.add_argument("--append-eod", action="store_true",
                        help="Append the end-of-document token to every document.")

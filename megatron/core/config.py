@@ -238,6 +238,10 @@ class ParallelConfig:
         False, "Overlap the data-parallel gradient reduction with the backward pass (without a "
                "pipeline; pipeline schedules place their reductions themselves, see "
                "--chimera-grad-sync).")
+    grad_reduce_in_bf16: bool = option(
+        False, "With --bf16: run the data-parallel gradient all-reduce (reduce-scatter with "
+               "--use-distributed-optimizer) in bfloat16; gradients are still accumulated in "
+               "fp32 and cast back after the collective.")
     dp_gradient_reducer: str = option(
         "allreduce", "Data-parallel gradient reduction: exact all-reduce, or A2SGD (two means per "
                      "worker, error feedback; see docs/a2sgd.md), top-k sparsification with error "
@@ -380,6 +384,8 @@ class OptimizerConfig:
     min_loss_scale: float = option(1.0, "Minimum dynamic loss scale.", aliases=("--min-scale",))
     loss_scale_window: int = option(1000, "Iterations without overflow before the scale grows.")
     hysteresis: int = option(2, "Overflows tolerated before the scale shrinks.")
+    apply_wd_to_qk_layernorm: bool = option(
+        False, "Apply weight decay to the --qk-layernorm weights (and biases) too.")
     accumulate_allreduce_grads_in_fp32: bool = option(
         False, "Keep gradient buffers in fp32 under bf16/fp16.")
 
@@ -394,10 +400,13 @@ class DataConfig:
     mock_data: bool = option(False, "Train on deterministic synthetic data (no files needed).")
     tokenizer_type: Optional[str] = option(
         None, "Tokenizer.", choices=("GPT2BPETokenizer", "SentencePieceTokenizer",
-                                     "GPTSentencePieceTokenizer", "NullTokenizer"))
+                                     "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                                     "HuggingFaceTokenizer", "NullTokenizer"))
     vocab_file: Optional[str] = option(None, "GPT-2 vocab.json.")
     merge_file: Optional[str] = option(None, "GPT-2 merges.txt.")
-    tokenizer_model: Optional[str] = option(None, "SentencePiece model file.")
+    tokenizer_model: Optional[str] = option(
+        None, "SentencePiece model file; with HuggingFaceTokenizer a tokenizer directory or a "
+              "Hugging Face model name.")
     data_impl: str = option("mmap", "Legacy; only mmap exists.", choices=("mmap",))
     num_workers: int = option(2, "Data-loader worker processes.")
     data_cache_path: Optional[str] = option(

@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MOCK_VOCAB_SIZE = 1024
 
 # Tokenizers whose vocabulary size is only known once the tokenizer files are read.
-FILE_TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+FILE_TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "Llama2Tokenizer", "HuggingFaceTokenizer")
 
 @dataclass(frozen=True)
 class UnsupportedFeature:
@@ -287,6 +288,23 @@ def _resolve_pipeline_schedule(config: MegatronConfig,
         logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
                        "places each stage's gradient reduction itself (for Chimera see "
                        "--chimera-grad-sync)")
+    _resolve_grad_reduce_in_bf16(config)
+
+
+def _resolve_grad_reduce_in_bf16(config: MegatronConfig) -> None:
+    """--grad-reduce-in-bf16 narrows the exact reduction's collectives to bf16; as in Megatron-LM
+    it only acts with --bf16 (dropped, with a warning, otherwise)."""
+    parallel = config.parallel
+    if not parallel.grad_reduce_in_bf16:
+        return
+    if not config.training.bf16:
+        logger.warning("--grad-reduce-in-bf16 is ignored without --bf16 (as in Megatron-LM): "
+                       "gradients are reduced in fp32")
+        parallel.grad_reduce_in_bf16 = False
+    elif parallel.dp_gradient_reducer != "allreduce":
+        raise ValueError(f"--grad-reduce-in-bf16 narrows the exact all-reduce/reduce-scatter; "
+                         f"--dp-gradient-reducer {parallel.dp_gradient_reducer} communicates "
+                         f"its own encoding: drop one of them")
 
 
 def _refuse_other_families_flags(config: MegatronConfig,
@@ -476,8 +494,8 @@ def _validate_data(config: MegatronConfig) -> None:
     tokenizer = data.tokenizer_type
     if tokenizer == "GPT2BPETokenizer" and (data.vocab_file is None or data.merge_file is None):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-    if tokenizer in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer") and \
-            data.tokenizer_model is None:
+    if tokenizer in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                     "HuggingFaceTokenizer") and data.tokenizer_model is None:
         raise ValueError(f"--tokenizer-type {tokenizer} needs --tokenizer-model")
     if tokenizer is None and not data.mock_data:
         raise ValueError("--data-path needs a tokenizer: give --vocab-file and --merge-file (GPT-2 "
@@ -493,8 +511,11 @@ def _resolve_gpt_vocabulary(config: MegatronConfig) -> None:
         raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if tokenizer in FILE_TOKENIZERS:
         if model.vocab_size is not None:
-            raise ValueError(f"--vocab-size is only for --mock-data and the NullTokenizer; the "
-                             f"{tokenizer} reads its vocabulary from its files: drop --vocab-size")
+            # Megatron-LM pads the tokenizer's own vocabulary size and never reads --vocab-size
+            # for these tokenizers; so here.
+            logger.warning("--vocab-size %d is ignored (as in Megatron-LM): the %s reads its "
+                           "vocabulary size from its files", model.vocab_size, tokenizer)
+            model.vocab_size = None
         # Known only after the tokenizer is built: see set_padded_vocab_size.
         model.padded_vocab_size = None
     elif tokenizer == "NullTokenizer":

@@ -42,8 +42,8 @@ CONSTANT_WEIGHT_DECAY = "weight decay is constant (--weight-decay)"
 ONE_LEARNING_RATE = ("parameter groups with settings of their own are not implemented (only the "
                      "embedding and output layer's --decoupled-lr)")
 ONE_DATA_PATH = "use --data-path with --split"
-TOKENIZERS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and "
-              "NullTokenizer tokenizers are implemented")
+TOKENIZERS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+              "Llama2Tokenizer, HuggingFaceTokenizer and NullTokenizer tokenizers are implemented")
 LR_DECAY = "only constant, linear and cosine learning-rate decay are implemented"
 
 # Reasons first needed by the flags Megatron-LM added between 307dcf3 (May 2024) and d98e8a6
@@ -73,14 +73,16 @@ OTHER_OPTIMIZERS = "only the adam and sgd optimizers are implemented"
 MHC = "hyper-connections (mHC) are not implemented"
 DISTILLATION_SFT = "distillation and supervised fine-tuning datasets are not implemented"
 WSD = "the WSD learning-rate schedule is not implemented"
-TOKENIZER_OPTIONS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer "
-                     "and NullTokenizer are implemented, without these options")
+TOKENIZER_OPTIONS = ("only the GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+                     "Llama2Tokenizer, HuggingFaceTokenizer and NullTokenizer are implemented, "
+                     "without these options")
 PRECISION_AWARE = ("the precision-aware optimizer is not implemented (the optimizer keeps fp32 "
                    "master weights and state)")
 CKPT_CONVERT = ("converting checkpoints during training is not implemented; use "
                 "tools/convert_checkpoint.py")
 MLP_VARIANT = "the MLP activation is GeLU; other activations and their options are not implemented"
-WEIGHT_DECAY_RULE = "weight decay applies to weight matrices, never to biases and norms"
+WEIGHT_DECAY_RULE = ("weight decay applies to weight matrices, never to biases and norms (use "
+                     "--apply-wd-to-qk-layernorm for the query/key norms)")
 EVALUATION_OPTIONS = ("evaluation runs --eval-iters batches every --eval-interval iterations, with "
                       "the training micro-batch size, on one validation set")
 VOCAB_PADDING = "the vocabulary is always padded per --make-vocab-size-divisible-by"

@@ -354,7 +354,7 @@ VALUES_NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
         "external": "an external data loader cannot be plugged in"},
     "--tokenizer-type": {name: reasons.TOKENIZERS for name in (
         "BertWordPieceLowerCase", "BertWordPieceCase",
-        "HuggingFaceTokenizer", "Llama2Tokenizer", "Llama3Tokenizer", "MistralTokenizer",
+        "Llama3Tokenizer", "MistralTokenizer",
         "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")},
     "--position-embedding-type": {
         "relative": "relative position embeddings are not implemented",

@@ -44,6 +44,7 @@ from megatron.core.distributed.reduction import (after_step, attach_reducers,
 from megatron.core.distributed.timeouts import awaiting, describe_group
 from megatron.core.optimizer.decoupled_lr import mark_embedding_or_output_parameters
 from megatron.core.optimizer.mup import mark_mup_parameters
+from megatron.core.optimizer.qk_layernorm_decay import decay_qk_layernorm_parameters
 from megatron.core.optimizer import (MegatronOptimizer, OptimizerParamScheduler, build_lr_scheduler,
                                      build_optimizer)
 from megatron.training.determinism import apply_deterministic_mode
@@ -128,6 +129,8 @@ def setup_model_and_optimizer(config, parallel_state, runtime, model,
         mark_embedding_or_output_parameters(model_chunks)
     if getattr(config.model, "use_mup", False):  # MuP's lr classes: their own shards too
         mark_mup_parameters(model_chunks)
+    if getattr(config.optimizer, "apply_wd_to_qk_layernorm", False):
+        decay_qk_layernorm_parameters(model_chunks)
     reducers = runtime.build_gradient_reducers(model_chunks)
     optimizer = build_optimizer(config, model_parameters(model_chunks), parallel_state,
                                 owns_grad_norm=runtime.owns_grad_norm,

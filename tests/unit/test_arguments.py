@@ -206,7 +206,7 @@ def test_values_outside_the_choices_are_reported_with_the_other_problems(capsys)
     """A Megatron value of a feature we lack says "not implemented" with the reason; any other
     value outside the choices lists them; neither stops the parser before the other problems."""
     argv = TINY + ["--lr-decay-style", "inverse-square-root", "--tokenizer-type",
-                   "HuggingFaceTokenizer", "--dataloader-type", "cyclic", "--timing-log-level",
+                   "TikTokenizer", "--dataloader-type", "cyclic", "--timing-log-level",
                    "5", "--num-experts", "8", "--bogus"]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv, world_size=1)
@@ -214,7 +214,7 @@ def test_values_outside_the_choices_are_reported_with_the_other_problems(capsys)
     message = capsys.readouterr().err
     assert "6 problems" in message, message
     for expected in ("--lr-decay-style inverse-square-root is not implemented: only constant, "
-                     "linear and cosine", "--tokenizer-type HuggingFaceTokenizer is not "
+                     "linear and cosine", "--tokenizer-type TikTokenizer is not "
                      "implemented", "--dataloader-type cyclic is not implemented",
                      "--timing-log-level 5: not a valid choice; choose from 0, 1, 2",
                      "--num-experts is not implemented", "unknown flag --bogus"):

@@ -105,8 +105,8 @@ BAD_COMBINATIONS = [
     (TINY + ["--tokenizer-type", "SentencePieceTokenizer"], 1, ["needs --tokenizer-model"]),
     (TINY + ["--tokenizer-type", "GPT2BPETokenizer"], 1, ["needs --vocab-file and --merge-file"]),
     (TINY + ["--tokenizer-type", "NullTokenizer"], 1, ["NullTokenizer needs --vocab-size"]),
-    (TINY + ["--tokenizer-model", "spm.model", "--vocab-size", "100"], 1,
-     ["--vocab-size is only for --mock-data"]),
+    (TINY + ["--tokenizer-type", "HuggingFaceTokenizer"], 1, ["needs --tokenizer-model"]),
+    (TINY + ["--tokenizer-type", "Llama2Tokenizer"], 1, ["needs --tokenizer-model"]),
     (TINY + ["--split", "90,x"], 1, ["--split '90,x'"]),
     (TINY + ["--checkpoint-activations", "--recompute-granularity", "selective"], 1,
      ["--checkpoint-activations means --recompute-granularity full"]),
@@ -315,6 +315,20 @@ def test_overlap_grad_reduce_with_a_pipeline_is_reported_as_ignored(caplog):
         parse_args(argv, world_size=2)
     assert any("--overlap-grad-reduce is ignored with pipeline parallelism" in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("tokenizer", ["SentencePieceTokenizer", "Llama2Tokenizer",
+                                       "HuggingFaceTokenizer"])
+def test_vocab_size_with_a_file_tokenizer_is_ignored_as_in_megatron(caplog, tokenizer):
+    """Megatron-LM pads the tokenizer's own vocabulary size; --vocab-size is not read."""
+    import logging
+    argv = without(TINY, "--mock-data") + ["--data-path", "d", "--tokenizer-type", tokenizer,
+                                           "--tokenizer-model", "tok", "--vocab-size", "100"]
+    with caplog.at_level(logging.WARNING):
+        config = parse_args(argv, world_size=1)
+    assert config.model.vocab_size is None and config.model.padded_vocab_size is None
+    assert any(f"--vocab-size 100 is ignored (as in Megatron-LM): the {tokenizer} reads" in
+               r.getMessage() for r in caplog.records)
 
 
 def test_model_feature_gates_are_one_table_for_validation_and_the_model():

@@ -10,6 +10,10 @@ pipeline runtime can build one per Chimera stage over the group of that stage's 
 launches the all-reduces without blocking; ``wait()`` completes them. Gradients are divided by
 ``divide_by`` before the sum (as Megatron does), which keeps fp16/bf16 buffers from overflowing.
 
+With ``reduce_dtype`` (``--grad-reduce-in-bf16``: ``torch.bfloat16``) each bucket is cast to that dtype
+for the collective and the reduced values are cast back into the buffer: the gradients are still
+accumulated in their own dtype, only the communication (and the sum) happens in the narrower one.
+
 With ``overlap=True`` (``--overlap-grad-reduce``) the reductions can overlap the backward pass: after
 ``start_when_ready()``, a bucket's all-reduce is launched from a post-accumulate-grad hook as soon as
 the next backward has produced all of its gradients; ``start()`` then launches whatever is left. The
@@ -46,6 +50,7 @@ class _Bucket:
         self.data = buffer[start:end]
         self.params = params
         self.handle = None
+        self.wire: Optional[torch.Tensor] = None  # the narrower copy being reduced, if any
         self.pending = len(params)  # gradients still to arrive in the armed backward
 
 
@@ -59,12 +64,14 @@ class GradientReducer(GradientReduction):
             average; or 1 to sum).
         bucket_size: elements per all-reduce; ``None`` puts each dtype's gradients in one bucket.
         overlap: launch each bucket from the backward pass once armed by ``start_when_ready()``.
+        reduce_dtype: the dtype of the collective (``None``: the buffer's own dtype).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: Any = None,
                  divide_by: float = 1.0, bucket_size: Optional[int] = None,
-                 overlap: bool = False):
+                 overlap: bool = False, reduce_dtype: Optional[torch.dtype] = None):
         self.params = [p for p in params if p.requires_grad]
+        self.reduce_dtype = reduce_dtype
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("GradientReducer got the same parameter twice")
         self.group = group
@@ -150,10 +157,13 @@ class GradientReducer(GradientReduction):
     def _launch(self, bucket: _Bucket) -> None:
         if self.divide_by != 1.0:
             bucket.data.div_(self.divide_by)
-        if group_size(self.group) > 1:
-            bucket.handle = dist.all_reduce(bucket.data, group=self.group, async_op=True)
-        else:
+        if group_size(self.group) <= 1:
             bucket.handle = _DONE
+        elif self.reduce_dtype is not None and self.reduce_dtype != bucket.data.dtype:
+            bucket.wire = bucket.data.to(self.reduce_dtype)
+            bucket.handle = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(bucket.data, group=self.group, async_op=True)
 
     def start(self) -> None:
         """Divide the gradients and launch the all-reduce of every bucket not yet launched."""
@@ -178,6 +188,9 @@ class GradientReducer(GradientReduction):
                 if bucket.handle is not None:
                     bucket.handle.wait()
                     bucket.handle = None
+                if bucket.wire is not None:
+                    bucket.data.copy_(bucket.wire)
+                    bucket.wire = None
         self._started = False
 
     def zero_grad(self) -> None:

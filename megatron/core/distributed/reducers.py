@@ -41,13 +41,24 @@ __all__ = ["ALLREDUCE_REDUCER", "BUILTIN_REDUCERS", "GradientReduction", "ModelR
 
 def build_exact_reduction(request: ChunkReductionRequest) -> GradientReduction:
     """``allreduce``: the exact all-reduce, or the reduce-scatter of the distributed optimizer."""
+    reduce_dtype = grad_reduce_dtype(request.parallel)
     if request.sharded:
         key = request.key
         return ShardedGradientReducer(request.params, request.replica_group,
                                       divide_by=request.divide_by,
-                                      stage_id=getattr(key, "stage", key))  # (pipeline, stage) key
+                                      stage_id=getattr(key, "stage", key),  # (pipeline, stage) key
+                                      reduce_dtype=reduce_dtype)
     return GradientReducer(request.params, request.replica_group, divide_by=request.divide_by,
-                           bucket_size=request.bucket_size, overlap=request.overlap)
+                           bucket_size=request.bucket_size, overlap=request.overlap,
+                           reduce_dtype=reduce_dtype)
+
+
+def grad_reduce_dtype(parallel_config: Any) -> Optional[torch.dtype]:
+    """The dtype of the data-parallel collectives: bfloat16 with ``--grad-reduce-in-bf16`` (its
+    validation keeps it only with ``--bf16``), else None (the gradients' own dtype)."""
+    if getattr(parallel_config, "grad_reduce_in_bf16", False):
+        return torch.bfloat16
+    return None
 
 
 ALLREDUCE_REDUCER = ReducerKind(
@@ -73,8 +84,10 @@ def tied_copies(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
 class TiedEmbeddingReducer(GradientReduction):
     """Keeps the tied word-embedding copies identical: local sum, all-reduce, write back."""
 
-    def __init__(self, copies: Sequence[torch.nn.Parameter], group, divide_by: float):
+    def __init__(self, copies: Sequence[torch.nn.Parameter], group, divide_by: float,
+                 reduce_dtype: Optional[torch.dtype] = None):
         self.copies = list(copies)
+        self.reduce_dtype = reduce_dtype  # --grad-reduce-in-bf16: the all-reduce's dtype
         self.group = group
         self.divide_by = float(divide_by)
         self._total = None
@@ -94,6 +107,8 @@ class TiedEmbeddingReducer(GradientReduction):
             grads = [torch.zeros_like(self.copies[0])]
         total = torch.stack(grads).sum(0) / self.divide_by
         if group_size(self.group) > 1:
+            if self.reduce_dtype is not None:
+                total = total.to(self.reduce_dtype)  # cast back to the gradients' in wait()
             self._handle = dist.all_reduce(total, group=self.group, async_op=True)
         self._total = total
 
@@ -107,7 +122,7 @@ class TiedEmbeddingReducer(GradientReduction):
             self._handle = None
         for param in self.copies:
             if param.grad is None:
-                param.grad = self._total.clone()
+                param.grad = self._total.to(param.dtype, copy=True)
             else:
                 param.grad.copy_(self._total)
         self._total = None
@@ -172,5 +187,6 @@ def build_gradient_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence[Ha
         reducers.by_module[key] = kind.build(request)
     copies = tied_copies(chunks) if split_tied else []
     if copies:
-        reducers.final.append(TiedEmbeddingReducer(copies, tied_group(), divide_by=divide_by))
+        reducers.final.append(TiedEmbeddingReducer(copies, tied_group(), divide_by=divide_by,
+                                                   reduce_dtype=grad_reduce_dtype(parallel)))
     return reducers

@@ -17,12 +17,14 @@ parameter buffer, with the reduced gradient shard as its ``.grad``) carrying the
 attributes, so the optimizer's parameter groups and
 the global norm treat it like the parameters it is cut from. AdamW is elementwise, so updating the
 shards equals updating whole parameters (the numbers match the replicated optimizer; tested).
+With ``reduce_dtype`` (``--grad-reduce-in-bf16``) the reduce-scatter runs on a bf16 copy of each
+gradient buffer and the reduced shard is cast back to the gradient's dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,7 @@ class _Segment:
     grad_buffer: torch.Tensor
     shard: torch.nn.Parameter
     handle: Any = None
+    wire: Any = None  # (input, output) in the reduce dtype while a narrower reduce-scatter runs
 
 
 class ShardedGradientReducer(GradientReduction):
@@ -66,8 +69,10 @@ class ShardedGradientReducer(GradientReduction):
     shards_gradients = True  # a distributed optimizer steps its ``shards``
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: Any = None,
-                 divide_by: float = 1.0, stage_id: Hashable = 0):
+                 divide_by: float = 1.0, stage_id: Hashable = 0,
+                 reduce_dtype: Optional[torch.dtype] = None):
         self.params = [p for p in params if p.requires_grad]
+        self.reduce_dtype = reduce_dtype  # --grad-reduce-in-bf16: the reduce-scatter's dtype
         self.stage_id = stage_id  # the same on every replica: names the stage in checkpoints
         self.group = group
         self.divide_by = float(divide_by)
@@ -145,7 +150,15 @@ class ShardedGradientReducer(GradientReduction):
         for segment in self.segments:
             if self.divide_by != 1.0:
                 segment.grad_buffer.div_(self.divide_by)
-            if self.size > 1:
+            narrow = self.reduce_dtype is not None and \
+                self.reduce_dtype != segment.grad_buffer.dtype
+            if self.size > 1 and narrow:
+                segment.wire = (segment.grad_buffer.to(self.reduce_dtype),
+                                torch.empty(segment.shard.grad.shape, dtype=self.reduce_dtype,
+                                            device=segment.shard.grad.device))
+                segment.handle = _REDUCE_SCATTER(segment.wire[1], segment.wire[0],
+                                                 group=self.group, async_op=True)
+            elif self.size > 1:
                 segment.handle = _REDUCE_SCATTER(segment.shard.grad, segment.grad_buffer,
                                                  group=self.group, async_op=True)
             else:
@@ -162,6 +175,9 @@ class ShardedGradientReducer(GradientReduction):
                 if segment.handle is not None:
                     segment.handle.wait()
                     segment.handle = None
+                if segment.wire is not None:
+                    segment.shard.grad.copy_(segment.wire[1])
+                    segment.wire = None
         self._started = False
 
     def start_parameter_gather(self) -> list:

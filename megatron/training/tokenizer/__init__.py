@@ -1,4 +1,5 @@
-"""Tokenizers: GPT-2 byte-level BPE, SentencePiece and the null tokenizer, and ``build_tokenizer``.
+"""Tokenizers: GPT-2 byte-level BPE, SentencePiece (plain, GPT and Llama 2 flavours), Hugging Face
+(``transformers.AutoTokenizer``) and the null tokenizer, and ``build_tokenizer``.
 
 Every tokenizer has ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` and
 ``detokenize(ids) -> str``. The model pads ``vocab_size`` elsewhere.
@@ -7,14 +8,16 @@ Every tokenizer has ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` and
 from __future__ import annotations
 
 from megatron.training.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 from megatron.training.tokenizer.sentencepiece_tokenizer import (
     GPTSentencePieceTokenizer,
+    Llama2Tokenizer,
     SentencePieceTokenizer,
 )
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                   "NullTokenizer")
+                   "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
 def build_tokenizer(data_config, model_config=None):
@@ -30,6 +33,10 @@ def build_tokenizer(data_config, model_config=None):
         return SentencePieceTokenizer(data_config.tokenizer_model)
     if tokenizer_type == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(data_config.tokenizer_model)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(data_config.tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(data_config.tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         vocab_size = getattr(model_config, "vocab_size", None) if model_config is not None else None
         return NullTokenizer(vocab_size)
@@ -38,5 +45,6 @@ def build_tokenizer(data_config, model_config=None):
     raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {TOKENIZER_TYPES}")
 
 
-__all__ = ["GPT2BPETokenizer", "GPTSentencePieceTokenizer", "NullTokenizer", "SentencePieceTokenizer", "TOKENIZER_TYPES",
+__all__ = ["GPT2BPETokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+           "Llama2Tokenizer", "NullTokenizer", "SentencePieceTokenizer", "TOKENIZER_TYPES",
            "build_tokenizer"]

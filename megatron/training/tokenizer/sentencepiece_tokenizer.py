@@ -56,3 +56,35 @@ class SentencePieceTokenizer:
 class GPTSentencePieceTokenizer(SentencePieceTokenizer):
     """Megatron's ``GPTSentencePieceTokenizer``: the model's pieces only (vocabulary = piece count),
     ids from plain encoding, and end-of-document = the model's end-of-sentence id."""
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron's ``Llama2Tokenizer``: a SentencePiece model (Llama 2's ``tokenizer.model``) whose
+    ``tokenize`` puts the beginning-of-sentence id first and adds no end-of-sentence id (text
+    completion, as Megatron's ``tokenize(s, bos=True, eos=False)``); the vocabulary is the piece
+    count, end-of-document = end-of-sentence id, and ``bos`` / ``eos`` / ``pad`` are the model's
+    ids (``pad`` is -1 when the model has no pad piece, like Llama 2's)."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        if self.processor.bos_id() < 0:
+            raise ValueError(f"SentencePiece model {model_file} has no beginning-of-sentence "
+                             f"piece, which the Llama2Tokenizer puts before every text; use "
+                             f"--tokenizer-type GPTSentencePieceTokenizer for such a model")
+
+    @property
+    def bos(self) -> int:
+        return self.processor.bos_id()
+
+    @property
+    def eos(self) -> int:
+        return self.processor.eos_id()
+
+    @property
+    def pad(self) -> int:
+        return self.processor.pad_id()
+
+    def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """``[bos] + ids(text)`` by default (``eos=True`` appends the end-of-sentence id)."""
+        ids = self.processor.encode(text)
+        return ([self.bos] if bos else []) + ids + ([self.eos] if eos else [])
