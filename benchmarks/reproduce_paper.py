@@ -228,20 +228,25 @@ def sync_policy_ratios(hardware) -> list:
 
 
 def time_parts(result) -> dict:
-    """Iteration time split (ours): compute = the mean worker's N·(F + Bk) (micro-batch size
-    and recomputation set it); sync = what zeroing every all-reduce saves; the rest is
-    bubbles, stage imbalance and point-to-point."""
+    """Iteration time split (ours): compute = the mean worker's N·(F + Bk) without
+    recomputation (micro-batch size sets it); recompute = the forwards the backwards re-run;
+    sync = what zeroing every all-reduce saves; p2p = what zeroing the point-to-point cost
+    then saves; bubble = the rest (idle slots and stage imbalance)."""
     costs = result.costs
-    depth = result.pipeline
+    depth = len(costs.allreduce)
     _, count = schedule_microbatches(result.scheme, result.pipeline, result.micro_batch_size,
                                      result.num_microbatches)
-    compute = count * sum(costs.forward_of(s) + costs.backward_of(s)
-                          for s in range(depth)) / depth
+    stages = range(depth)
+    compute = count * sum(3 * costs.forward_of(s) for s in stages) / depth
+    recompute = count * sum(costs.backward_of(s) - 2 * costs.forward_of(s)
+                            for s in stages) / depth
     no_sync = dataclasses.replace(costs, allreduce=(0.0,) * depth,
                                   allreduce_alone=(0.0,) * depth)
-    without = _time_with_costs(result, no_sync)
-    return {"compute": compute, "sync": result.iteration_time - without,
-            "bubble_p2p": without - compute}
+    without_sync = _time_with_costs(result, no_sync)
+    without_p2p = _time_with_costs(result, dataclasses.replace(no_sync, p2p=0.0))
+    return {"compute": compute, "recompute": recompute,
+            "bubble": without_p2p - compute - recompute, "p2p": without_sync - without_p2p,
+            "sync": result.iteration_time - without_sync}
 
 
 def _time_with_costs(result, costs) -> float:
@@ -258,8 +263,9 @@ def _time_with_costs(result, costs) -> float:
 def why_slower(best, other) -> str:
     """Which parts of the iteration make ``other`` slower than ``best`` (ours)."""
     a, b = time_parts(best), time_parts(other)
-    names = {"compute": "compute (recomputation, micro-batch size)",
-             "sync": "exposed gradient sync", "bubble_p2p": "bubbles, stage imbalance, p2p"}
+    names = {"compute": "compute (micro-batch size)", "recompute": "recomputation",
+             "sync": "exposed gradient sync", "bubble": "bubbles, stage imbalance",
+             "p2p": "point-to-point"}
     diffs = sorted(((b[k] - a[k], k) for k in a), reverse=True)
     parts = [f"{'+' if d >= 0 else '-'}{abs(d):.2f} s {names[k]}" for d, k in diffs
              if abs(d) >= 0.005]

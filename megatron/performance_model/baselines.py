@@ -26,7 +26,7 @@ What each implementation does, read off the authors' code:
 
 from __future__ import annotations
 
-from megatron.performance_model.costs import StageCosts, activation_bytes
+from megatron.performance_model.costs import DDP_BUCKET_BYTES, StageCosts, activation_bytes
 from megatron.performance_model.memory import state_bytes, working_bytes
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
 
@@ -80,8 +80,6 @@ def gems_time(num_stages: int, num_microbatches: int, costs: StageCosts) -> floa
     return num_microbatches // 2 * gems_step_time(d, costs) + exposed
 
 
-#: DistributedDataParallel's default gradient bucket (``bucket_cap_mb=25``, PyTorch docs).
-DDP_BUCKET_BYTES = 25 * 2 ** 20
 
 
 def ddp_backward_with_sync(costs: StageCosts, stage: int, alone: bool = False) -> float:

@@ -200,12 +200,24 @@ def network_contention(hardware: HardwareSpec, num_nodes: int,
                / hardware.global_bandwidth_fraction)
 
 
+#: DistributedDataParallel's default gradient bucket (``bucket_cap_mb=25``, PyTorch docs): the
+#: authors' PipeDream and PipeDream-2BW runtimes sync through DDP, one all-reduce per bucket.
+DDP_BUCKET_BYTES = 25 * 2 ** 20
+
+
+def ddp_buckets(message_bytes: float) -> int:
+    """All-reduces DDP issues for ``message_bytes`` of gradients (25 MiB buckets)."""
+    return max(1, math.ceil(message_bytes / DDP_BUCKET_BYTES))
+
+
 def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: float,
-                   contention: float = 1.0) -> float:
+                   contention: float = 1.0, messages: int = 1) -> float:
     """Rabenseifner all-reduce of L bytes over r ranks: 2·log2(r)·α + 2(r−1)/r·β·L·κ; 0 for r = 1.
     With ``hardware.allreduce_algorithm == "ring"`` (gloo's ring) the latency term is
     2(r−1)·α: each of the 2(r−1) ring steps waits for one message.
 
+    ``messages``: the bytes go as that many separate all-reduces (DDP's buckets,
+    :func:`ddp_buckets`), each paying the latency term; the bandwidth term is the same.
     κ = ``contention`` (:func:`network_contention`, 1 = the link alone). (log2 of a non-power
     of two is used as is: the formula is the model, not an algorithm.) This is the time alone
     on the rank's link; :func:`shared_link_finish_times` shares the link.
@@ -218,7 +230,8 @@ def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: flo
         return 0.0
     r = num_replicas
     steps = 2 * (r - 1) if hardware.allreduce_algorithm == "ring" else 2 * math.log2(r)
-    return steps * hardware.alpha + 2 * (r - 1) / r * hardware.beta * message_bytes * contention
+    return (messages * steps * hardware.alpha
+            + 2 * (r - 1) / r * hardware.beta * message_bytes * contention)
 
 
 def shared_link_finish_times(jobs) -> list:

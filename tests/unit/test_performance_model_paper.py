@@ -26,7 +26,18 @@ def test_runs_are_set_as_the_authors_scripts_ran_them(label, scheme, depth, micr
     assert (run.scheme, run.pipeline, run.micro_batch_size, run.recompute) == (
         scheme, depth, micro_batch, recompute)
     assert script in run.script
-    assert run.nodes == 2048 and run.global_batch_size == 2048
+    assert run.nodes == 2048
+    # GEMS updates after its script's 6 accumulation steps (one down and one up micro-batch
+    # each); every other run uses the paper's mini-batch of 2,048.
+    expected = 256 * 2 * 2 * 6 if label == "GEMS" else 2048
+    assert run.global_batch_size == expected
+
+
+def test_gems_update_is_its_scripts_accumulation():
+    run = RUNS["GEMS"]
+    assert paper.GEMS_ACCUMULATION_STEPS == 6
+    assert "--gradient_accumulation_steps 6" in run.script
+    assert run.num_microbatches == 2 * paper.GEMS_ACCUMULATION_STEPS
 
 
 def test_runs_without_a_script_follow_the_paper_and_say_so():
