@@ -99,3 +99,38 @@ def test_ddp_sync_overlaps_the_backward_bucket_by_bucket():
 def test_two_bw_needs_an_update_interval_of_at_least_the_depth():
     with pytest.raises(ValueError, match="N >= D"):
         evaluate(GPT2_PAPER, P100_ARIES, "pipedream-2bw", 256, 16, 1, 8, "full")
+
+
+def test_ddp_schemes_pay_the_ring_latency_once_per_bucket():
+    """PipeDream and PipeDream-2BW sync through DDP (25 MiB buckets, one ring all-reduce
+    each); GEMS and the schedule-backed schemes all-reduce one flattened message per stage."""
+    from megatron.performance_model.costs import (
+        DDP_BUCKET_BYTES, allreduce_time, ddp_buckets)
+    from megatron.performance_model.timing import stage_costs
+
+    assert ddp_buckets(1) == 1 and ddp_buckets(DDP_BUCKET_BYTES) == 1
+    assert ddp_buckets(DDP_BUCKET_BYTES + 1) == 2
+    hardware = P100_ARIES
+    one = allreduce_time(hardware, 8, 1e8)
+    three = allreduce_time(hardware, 8, 1e8, messages=3)
+    assert three - one == pytest.approx(2 * 2 * (8 - 1) * hardware.alpha)
+    for scheme, expected_messages in (("pipedream", True), ("gems", False)):
+        costs = stage_costs(GPT2_PAPER, hardware, scheme, 256, 8, 2, "full", "per-stage")
+        size = costs.gradient_bytes[3]
+        replicas = 256 * (2 if scheme == "gems" else 1)
+        single = allreduce_time(hardware, replicas, size, 1.0)
+        extra = (ddp_buckets(size) - 1) * 2 * (replicas - 1) * hardware.alpha
+        assert costs.allreduce_alone[3] == pytest.approx(single + (extra if expected_messages
+                                                                   else 0.0))
+
+
+def test_gems_amortises_its_sync_over_the_accumulated_steps():
+    """The same GEMS run with 2 or 6 steps per update: the per-sequence throughput rises
+    because the two stage syncs at the update are paid once per update."""
+    few = evaluate(GPT2_PAPER, P100_ARIES, "gems", 256, 8, 2, 4, "none", stage_balance="per-stage")
+    many = evaluate(GPT2_PAPER, P100_ARIES, "gems", 256, 8, 2, 12, "none",
+                    stage_balance="per-stage")
+    assert many.throughput > few.throughput
+    # Six steps cost three times two steps' compute plus one sync, not three syncs.
+    sync = few.iteration_time - 2 * (many.iteration_time - few.iteration_time) / 4
+    assert many.iteration_time == pytest.approx(3 * (few.iteration_time - sync) + sync, rel=1e-6)
