@@ -231,7 +231,8 @@ def time_parts(result) -> dict:
     """Iteration time split (ours): compute = the mean worker's N·(F + Bk) without
     recomputation (micro-batch size sets it); recompute = the forwards the backwards re-run;
     sync = what zeroing every all-reduce saves; p2p = what zeroing the point-to-point cost
-    then saves; bubble = the rest (idle slots and stage imbalance)."""
+    then saves; optimizer = the optimizer steps; bubble = the rest (idle slots and stage
+    imbalance)."""
     costs = result.costs
     depth = len(costs.allreduce)
     _, count = schedule_microbatches(result.scheme, result.pipeline, result.micro_batch_size,
@@ -243,9 +244,12 @@ def time_parts(result) -> dict:
     no_sync = dataclasses.replace(costs, allreduce=(0.0,) * depth,
                                   allreduce_alone=(0.0,) * depth)
     without_sync = _time_with_costs(result, no_sync)
-    without_p2p = _time_with_costs(result, dataclasses.replace(no_sync, p2p=0.0))
+    no_step = dataclasses.replace(no_sync, optimizer_step=())
+    without_step = _time_with_costs(result, no_step)
+    without_p2p = _time_with_costs(result, dataclasses.replace(no_step, p2p=0.0))
     return {"compute": compute, "recompute": recompute,
-            "bubble": without_p2p - compute - recompute, "p2p": without_sync - without_p2p,
+            "bubble": without_p2p - compute - recompute, "p2p": without_step - without_p2p,
+            "optimizer": without_sync - without_step,
             "sync": result.iteration_time - without_sync}
 
 
@@ -279,7 +283,7 @@ def why_slower(best, other) -> str:
     a, b = time_parts(best), time_parts(other)
     names = {"compute": "compute (micro-batch size)", "recompute": "recomputation",
              "sync": "exposed gradient sync", "bubble": "bubbles, stage imbalance",
-             "p2p": "point-to-point"}
+             "p2p": "point-to-point", "optimizer": "optimizer steps"}
     diffs = sorted(((b[k] - a[k], k) for k in a), reverse=True)
     parts = [f"{'+' if d >= 0 else '-'}{abs(d):.2f} s {names[k]}" for d, k in diffs
              if abs(d) >= 0.005]
@@ -393,7 +397,9 @@ def assumptions(fits) -> str:
         f"{fitted['rms_log_error']:.3f}.",
         f"Stated: P100 peak 9.3 TFLOP/s fp32 (NVIDIA P100 PCIe datasheet), 16 GB; "
         f"alpha {hw.alpha * 1e6:.0f} us per message (assumed; gloo over TCP); ring all-reduce "
-        f"(gloo); dragonfly groups of {hw.nodes_per_group} nodes (Cray XC: two cabinets); "
+        f"(gloo); memory bandwidth {hw.memory_bandwidth / 1e9:.0f} GB/s (P100 datasheet) for the "
+        "AdamW step (72 bytes per parameter); dragonfly groups of "
+        f"{hw.nodes_per_group} nodes (Cray XC: two cabinets); "
         "no per-op overhead, no overlap slowdown. Memory: framework overhead "
         f"{hw.framework_overhead_bytes / 1e9:.1f} GB, carried over from the previous model "
         "(chosen there so the paper's recomputation decisions hold; not refitted here).",
@@ -418,12 +424,13 @@ def format_text(data, fits) -> str:
         out.append(f"  {name:<14} {value['published']:.2f}x | {value['predicted']:.2f}x | "
                    f"{value['leave_one_out']:.2f}x ({error:+.1%})")
     out += ["", "Iteration time at 2,048 nodes, in-sample constants (s; ours): compute | "
-            "recompute | bubble | p2p | exposed sync = predicted; implied by the published "
-            "seq/s"]
+            "recompute | bubble | p2p | optimizer | exposed sync = predicted; implied by the "
+            "published seq/s"]
     for row in data["decomposition_2048"]:
         parts = row["parts"]
         out.append(f"  {row['label']:<14}" + "".join(
-            f"{parts[key]:>7.2f}" for key in ("compute", "recompute", "bubble", "p2p", "sync"))
+            f"{parts[key]:>7.2f}" for key in ("compute", "recompute", "bubble", "p2p",
+                                              "optimizer", "sync"))
             + f" = {row['predicted']:6.2f}; implied {row['implied_by_published']:6.2f} "
             f"({row['unexplained']:+.2f})")
     order = data["order_2048"]

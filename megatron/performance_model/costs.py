@@ -25,6 +25,10 @@ class StageCosts:
     stage_forward: tuple = ()  # F of each stage (empty: every stage costs ``forward``)
     stage_backward: tuple = ()  # Bk of each stage (empty: every stage costs ``backward``)
     allreduce_alone: tuple = ()  # each stage's all-reduce when no other stage syncs meanwhile
+    optimizer_step: tuple = ()  # each stage's optimizer step (empty: free)
+
+    def optimizer_step_of(self, stage: int) -> float:
+        return self.optimizer_step[stage] if self.optimizer_step else 0.0
 
     def forward_of(self, stage: int) -> float:
         return self.stage_forward[stage] if self.stage_forward else self.forward
@@ -167,6 +171,21 @@ def activation_bytes(model: ModelSpec, micro_batch_size: int, num_stages: int,
     """Activations one stored micro-batch of one stage occupies (its layers)."""
     return model.num_layers // num_stages * activation_bytes_per_layer(
         model, micro_batch_size, recompute)
+
+
+#: Bytes the authors' AdamW step (transformers' ``AdamW.step``, fp32, unfused) moves per
+#: parameter: exp_avg.mul_ (8), .add_(grad) (12), exp_avg_sq.mul_ (8), .addcmul_(grad, grad)
+#: (12), sqrt() (8), .add_(eps) (8), p.addcdiv_ (16); weight decay (set per run) not counted.
+OPTIMIZER_STEP_BYTES_PER_PARAMETER = 72
+
+
+def optimizer_step_time(hardware: HardwareSpec, parameters: float) -> float:
+    """One optimizer step over ``parameters``: element-wise passes bound by the device memory
+    bandwidth (:data:`OPTIMIZER_STEP_BYTES_PER_PARAMETER` bytes each); 0 where the profile
+    gives no memory bandwidth."""
+    if hardware.memory_bandwidth <= 0:
+        return 0.0
+    return parameters * OPTIMIZER_STEP_BYTES_PER_PARAMETER / hardware.memory_bandwidth
 
 
 def p2p_time(hardware: HardwareSpec, message_bytes: float) -> float:

@@ -9,7 +9,8 @@ from megatron.core.pipeline_parallel.planning.instructions import Instruction
 from megatron.core.pipeline_parallel.planning.lowering import GradSyncStart, GradSyncWait
 from megatron.core.pipeline_parallel.planning.simulator import simulate
 from megatron.performance_model.costs import (
-    StageCosts, allreduce_time, compute_times, ddp_buckets, network_contention, overlap_delay,
+    StageCosts, allreduce_time, compute_times, ddp_buckets, network_contention, optimizer_step_time,
+    overlap_delay,
     p2p_time, shared_link_finish_times, stage_compute_times, stage_parameters)
 from megatron.core.pipeline_parallel.planning.op_costs import StageCosts as OpStageCosts
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
@@ -49,9 +50,11 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
         stage_forward, stage_backward = stage_compute_times(model, hardware, stages,
                                                             micro_batch_size, recompute)
         forward, backward = (sum(stage_forward) / stages, sum(stage_backward) / stages)
+    optimizer = tuple(optimizer_step_time(hardware, size / model.bytes_per_value)
+                      for size in gradient_bytes)
     return StageCosts(forward, backward, p2p_time(hardware, message) if num_stages > 1 else 0.0,
                       allreduce, gradient_bytes, hardware.overlap_slowdown, stage_forward,
-                      stage_backward, allreduce_alone)
+                      stage_backward, allreduce_alone, optimizer)
 
 
 def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int,
@@ -112,7 +115,10 @@ def closed_form_iteration_time(scheme: str, num_stages: int, num_microbatches: i
     forward_count, backward_count = counts
     return ((costs.forward + costs.p2p) * forward_count
             + (costs.backward + costs.p2p) * backward_count
-            + max(exposed_allreduce(scheme, num_stages, costs, grad_sync_policy, registry)))
+            + max(exposed_allreduce(scheme, num_stages, costs, grad_sync_policy, registry))
+            + max(sum(costs.optimizer_step_of(stage) for _, stage in
+                      scheme_layout(scheme, num_stages, registry).hosted(rank))
+                  for rank in range(num_stages)))
 
 
 def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int,
@@ -148,8 +154,11 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
         windows.append([(ready[s], finish) for s, finish in zip(stages, finishes)])
         for stage, finish in zip(stages, finishes):
             stage_end[stage] = max(stage_end.get(stage, 0.0), finish)
+    layout, _ = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy,
+                                 registry)
     makespan = max(max([end] + [stage_end[s] for s in stages])
-                   for end, stages in zip(compute_end, hosted))
+                   + sum(costs.optimizer_step_of(stage) for _, stage in layout.hosted(rank))
+                   for rank, (end, stages) in enumerate(zip(compute_end, hosted)))
     delays = [overlap_delay([(e.start, e.end) for e in timeline if isinstance(e.op, Instruction)],
                             rank_windows, costs.overlap_slowdown)
               for timeline, rank_windows in zip(result.timelines, windows)]

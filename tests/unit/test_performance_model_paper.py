@@ -134,3 +134,32 @@ def test_gems_amortises_its_sync_over_the_accumulated_steps():
     # Six steps cost three times two steps' compute plus one sync, not three syncs.
     sync = few.iteration_time - 2 * (many.iteration_time - few.iteration_time) / 4
     assert many.iteration_time == pytest.approx(3 * (few.iteration_time - sync) + sync, rel=1e-6)
+
+
+def test_optimizer_step_is_paid_per_update():
+    """The AdamW step (72 bytes per parameter at the device's memory bandwidth) follows each
+    update: once per iteration for Chimera and GEMS, once per micro-batch for PipeDream."""
+    import dataclasses
+
+    from megatron.performance_model.costs import (
+        OPTIMIZER_STEP_BYTES_PER_PARAMETER, optimizer_step_time)
+
+    assert optimizer_step_time(dataclasses.replace(P100_ARIES, memory_bandwidth=0.0), 1e9) == 0
+    assert optimizer_step_time(P100_ARIES, 1e9) == pytest.approx(
+        1e9 * OPTIMIZER_STEP_BYTES_PER_PARAMETER / P100_ARIES.memory_bandwidth)
+    free = dataclasses.replace(P100_ARIES, memory_bandwidth=0.0)
+
+    def times(scheme, width, depth, micro_batch, count, recompute):
+        return [evaluate(GPT2_PAPER, hardware, scheme, width, depth, micro_batch, count,
+                         recompute, stage_balance="per-stage")
+                for hardware in (P100_ARIES, free)]
+
+    paid, unpaid = times("pipedream", 256, 8, 2, 4, "full")
+    steps = [paid.costs.optimizer_step_of(stage) for stage in range(8)]
+    assert min(steps) > 0
+    # Four updates per iteration; the replay runs at the pace of the slowest stage.
+    assert 4 * min(steps) <= paid.iteration_time - unpaid.iteration_time <= 4 * max(steps) + 1e-9
+    paid, unpaid = times("chimera-direct", 64, 32, 1, 32, "none")
+    hosted = [paid.costs.optimizer_step_of(s) + paid.costs.optimizer_step_of(31 - s)
+              for s in range(32)]
+    assert 0 < paid.iteration_time - unpaid.iteration_time <= max(hosted) + 1e-9
