@@ -188,9 +188,19 @@ def optimizer_step_time(hardware: HardwareSpec, parameters: float) -> float:
     return parameters * OPTIMIZER_STEP_BYTES_PER_PARAMETER / hardware.memory_bandwidth
 
 
+def host_staging_time(hardware: HardwareSpec, message_bytes: float) -> float:
+    """Copying L bytes from the device to the host and the result back (gloo works on host
+    memory): 2·L / the host link bandwidth; 0 without staging."""
+    if hardware.host_staging_bandwidth <= 0:
+        return 0.0
+    return 2 * message_bytes / hardware.host_staging_bandwidth
+
+
 def p2p_time(hardware: HardwareSpec, message_bytes: float) -> float:
-    """Cp2p = α + β·L for one message of L bytes."""
-    return hardware.alpha + hardware.beta * message_bytes
+    """Cp2p = α + β·L for one message of L bytes, plus its host staging (sender's copy out,
+    receiver's copy in: :func:`host_staging_time`)."""
+    return hardware.alpha + hardware.beta * message_bytes + host_staging_time(hardware,
+                                                                              message_bytes)
 
 
 def cross_group_fraction(hardware: HardwareSpec, num_nodes: int) -> float:
@@ -235,6 +245,8 @@ def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: flo
     With ``hardware.allreduce_algorithm == "ring"`` (gloo's ring) the latency term is
     2(r−1)·α: each of the 2(r−1) ring steps waits for one message.
 
+    With host staging (gloo on CUDA tensors) the gradient is copied to the host and back
+    (:func:`host_staging_time`; not slowed by the network).
     ``messages``: the bytes go as that many separate all-reduces (DDP's buckets,
     :func:`ddp_buckets`), each paying the latency term; the bandwidth term is the same.
     κ = ``contention`` (:func:`network_contention`, 1 = the link alone). (log2 of a non-power
@@ -250,7 +262,8 @@ def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: flo
     r = num_replicas
     steps = 2 * (r - 1) if hardware.allreduce_algorithm == "ring" else 2 * math.log2(r)
     return (messages * steps * hardware.alpha
-            + 2 * (r - 1) / r * hardware.beta * message_bytes * contention)
+            + 2 * (r - 1) / r * hardware.beta * message_bytes * contention
+            + host_staging_time(hardware, message_bytes))
 
 
 def shared_link_finish_times(jobs) -> list:

@@ -105,7 +105,7 @@ def test_ddp_schemes_pay_the_ring_latency_once_per_bucket():
     """PipeDream and PipeDream-2BW sync through DDP (25 MiB buckets, one ring all-reduce
     each); GEMS and the schedule-backed schemes all-reduce one flattened message per stage."""
     from megatron.performance_model.costs import (
-        DDP_BUCKET_BYTES, allreduce_time, ddp_buckets)
+        DDP_BUCKET_BYTES, allreduce_time, ddp_buckets, network_contention)
     from megatron.performance_model.timing import stage_costs
 
     assert ddp_buckets(1) == 1 and ddp_buckets(DDP_BUCKET_BYTES) == 1
@@ -118,7 +118,8 @@ def test_ddp_schemes_pay_the_ring_latency_once_per_bucket():
         costs = stage_costs(GPT2_PAPER, hardware, scheme, 256, 8, 2, "full", "per-stage")
         size = costs.gradient_bytes[3]
         replicas = 256 * (2 if scheme == "gems" else 1)
-        single = allreduce_time(hardware, replicas, size, 1.0)
+        single = allreduce_time(hardware, replicas, size,
+                                network_contention(hardware, 2048, replicas))
         extra = (ddp_buckets(size) - 1) * 2 * (replicas - 1) * hardware.alpha
         assert costs.allreduce_alone[3] == pytest.approx(single + (extra if expected_messages
                                                                    else 0.0))
@@ -163,3 +164,25 @@ def test_optimizer_step_is_paid_per_update():
     hosted = [paid.costs.optimizer_step_of(s) + paid.costs.optimizer_step_of(31 - s)
               for s in range(32)]
     assert 0 < paid.iteration_time - unpaid.iteration_time <= max(hosted) + 1e-9
+
+
+def test_gloo_stages_every_message_through_the_host():
+    """gloo on CUDA tensors copies each message to the host and the result back over the
+    card's PCIe 3.0 x16 link (15.75 GB/s per direction, stated): 2·L / that bandwidth on top
+    of the network terms, for p2p and all-reduce alike, not slowed by contention."""
+    import dataclasses
+
+    from megatron.performance_model.costs import allreduce_time, host_staging_time, p2p_time
+    from megatron.performance_model.specs import PCIE3_X16_BANDWIDTH
+
+    assert PCIE3_X16_BANDWIDTH == pytest.approx(15.75e9, rel=1e-3)
+    bare = dataclasses.replace(P100_ARIES, host_staging_bandwidth=0.0)
+    assert host_staging_time(bare, 1e9) == 0.0
+    assert host_staging_time(P100_ARIES, 1e9) == pytest.approx(2e9 / PCIE3_X16_BANDWIDTH)
+    assert p2p_time(P100_ARIES, 1e6) - p2p_time(bare, 1e6) == pytest.approx(2e6 / 15.75e9,
+                                                                            rel=1e-3)
+    for contention in (1.0, 3.0):
+        extra = (allreduce_time(P100_ARIES, 64, 1e8, contention)
+                 - allreduce_time(bare, 64, 1e8, contention))
+        assert extra == pytest.approx(2e8 / PCIE3_X16_BANDWIDTH)
+    assert allreduce_time(P100_ARIES, 1, 1e8) == 0.0
