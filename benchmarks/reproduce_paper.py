@@ -11,7 +11,7 @@ a node gets across dragonfly groups when the whole job syncs. The rest is stated
 ``assumptions``). For every point the constants are refitted without it (leave one out) and
 the point predicted; a speedup's leave-one-out refits without both of its points (Chimera's
 and the baseline's). Every claim below uses the leave-one-out numbers. The fits are stored in
-benchmarks/paper_fit.json; ``--fit`` recomputes them (about ten minutes on one core).
+benchmarks/paper_fit.json; ``--fit`` recomputes them (about 8 minutes on a busy 2-core machine).
 
 Published numbers are transcribed with their source (paper.py), never recomputed; numbers
 derived here are labelled "ours".
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--fit", action="store_true",
                         help=f"recompute every fit (in-sample, leave-one-out) and store them in "
-                        f"{os.path.basename(FIT_FILE)} (about ten minutes)")
+                        f"{os.path.basename(FIT_FILE)} (about 8 minutes on a busy 2-core machine)")
     args = parser.parse_args(argv)
     fits = compute_fits() if args.fit else load_fits()
     if args.fit or "planner" not in fits:
