@@ -26,7 +26,7 @@ What each implementation does, read off the authors' code:
 
 from __future__ import annotations
 
-from megatron.performance_model.costs import StageCosts, activation_bytes
+from megatron.performance_model.costs import DDP_BUCKET_BYTES, StageCosts, activation_bytes
 from megatron.performance_model.memory import state_bytes, working_bytes
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
 
@@ -71,17 +71,16 @@ def gems_step_time(num_stages: int, costs: StageCosts) -> float:
 
 def gems_time(num_stages: int, num_microbatches: int, costs: StageCosts) -> float:
     """GEMS: N/2 steps (:func:`gems_step_time`), then each worker all-reduces the two stages it
-    hosts (s and D−1−s, one per replica), sharing its link: their times add."""
+    hosts (s and D−1−s, one per replica), one after the other: their times add; each stage's
+    optimizer step follows its sync (``optimizer.step()`` all-reduces, then updates)."""
     d = num_stages
     if num_microbatches % 2:
         raise ValueError(f"gems alternates two replicas: N must be even (got {num_microbatches})")
-    exposed = max(costs.allreduce[s] + (costs.allreduce[d - 1 - s] if d - 1 - s != s else 0.0)
-                  for s in range(d))
+    exposed = max(sum(costs.allreduce[stage] + costs.optimizer_step_of(stage)
+                      for stage in {s, d - 1 - s}) for s in range(d))
     return num_microbatches // 2 * gems_step_time(d, costs) + exposed
 
 
-#: DistributedDataParallel's default gradient bucket (``bucket_cap_mb=25``, PyTorch docs).
-DDP_BUCKET_BYTES = 25 * 2 ** 20
 
 
 def ddp_backward_with_sync(costs: StageCosts, stage: int, alone: bool = False) -> float:
@@ -148,7 +147,8 @@ def no_flush_interval_time(num_stages: int, update_interval: int, costs: StageCo
                     ready = max(free[s], backward_end[s + 1][j] if s < d - 1 else 0.0)
                     end = ready + costs.backward_of(s) + c
                     if j % update_interval == update_interval - 1:
-                        end = ready + ddp_backward_with_sync(costs, s, staggered_syncs) + c
+                        end = (ready + ddp_backward_with_sync(costs, s, staggered_syncs) + c
+                               + costs.optimizer_step_of(s))
                     backward_end[s][j] = free[s] = end
                     done[s][1].add(j)
                 position[s] += 1

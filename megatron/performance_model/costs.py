@@ -25,6 +25,10 @@ class StageCosts:
     stage_forward: tuple = ()  # F of each stage (empty: every stage costs ``forward``)
     stage_backward: tuple = ()  # Bk of each stage (empty: every stage costs ``backward``)
     allreduce_alone: tuple = ()  # each stage's all-reduce when no other stage syncs meanwhile
+    optimizer_step: tuple = ()  # each stage's optimizer step (empty: free)
+
+    def optimizer_step_of(self, stage: int) -> float:
+        return self.optimizer_step[stage] if self.optimizer_step else 0.0
 
     def forward_of(self, stage: int) -> float:
         return self.stage_forward[stage] if self.stage_forward else self.forward
@@ -188,9 +192,34 @@ def activation_bytes(model: ModelSpec, micro_batch_size: int, num_stages: int,
         activation_bytes_per_layer(model, micro_batch_size, recompute)
 
 
+#: Bytes the authors' AdamW step (transformers' ``AdamW.step``, fp32, unfused) moves per
+#: parameter: exp_avg.mul_ (8), .add_(grad) (12), exp_avg_sq.mul_ (8), .addcmul_(grad, grad)
+#: (12), sqrt() (8), .add_(eps) (8), p.addcdiv_ (16); weight decay (set per run) not counted.
+OPTIMIZER_STEP_BYTES_PER_PARAMETER = 72
+
+
+def optimizer_step_time(hardware: HardwareSpec, parameters: float) -> float:
+    """One optimizer step over ``parameters``: element-wise passes bound by the device memory
+    bandwidth (:data:`OPTIMIZER_STEP_BYTES_PER_PARAMETER` bytes each); 0 where the profile
+    gives no memory bandwidth."""
+    if hardware.memory_bandwidth <= 0:
+        return 0.0
+    return parameters * OPTIMIZER_STEP_BYTES_PER_PARAMETER / hardware.memory_bandwidth
+
+
+def host_staging_time(hardware: HardwareSpec, message_bytes: float) -> float:
+    """Copying L bytes from the device to the host and the result back (gloo works on host
+    memory): 2·L / the host link bandwidth; 0 without staging."""
+    if hardware.host_staging_bandwidth <= 0:
+        return 0.0
+    return 2 * message_bytes / hardware.host_staging_bandwidth
+
+
 def p2p_time(hardware: HardwareSpec, message_bytes: float) -> float:
-    """Cp2p = α + β·L for one message of L bytes."""
-    return hardware.alpha + hardware.beta * message_bytes
+    """Cp2p = α + β·L for one message of L bytes, plus its host staging (sender's copy out,
+    receiver's copy in: :func:`host_staging_time`)."""
+    return hardware.alpha + hardware.beta * message_bytes + host_staging_time(hardware,
+                                                                              message_bytes)
 
 
 def cross_group_fraction(hardware: HardwareSpec, num_nodes: int) -> float:
@@ -219,12 +248,26 @@ def network_contention(hardware: HardwareSpec, num_nodes: int,
                / hardware.global_bandwidth_fraction)
 
 
+#: DistributedDataParallel's default gradient bucket (``bucket_cap_mb=25``, PyTorch docs): the
+#: authors' PipeDream and PipeDream-2BW runtimes sync through DDP, one all-reduce per bucket.
+DDP_BUCKET_BYTES = 25 * 2 ** 20
+
+
+def ddp_buckets(message_bytes: float) -> int:
+    """All-reduces DDP issues for ``message_bytes`` of gradients (25 MiB buckets)."""
+    return max(1, math.ceil(message_bytes / DDP_BUCKET_BYTES))
+
+
 def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: float,
-                   contention: float = 1.0) -> float:
+                   contention: float = 1.0, messages: int = 1) -> float:
     """Rabenseifner all-reduce of L bytes over r ranks: 2·log2(r)·α + 2(r−1)/r·β·L·κ; 0 for r = 1.
     With ``hardware.allreduce_algorithm == "ring"`` (gloo's ring) the latency term is
     2(r−1)·α: each of the 2(r−1) ring steps waits for one message.
 
+    With host staging (gloo on CUDA tensors) the gradient is copied to the host and back
+    (:func:`host_staging_time`; not slowed by the network).
+    ``messages``: the bytes go as that many separate all-reduces (DDP's buckets,
+    :func:`ddp_buckets`), each paying the latency term; the bandwidth term is the same.
     κ = ``contention`` (:func:`network_contention`, 1 = the link alone). (log2 of a non-power
     of two is used as is: the formula is the model, not an algorithm.) This is the time alone
     on the rank's link; :func:`shared_link_finish_times` shares the link.
@@ -237,7 +280,9 @@ def allreduce_time(hardware: HardwareSpec, num_replicas: int, message_bytes: flo
         return 0.0
     r = num_replicas
     steps = 2 * (r - 1) if hardware.allreduce_algorithm == "ring" else 2 * math.log2(r)
-    return steps * hardware.alpha + 2 * (r - 1) / r * hardware.beta * message_bytes * contention
+    return (messages * steps * hardware.alpha
+            + 2 * (r - 1) / r * hardware.beta * message_bytes * contention
+            + host_staging_time(hardware, message_bytes))
 
 
 def shared_link_finish_times(jobs) -> list:

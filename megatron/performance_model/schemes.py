@@ -25,6 +25,9 @@ from megatron.core.pipeline_parallel.planning.schedules import (
 # Analytic baselines (no runtime schedule): pipelines holding each stage per replica unit.
 ANALYTIC_PIPELINES = {"gems": 2, "pipedream": 1, "pipedream-2bw": 1}
 ANALYTIC_SCHEMES = tuple(ANALYTIC_PIPELINES)
+#: Schemes whose authors' runtime syncs gradients through DistributedDataParallel (25 MiB
+#: buckets, one all-reduce each); GEMS and Chimera all-reduce whole flattened chunks.
+DDP_SCHEMES = ("pipedream", "pipedream-2bw")
 
 
 def scheme_table(registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:

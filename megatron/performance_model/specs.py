@@ -69,6 +69,13 @@ class HardwareSpec:
     its compute runs 1 + σ times slower (the host-side all-reduce of gloo competes with the
     compute for the CPU and memory bandwidth); 0 = free overlap.
 
+    ``memory_bandwidth``: device memory bandwidth (bytes/s); the optimizer step, a chain of
+    element-wise passes over the hosted parameters, is bound by it (0 = the step is free).
+
+    ``host_staging_bandwidth``: bytes/s of the device-host link when the communication
+    library works on host memory (gloo with CUDA tensors copies each message to the host and
+    the result back); 0 = no staging.
+
     ``allreduce_algorithm``: ``rabenseifner`` (the paper's §3.4 formula, 2·log2(r) latency
     steps) or ``ring`` (what gloo runs: 2(r − 1) latency steps, the same bandwidth term).
     """
@@ -86,6 +93,8 @@ class HardwareSpec:
     global_bandwidth_fraction: float = 1.0
     overlap_slowdown: float = 0.0
     allreduce_algorithm: str = "rabenseifner"
+    memory_bandwidth: float = 0.0
+    host_staging_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if self.allreduce_algorithm not in ALLREDUCE_ALGORITHMS:
@@ -97,6 +106,12 @@ class HardwareSpec:
         if not self.global_bandwidth_fraction > 0:
             raise ValueError(f"global_bandwidth_fraction must be > 0, got "
                              f"{self.global_bandwidth_fraction}")
+        if self.host_staging_bandwidth < 0:
+            raise ValueError(f"host_staging_bandwidth must be >= 0 (0 = no staging), got "
+                             f"{self.host_staging_bandwidth}")
+        if self.memory_bandwidth < 0:
+            raise ValueError(f"memory_bandwidth must be >= 0 (0 = free optimizer step), got "
+                             f"{self.memory_bandwidth}")
         if self.overlap_slowdown < 0:
             raise ValueError(f"overlap_slowdown must be >= 0, got {self.overlap_slowdown}")
 
@@ -121,22 +136,31 @@ def recompute_mode(recompute) -> str:
 
 #: NVIDIA Tesla P100 PCIe (Piz Daint's GPU) fp32 peak, from NVIDIA's datasheet.
 P100_PEAK_FLOPS = 9.3e12
+#: NVIDIA Tesla P100 PCIe 16 GB memory bandwidth (HBM2), from NVIDIA's datasheet.
+P100_MEMORY_BANDWIDTH = 732e9
+#: The P100 PCIe card's host link, PCIe 3.0 x16 (datasheet): 16 lanes x 8 GT/s x 128/130
+#: encoding = 15.75 GB/s per direction.
+PCIE3_X16_BANDWIDTH = 16 * 8e9 * 128 / 130 / 8
 
 # The paper's machine (Piz Daint, §5): one P100 16 GB per node, Cray Aries, gloo, fp32.
-# STATED: peak 9.3 TFLOP/s, 16 GB, dragonfly groups of 384 nodes (two XC cabinets), gloo's ring
-# all-reduce, alpha 20 us per message (assumed for gloo over TCP; the predictions move < 1%
-# between 0 and 50 us), no per-op overhead, no overlap slowdown.
+# STATED: peak 9.3 TFLOP/s, 16 GB, 732 GB/s memory bandwidth (datasheet), dragonfly groups of
+# 384 nodes (two XC cabinets), gloo's ring all-reduce, alpha 20 us per message (assumed for gloo
+# over TCP, kept from the previous model; Chimera, 1F1B, GPipe and GEMS move < 1% between 0 and
+# 50 us, but PipeDream and PipeDream-2BW pay it once per 25 MiB DDP bucket and ring step: at
+# the fitted constants PipeDream-2BW 574 / 434 / 318 seq/s and PipeDream 315 / 260 / 205 at
+# 0 / 20 / 50 us), no per-op overhead, no overlap slowdown.
 # FITTED (three constants) by `benchmarks/reproduce_paper.py --fit` on the paper's eleven GPT-2
 # throughputs (least squares on log error; leave-one-out fits in benchmarks/paper_fit.json):
-# sustained 41.2% of peak, 2.71 GB/s effective gloo bandwidth per node, gamma 0.315.
+# sustained 39.3% of peak, 5.47 GB/s effective gloo bandwidth per node, gamma 0.196.
 # Memory: 5.5 GB framework overhead carried over from the previous model, where it was chosen
 # so that the paper's recomputation decisions hold (not refitted; counted as a fitted choice).
-P100_ARIES = HardwareSpec(flops_per_second=P100_PEAK_FLOPS * 0.41249, alpha=20e-6,
-                          beta=1 / 2.7067e9, device_memory_bytes=16e9,
+P100_ARIES = HardwareSpec(flops_per_second=P100_PEAK_FLOPS * 0.39272, alpha=20e-6,
+                          beta=1 / 5.4716e9, device_memory_bytes=16e9,
                           half_efficiency_tokens=0.0, framework_overhead_bytes=5.5e9,
                           op_overhead_seconds=0.0, nodes_per_group=384,
-                          global_bandwidth_fraction=0.31491, overlap_slowdown=0.0,
-                          allreduce_algorithm="ring")
+                          global_bandwidth_fraction=0.19624, overlap_slowdown=0.0,
+                          allreduce_algorithm="ring", memory_bandwidth=P100_MEMORY_BANDWIDTH,
+                          host_staging_bandwidth=PCIE3_X16_BANDWIDTH)
 
 GPT2_PAPER = ModelSpec(num_layers=64, hidden_size=1280, num_attention_heads=20, seq_length=632,
                        vocab_size=50257, ffn_hidden_size=5120, max_position_embeddings=1024)

@@ -3,16 +3,19 @@ lowered schedule, both with all-reduces that share each rank's link."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from megatron.core.pipeline_parallel.planning.instructions import Instruction
 from megatron.core.pipeline_parallel.planning.lowering import GradSyncStart, GradSyncWait
 from megatron.core.pipeline_parallel.planning.simulator import simulate
 from megatron.performance_model.costs import (
-    StageCosts, allreduce_time, compute_times, network_contention, overlap_delay,
+    StageCosts, allreduce_time, compute_times, ddp_buckets, network_contention, optimizer_step_time,
+    overlap_delay,
     p2p_time, shared_link_finish_times, stage_compute_times, stage_parameters)
 from megatron.core.pipeline_parallel.planning.op_costs import StageCosts as OpStageCosts
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.performance_model.schemes import (
-    ANALYTIC_SCHEMES, critical_path, lowered_schedule, model_stages, num_replicas, scheme_layout)
+    ANALYTIC_SCHEMES, DDP_SCHEMES, critical_path, lowered_schedule, model_stages, num_replicas, scheme_layout)
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
 
 
@@ -36,19 +39,22 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
     gradient_bytes = tuple(stage_parameters(model, stages, stage) * model.bytes_per_value
                            for stage in range(stages))
     contention = network_contention(hardware, data_parallel * num_stages)
-    allreduce = tuple(allreduce_time(hardware, replicas, size, contention)
-                      for size in gradient_bytes)
+    messages = [ddp_buckets(size) if scheme in DDP_SCHEMES else 1 for size in gradient_bytes]
+    allreduce = tuple(allreduce_time(hardware, replicas, size, contention, count)
+                      for size, count in zip(gradient_bytes, messages))
     alone = network_contention(hardware, data_parallel * num_stages, replicas)
-    allreduce_alone = tuple(allreduce_time(hardware, replicas, size, alone)
-                            for size in gradient_bytes)
+    allreduce_alone = tuple(allreduce_time(hardware, replicas, size, alone, count)
+                            for size, count in zip(gradient_bytes, messages))
     stage_forward = stage_backward = ()
     if stage_balance == "per-stage":
         stage_forward, stage_backward = stage_compute_times(model, hardware, stages,
                                                             micro_batch_size, recompute)
         forward, backward = (sum(stage_forward) / stages, sum(stage_backward) / stages)
+    optimizer = tuple(optimizer_step_time(hardware, size / model.bytes_per_value)
+                      for size in gradient_bytes)
     return StageCosts(forward, backward, p2p_time(hardware, message) if num_stages > 1 else 0.0,
                       allreduce, gradient_bytes, hardware.overlap_slowdown, stage_forward,
-                      stage_backward, allreduce_alone)
+                      stage_backward, allreduce_alone, optimizer)
 
 
 def critical_path_counts(scheme: str, num_stages: int, num_microbatches: int,
@@ -109,7 +115,10 @@ def closed_form_iteration_time(scheme: str, num_stages: int, num_microbatches: i
     forward_count, backward_count = counts
     return ((costs.forward + costs.p2p) * forward_count
             + (costs.backward + costs.p2p) * backward_count
-            + max(exposed_allreduce(scheme, num_stages, costs, grad_sync_policy, registry)))
+            + max(exposed_allreduce(scheme, num_stages, costs, grad_sync_policy, registry))
+            + max(sum(costs.optimizer_step_of(stage) for _, stage in
+                      scheme_layout(scheme, num_stages, registry).hosted(rank))
+                  for rank in range(num_stages)))
 
 
 def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int,
@@ -125,16 +134,9 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
     syncs is slowed by σ (:func:`overlap_delay`); the largest delay that a rank's idle time
     cannot absorb is added (the stretched ops are in the coupled tail of the schedule).
     """
-    _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy,
-                                  registry)
-    per_stage = None
-    if costs.stage_forward:
-        per_stage = OpStageCosts(len(costs.stage_forward), costs.forward, costs.backward,
-                                 per_stage={stage: (f, b / 2, b / 2) for stage, (f, b) in
-                                            enumerate(zip(costs.stage_forward,
-                                                          costs.stage_backward))})
-    result = simulate([list(ops) for ops in lowered], costs.forward, costs.backward, costs.p2p, 0,
-                      stage_costs=per_stage)
+    result = _compute_timelines(scheme, num_stages, num_microbatches, grad_sync_policy,
+                                registry, costs.forward, costs.backward, costs.p2p,
+                                costs.stage_forward, costs.stage_backward)
     ready, compute_end, hosted = {}, [], []
     for timeline in result.timelines:
         stages, end = [], 0.0
@@ -152,9 +154,29 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
         windows.append([(ready[s], finish) for s, finish in zip(stages, finishes)])
         for stage, finish in zip(stages, finishes):
             stage_end[stage] = max(stage_end.get(stage, 0.0), finish)
+    layout, _ = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy,
+                                 registry)
     makespan = max(max([end] + [stage_end[s] for s in stages])
-                   for end, stages in zip(compute_end, hosted))
+                   + sum(costs.optimizer_step_of(stage) for _, stage in layout.hosted(rank))
+                   for rank, (end, stages) in enumerate(zip(compute_end, hosted)))
     delays = [overlap_delay([(e.start, e.end) for e in timeline if isinstance(e.op, Instruction)],
                             rank_windows, costs.overlap_slowdown)
               for timeline, rank_windows in zip(result.timelines, windows)]
     return makespan + max(delays, default=0.0)
+
+
+@lru_cache(maxsize=128)
+def _compute_timelines(scheme, num_stages, num_microbatches, grad_sync_policy, registry,
+                       forward, backward, p2p, stage_forward, stage_backward):
+    """The simulator's run of the lowered schedule (all-reduce cost 0), cached per
+    configuration and compute/p2p costs: the all-reduce terms (bandwidth, contention) do not
+    change it, so fits that vary only those reuse it."""
+    _, lowered = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy,
+                                  registry)
+    per_stage = None
+    if stage_forward:
+        per_stage = OpStageCosts(len(stage_forward), forward, backward,
+                                 per_stage={stage: (f, b / 2, b / 2) for stage, (f, b) in
+                                            enumerate(zip(stage_forward, stage_backward))})
+    return simulate([list(ops) for ops in lowered], forward, backward, p2p, 0,
+                    stage_costs=per_stage)

@@ -260,7 +260,9 @@ def calibrate(model: ModelSpec, base: HardwareSpec, stage_layers: int, micro_bat
     Compute: ``stage_layers`` layers and, when > 1, a 1-layer stage too (two stage sizes
     separate the per-op overhead from the per-layer part of the small-batch penalty).
     Constants not measured here (memory overhead, dragonfly contention, overlap slowdown) keep
-    the values of ``base``, except that a single machine is a flat network (no groups).
+    the values of ``base``, except that a single machine is a flat network (no groups), the
+    measured α–β include any host staging (``host_staging_bandwidth`` 0) and the optimizer
+    step is not costed (``memory_bandwidth`` 0: the base profile's is another device's).
     ``threads``: torch's CPU threads for the compute timings (None: torch's default; 1 gives
     stable numbers on a shared machine)."""
     device = resolve_device(device_name)
@@ -275,7 +277,10 @@ def calibrate(model: ModelSpec, base: HardwareSpec, stage_layers: int, micro_bat
         torch.set_num_threads(threads)
     compute = measure_compute(model, layers, micro_batch_sizes, device, dtype, repeats)
     fitted = fit_compute(compute, model.seq_length)
+    # The measured α–β already include any host copies, and the base profile's memory
+    # bandwidth is another device's: no separate staging term, a free optimizer step.
     changes = dict(fitted, nodes_per_group=0, global_bandwidth_fraction=1.0,
+                   host_staging_bandwidth=0.0, memory_bandwidth=0.0,
                    device_memory_bytes=device_memory_bytes(device, base.device_memory_bytes))
     if "skipped" in collective:
         notes.append(f"p2p/all-reduce skipped: {collective['skipped']}")

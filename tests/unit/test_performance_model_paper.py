@@ -26,7 +26,18 @@ def test_runs_are_set_as_the_authors_scripts_ran_them(label, scheme, depth, micr
     assert (run.scheme, run.pipeline, run.micro_batch_size, run.recompute) == (
         scheme, depth, micro_batch, recompute)
     assert script in run.script
-    assert run.nodes == 2048 and run.global_batch_size == 2048
+    assert run.nodes == 2048
+    # GEMS updates after its script's 6 accumulation steps (one down and one up micro-batch
+    # each); every other run uses the paper's mini-batch of 2,048.
+    expected = 256 * 2 * 2 * 6 if label == "GEMS" else 2048
+    assert run.global_batch_size == expected
+
+
+def test_gems_update_is_its_scripts_accumulation():
+    run = RUNS["GEMS"]
+    assert paper.GEMS_ACCUMULATION_STEPS == 6
+    assert "--gradient_accumulation_steps 6" in run.script
+    assert run.num_microbatches == 2 * paper.GEMS_ACCUMULATION_STEPS
 
 
 def test_runs_without_a_script_follow_the_paper_and_say_so():
@@ -88,3 +99,90 @@ def test_ddp_sync_overlaps_the_backward_bucket_by_bucket():
 def test_two_bw_needs_an_update_interval_of_at_least_the_depth():
     with pytest.raises(ValueError, match="N >= D"):
         evaluate(GPT2_PAPER, P100_ARIES, "pipedream-2bw", 256, 16, 1, 8, "full")
+
+
+def test_ddp_schemes_pay_the_ring_latency_once_per_bucket():
+    """PipeDream and PipeDream-2BW sync through DDP (25 MiB buckets, one ring all-reduce
+    each); GEMS and the schedule-backed schemes all-reduce one flattened message per stage."""
+    from megatron.performance_model.costs import (
+        DDP_BUCKET_BYTES, allreduce_time, ddp_buckets, network_contention)
+    from megatron.performance_model.timing import stage_costs
+
+    assert ddp_buckets(1) == 1 and ddp_buckets(DDP_BUCKET_BYTES) == 1
+    assert ddp_buckets(DDP_BUCKET_BYTES + 1) == 2
+    hardware = P100_ARIES
+    one = allreduce_time(hardware, 8, 1e8)
+    three = allreduce_time(hardware, 8, 1e8, messages=3)
+    assert three - one == pytest.approx(2 * 2 * (8 - 1) * hardware.alpha)
+    for scheme, expected_messages in (("pipedream", True), ("gems", False)):
+        costs = stage_costs(GPT2_PAPER, hardware, scheme, 256, 8, 2, "full", "per-stage")
+        size = costs.gradient_bytes[3]
+        replicas = 256 * (2 if scheme == "gems" else 1)
+        single = allreduce_time(hardware, replicas, size,
+                                network_contention(hardware, 2048, replicas))
+        extra = (ddp_buckets(size) - 1) * 2 * (replicas - 1) * hardware.alpha
+        assert costs.allreduce_alone[3] == pytest.approx(single + (extra if expected_messages
+                                                                   else 0.0))
+
+
+def test_gems_amortises_its_sync_over_the_accumulated_steps():
+    """The same GEMS run with 2 or 6 steps per update: the per-sequence throughput rises
+    because the two stage syncs at the update are paid once per update."""
+    few = evaluate(GPT2_PAPER, P100_ARIES, "gems", 256, 8, 2, 4, "none", stage_balance="per-stage")
+    many = evaluate(GPT2_PAPER, P100_ARIES, "gems", 256, 8, 2, 12, "none",
+                    stage_balance="per-stage")
+    assert many.throughput > few.throughput
+    # Six steps cost three times two steps' compute plus one sync, not three syncs.
+    sync = few.iteration_time - 2 * (many.iteration_time - few.iteration_time) / 4
+    assert many.iteration_time == pytest.approx(3 * (few.iteration_time - sync) + sync, rel=1e-6)
+
+
+def test_optimizer_step_is_paid_per_update():
+    """The AdamW step (72 bytes per parameter at the device's memory bandwidth) follows each
+    update: once per iteration for Chimera and GEMS, once per micro-batch for PipeDream."""
+    import dataclasses
+
+    from megatron.performance_model.costs import (
+        OPTIMIZER_STEP_BYTES_PER_PARAMETER, optimizer_step_time)
+
+    assert optimizer_step_time(dataclasses.replace(P100_ARIES, memory_bandwidth=0.0), 1e9) == 0
+    assert optimizer_step_time(P100_ARIES, 1e9) == pytest.approx(
+        1e9 * OPTIMIZER_STEP_BYTES_PER_PARAMETER / P100_ARIES.memory_bandwidth)
+    free = dataclasses.replace(P100_ARIES, memory_bandwidth=0.0)
+
+    def times(scheme, width, depth, micro_batch, count, recompute):
+        return [evaluate(GPT2_PAPER, hardware, scheme, width, depth, micro_batch, count,
+                         recompute, stage_balance="per-stage")
+                for hardware in (P100_ARIES, free)]
+
+    paid, unpaid = times("pipedream", 256, 8, 2, 4, "full")
+    steps = [paid.costs.optimizer_step_of(stage) for stage in range(8)]
+    assert min(steps) > 0
+    # Four updates per iteration; the replay runs at the pace of the slowest stage.
+    assert 4 * min(steps) <= paid.iteration_time - unpaid.iteration_time <= 4 * max(steps) + 1e-9
+    paid, unpaid = times("chimera-direct", 64, 32, 1, 32, "none")
+    hosted = [paid.costs.optimizer_step_of(s) + paid.costs.optimizer_step_of(31 - s)
+              for s in range(32)]
+    assert 0 < paid.iteration_time - unpaid.iteration_time <= max(hosted) + 1e-9
+
+
+def test_gloo_stages_every_message_through_the_host():
+    """gloo on CUDA tensors copies each message to the host and the result back over the
+    card's PCIe 3.0 x16 link (15.75 GB/s per direction, stated): 2·L / that bandwidth on top
+    of the network terms, for p2p and all-reduce alike, not slowed by contention."""
+    import dataclasses
+
+    from megatron.performance_model.costs import allreduce_time, host_staging_time, p2p_time
+    from megatron.performance_model.specs import PCIE3_X16_BANDWIDTH
+
+    assert PCIE3_X16_BANDWIDTH == pytest.approx(15.75e9, rel=1e-3)
+    bare = dataclasses.replace(P100_ARIES, host_staging_bandwidth=0.0)
+    assert host_staging_time(bare, 1e9) == 0.0
+    assert host_staging_time(P100_ARIES, 1e9) == pytest.approx(2e9 / PCIE3_X16_BANDWIDTH)
+    assert p2p_time(P100_ARIES, 1e6) - p2p_time(bare, 1e6) == pytest.approx(2e6 / 15.75e9,
+                                                                            rel=1e-3)
+    for contention in (1.0, 3.0):
+        extra = (allreduce_time(P100_ARIES, 64, 1e8, contention)
+                 - allreduce_time(bare, 64, 1e8, contention))
+        assert extra == pytest.approx(2e8 / PCIE3_X16_BANDWIDTH)
+    assert allreduce_time(P100_ARIES, 1, 1e8) == 0.0
