@@ -90,20 +90,41 @@ def ideal_seconds(times: StageTimes, depth: int, count: int) -> float:
 
 # ------------------------------------------------------------------------------ simulation
 
+def op_costs_file(times: StageTimes, depth: int) -> str:
+    """A ``--pipeline-op-costs`` file of the emulated per-stage times (one [F, I, W] per stage of
+    D; interleaved schedules split each entry over their chunks), named by its content in the
+    temporary directory (every rank finds the same file; written atomically)."""
+    import hashlib
+    import json
+    import tempfile
+    text = json.dumps({"stages": [list(stage) for stage in times.per_stage(depth)]})
+    path = os.path.join(tempfile.gettempdir(), f"emulated_op_costs_D{depth}_"
+                        f"{hashlib.sha1(text.encode()).hexdigest()[:12]}.json")
+    if not os.path.isfile(path):
+        handle, staging = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".json")
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(staging, path)
+    return path
+
+
+def our_flags(label_flags, depth: int, count: int, times: StageTimes) -> list:
+    """All of one configuration's flags; split-backward plans are placed with the emulated
+    per-stage charges through ``--pipeline-op-costs`` (as a user passes a measured profile)."""
+    flags = _config_flags(depth, count) + list(label_flags)
+    if "--split-backward" in flags:
+        flags += ["--pipeline-op-costs", op_costs_file(times, depth)]
+    return flags
+
+
 def our_plan(label_flags, depth: int, count: int, times: StageTimes):
-    """Our plan of one configuration, placed with the emulated per-stage charges."""
-    from megatron.core.pipeline_parallel.planning.plan import make_plan
-    from megatron.core.pipeline_parallel.planning.schedules import (schedule_from_config,
-                                                                    schedule_layout)
+    """Our plan of one configuration as the runtime makes it (plan_from_config), and the stage
+    table it is simulated with."""
+    from megatron.core.pipeline_parallel.planning.plan import plan_from_config
     from megatron.training.arguments import parse_args
-    config = parse_args(_config_flags(depth, count) + list(label_flags), world_size=depth)
-    name, options = schedule_from_config(config.parallel)
-    layout = schedule_layout(name, depth, **options)
-    costs = stage_costs_of(times, layout.num_stages)
-    split = (config.parallel.split_backward_extra_activations if config.parallel.split_backward
-             else None)
-    return make_plan(name, depth, count, options, grad_sync_policy=config.parallel.chimera_grad_sync,
-                     split_backward=split, stage_costs=costs), costs
+    config = parse_args(our_flags(label_flags, depth, count, times), world_size=depth)
+    plan = plan_from_config(config)
+    return plan, stage_costs_of(times, plan.layout.num_stages)
 
 
 def simulate_ours(flags, depth, count, times):
@@ -198,10 +219,9 @@ def simulated_table(depths, multiples, times_for) -> list:
 def _our_configuration(label, flags, parallel_state, depth, count, times, sizes):
     from megatron.core.runtimes.pipeline import PipelineRuntime
     from megatron.training.arguments import parse_args
-    config = parse_args(_config_flags(depth, count) + list(flags), world_size=depth)
+    config = parse_args(our_flags(flags, depth, count, times), world_size=depth)
     runtime = PipelineRuntime(config, parallel_state, torch.device("cpu"))
-    plan, _ = our_plan(flags, depth, count, times)
-    runtime._plans[count] = plan  # placed with the emulated charges (same schedule otherwise)
+    plan = runtime.plan
     param_floats, activation_floats = sizes
 
     def provider(config, parallel_state, *, pre_process=True, post_process=True,
