@@ -61,7 +61,10 @@ def our_variants(depth: int) -> list:
                 ("ours 1f1b split", ["--pipeline-schedule", "1f1b", "--split-backward"]),
                 ("ours interleaved-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"]),
                 ("ours chimera", ["--pipeline-schedule", "chimera"]),
-                ("ours chimera split", ["--pipeline-schedule", "chimera", "--split-backward"])]
+                ("ours chimera split", ["--pipeline-schedule", "chimera", "--split-backward"]),
+                ("ours chimera interleaved split", ["--pipeline-schedule", "chimera",
+                                                    "--chimera-variant", "interleaved",
+                                                    "--split-backward"])]
     if depth >= 8:
         variants.append(("ours chimera 4-pipe split", ["--pipeline-schedule", "chimera",
                                                        "--chimera-pipelines", "4",
