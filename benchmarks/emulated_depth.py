@@ -130,11 +130,12 @@ def our_plan(label_flags, depth: int, count: int, times: StageTimes):
     return plan, stage_costs_of(times, plan.layout.num_stages)
 
 
-def simulate_ours(flags, depth, count, times):
-    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies)."""
+def simulate_ours(flags, depth, count, times, message_seconds=0.0):
+    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies);
+    ``message_seconds``: latency of every message between ranks."""
     from megatron.core.pipeline_parallel.planning.simulator import simulate_plan
     plan, costs = our_plan(flags, depth, count, times)
-    result = simulate_plan(plan, stage_costs=costs)
+    result = simulate_plan(plan, stage_costs=costs, p2p_cost=message_seconds)
     scale = depth / plan.layout.num_stages  # a stage of 2D stages holds half a 1F1B stage
     copies = max(len(plan.layout.hosted(rank)) for rank in range(depth)) * scale
     return result.makespan, [p * scale for p in result.peak_activations], copies
@@ -185,19 +186,21 @@ def torch_orders(name: str, depth: int, count: int) -> tuple[list, int]:
     return orders, 2 * depth
 
 
-def simulate_torch(name, depth, count, times):
-    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies)."""
+def simulate_torch(name, depth, count, times, message_seconds=0.0):
+    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies);
+    ``message_seconds``: latency of every message between ranks."""
     from megatron.core.pipeline_parallel.planning.lowering import reference_timeline
     from megatron.core.pipeline_parallel.planning.simulator import peak_activations
     orders, num_stages = torch_orders(name, depth, count)
     timeline = reference_timeline(orders, num_stages,
-                                  stage_costs=stage_costs_of(times, num_stages))
+                                  stage_costs=stage_costs_of(times, num_stages),
+                                  message_latency=message_seconds)
     makespan = max(end for rank in timeline for _, end in rank)
     scale = depth / num_stages
     return makespan, [peak_activations(ops) * scale for ops in orders], 1.0
 
 
-def simulated_table(depths, multiples, times_for) -> list:
+def simulated_table(depths, multiples, times_for, message_seconds=0.0) -> list:
     rows = []
     for depth in depths:
         times = times_for(depth)
@@ -205,11 +208,13 @@ def simulated_table(depths, multiples, times_for) -> list:
             count = multiple * depth
             ideal = ideal_seconds(times, depth, count)
             for label, flags in our_variants(depth):
-                seconds, peaks, copies = simulate_ours(flags, depth, count, times)
+                seconds, peaks, copies = simulate_ours(flags, depth, count, times,
+                                                       message_seconds)
                 rows.append((depth, count, label, ideal / seconds, max(peaks), copies))
             for name in TORCH_SCHEDULES:
                 try:
-                    seconds, peaks, copies = simulate_torch(name, depth, count, times)
+                    seconds, peaks, copies = simulate_torch(name, depth, count, times,
+                                                            message_seconds)
                 except ValueError as error:
                     rows.append((depth, count, f"torch {name}", None, str(error)[:60], None))
                     continue
@@ -419,6 +424,11 @@ def parse_args(argv=None):
                         help="parameter floats per stage (all-reduced between replicas)")
     parser.add_argument("--activation-floats", type=int, default=1 << 14,
                         help="floats per activation message")
+    parser.add_argument("--message-ms", type=float, default=0.0,
+                        help="--simulate-only: charge every message between ranks this latency "
+                             "(milliseconds) on both sides (default 0: messages free). The "
+                             "measured runs lose about 4-5 ms per message hop at 80 ms units on a "
+                             "loaded 2-core machine (docs/benchmarks.md)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only configurations whose label contains one of these words")
@@ -446,7 +456,8 @@ def main(argv=None) -> int:
                              (args.weight_ms / 1e3) if args.weight_ms is not None else unit)
 
     if args.simulate_only:
-        print(simulated_report(simulated_table(args.depths, args.counts, times_for)))
+        print(simulated_report(simulated_table(args.depths, args.counts, times_for,
+                                               args.message_ms / 1e3)))
         return 0
     sizes = (args.param_floats, args.activation_floats)
     for depth in args.depths:
