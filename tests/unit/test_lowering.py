@@ -34,6 +34,9 @@ CONFIGS = [
     ("chimera", 8, 13, {"num_pipelines": 8}),
     ("chimera", 8, 3, {"num_pipelines": 4}),  # one pipeline without micro-batches
     ("chimera", 2, 1, {}),
+    ("chimera", 4, 8, {"variant": "interleaved"}),
+    ("chimera", 6, 5, {"variant": "interleaved"}),  # N not a multiple of D
+    ("chimera", 8, 3, {"variant": "interleaved"}),  # N < D
 ]
 
 

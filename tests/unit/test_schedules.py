@@ -203,6 +203,7 @@ def test_backward_halving_needs_even_micro_batch_size():
     ("chimera", 4, 6, {"variant": "forward-doubling"}, "multiple of D = 4"),
     ("chimera", 4, 2, {"variant": "backward-halving"}, "multiple of D = 4"),
     ("chimera", 8, 16, {"variant": "forward-doubling", "num_pipelines": 4}, "2 pipelines only"),
+    ("chimera", 8, 16, {"variant": "interleaved", "num_pipelines": 4}, "2 pipelines only"),
     ("chimera", 4, 4, {"variant": "sideways"}, "allowed: direct, forward-doubling"),
     ("chimera", 4, 0, {}, "positive int"),
     ("interleaved-1f1b", 4, 6, {"num_model_chunks": 2}, "multiple of"),
