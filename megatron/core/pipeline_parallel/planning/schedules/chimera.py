@@ -37,7 +37,7 @@ from fractions import Fraction
 
 from ..instructions import Instruction, backward, forward
 from .chimera_interleaved import build_interleaved_chimera, interleaved_chimera_placements
-from .family import ScheduleFamily, ScheduleOption
+from .family import ScheduleFamily, ScheduleOption, even_stage_config
 from .layout import ScheduleLayout
 
 VARIANTS = ("direct", "forward-doubling", "backward-halving", "interleaved")
@@ -203,6 +203,18 @@ def chimera_layout(pipeline_size: int, num_pipelines: int = 2,
                           doubling_unit)
 
 
+def chimera_config(parallel_config, num_layers: int) -> dict:
+    """Config rule: equal stages of num_layers / D layers; the interleaved variant cuts each
+    direction into 2D stages, so --num-layers must be a multiple of 2D."""
+    even_stage_config(parallel_config, num_layers)
+    stages = 2 * parallel_config.pipeline_model_parallel_size
+    if getattr(parallel_config, "chimera_variant", "direct") == "interleaved" and num_layers % stages:
+        raise ValueError(f"--chimera-variant interleaved cuts each direction into 2D = {stages} "
+                         f"stages; --num-layers {num_layers} is not a multiple of {stages} (use a "
+                         f"multiple of {stages} layers or another --chimera-variant)")
+    return {}
+
+
 def chimera_critical_path(pipeline_size: int, num_microbatches: int, num_pipelines: int = 2,
                           variant: str = "direct"):
     """(Cf, Cb) forwards and backwards on the critical path, or None where no closed form is known.
@@ -243,6 +255,7 @@ CHIMERA = ScheduleFamily(
     ),
     checkpoint_options=("num_pipelines",),
     critical_path=chimera_critical_path,
+    derive_config=chimera_config,
     model_variants=(("-direct", {"variant": "direct"}),
                     ("-forward-doubling", {"variant": "forward-doubling"}),
                     ("-backward-halving", {"variant": "backward-halving"}),
