@@ -61,7 +61,10 @@ def our_variants(depth: int) -> list:
                 ("ours 1f1b split", ["--pipeline-schedule", "1f1b", "--split-backward"]),
                 ("ours interleaved-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"]),
                 ("ours chimera", ["--pipeline-schedule", "chimera"]),
-                ("ours chimera split", ["--pipeline-schedule", "chimera", "--split-backward"])]
+                ("ours chimera split", ["--pipeline-schedule", "chimera", "--split-backward"]),
+                ("ours chimera interleaved split", ["--pipeline-schedule", "chimera",
+                                                    "--chimera-variant", "interleaved",
+                                                    "--split-backward"])]
     if depth >= 8:
         variants.append(("ours chimera 4-pipe split", ["--pipeline-schedule", "chimera",
                                                        "--chimera-pipelines", "4",
@@ -90,27 +93,49 @@ def ideal_seconds(times: StageTimes, depth: int, count: int) -> float:
 
 # ------------------------------------------------------------------------------ simulation
 
+def op_costs_file(times: StageTimes, depth: int) -> str:
+    """A ``--pipeline-op-costs`` file of the emulated per-stage times (one [F, I, W] per stage of
+    D; interleaved schedules split each entry over their chunks), named by its content in the
+    temporary directory (every rank finds the same file; written atomically)."""
+    import hashlib
+    import json
+    import tempfile
+    text = json.dumps({"stages": [list(stage) for stage in times.per_stage(depth)]})
+    path = os.path.join(tempfile.gettempdir(), f"emulated_op_costs_D{depth}_"
+                        f"{hashlib.sha1(text.encode()).hexdigest()[:12]}.json")
+    if not os.path.isfile(path):
+        handle, staging = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".json")
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(staging, path)
+    return path
+
+
+def our_flags(label_flags, depth: int, count: int, times: StageTimes) -> list:
+    """All of one configuration's flags; split-backward plans are placed with the emulated
+    per-stage charges through ``--pipeline-op-costs`` (as a user passes a measured profile)."""
+    flags = _config_flags(depth, count) + list(label_flags)
+    if "--split-backward" in flags:
+        flags += ["--pipeline-op-costs", op_costs_file(times, depth)]
+    return flags
+
+
 def our_plan(label_flags, depth: int, count: int, times: StageTimes):
-    """Our plan of one configuration, placed with the emulated per-stage charges."""
-    from megatron.core.pipeline_parallel.planning.plan import make_plan
-    from megatron.core.pipeline_parallel.planning.schedules import (schedule_from_config,
-                                                                    schedule_layout)
+    """Our plan of one configuration as the runtime makes it (plan_from_config), and the stage
+    table it is simulated with."""
+    from megatron.core.pipeline_parallel.planning.plan import plan_from_config
     from megatron.training.arguments import parse_args
-    config = parse_args(_config_flags(depth, count) + list(label_flags), world_size=depth)
-    name, options = schedule_from_config(config.parallel)
-    layout = schedule_layout(name, depth, **options)
-    costs = stage_costs_of(times, layout.num_stages)
-    split = (config.parallel.split_backward_extra_activations if config.parallel.split_backward
-             else None)
-    return make_plan(name, depth, count, options, grad_sync_policy=config.parallel.chimera_grad_sync,
-                     split_backward=split, stage_costs=costs), costs
+    config = parse_args(our_flags(label_flags, depth, count, times), world_size=depth)
+    plan = plan_from_config(config)
+    return plan, stage_costs_of(times, plan.layout.num_stages)
 
 
-def simulate_ours(flags, depth, count, times):
-    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies)."""
+def simulate_ours(flags, depth, count, times, message_seconds=0.0):
+    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies);
+    ``message_seconds``: latency of every message between ranks."""
     from megatron.core.pipeline_parallel.planning.simulator import simulate_plan
     plan, costs = our_plan(flags, depth, count, times)
-    result = simulate_plan(plan, stage_costs=costs)
+    result = simulate_plan(plan, stage_costs=costs, p2p_cost=message_seconds)
     scale = depth / plan.layout.num_stages  # a stage of 2D stages holds half a 1F1B stage
     copies = max(len(plan.layout.hosted(rank)) for rank in range(depth)) * scale
     return result.makespan, [p * scale for p in result.peak_activations], copies
@@ -161,19 +186,21 @@ def torch_orders(name: str, depth: int, count: int) -> tuple[list, int]:
     return orders, 2 * depth
 
 
-def simulate_torch(name, depth, count, times):
-    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies)."""
+def simulate_torch(name, depth, count, times, message_seconds=0.0):
+    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies);
+    ``message_seconds``: latency of every message between ranks."""
     from megatron.core.pipeline_parallel.planning.lowering import reference_timeline
     from megatron.core.pipeline_parallel.planning.simulator import peak_activations
     orders, num_stages = torch_orders(name, depth, count)
     timeline = reference_timeline(orders, num_stages,
-                                  stage_costs=stage_costs_of(times, num_stages))
+                                  stage_costs=stage_costs_of(times, num_stages),
+                                  message_latency=message_seconds)
     makespan = max(end for rank in timeline for _, end in rank)
     scale = depth / num_stages
     return makespan, [peak_activations(ops) * scale for ops in orders], 1.0
 
 
-def simulated_table(depths, multiples, times_for) -> list:
+def simulated_table(depths, multiples, times_for, message_seconds=0.0) -> list:
     rows = []
     for depth in depths:
         times = times_for(depth)
@@ -181,11 +208,13 @@ def simulated_table(depths, multiples, times_for) -> list:
             count = multiple * depth
             ideal = ideal_seconds(times, depth, count)
             for label, flags in our_variants(depth):
-                seconds, peaks, copies = simulate_ours(flags, depth, count, times)
+                seconds, peaks, copies = simulate_ours(flags, depth, count, times,
+                                                       message_seconds)
                 rows.append((depth, count, label, ideal / seconds, max(peaks), copies))
             for name in TORCH_SCHEDULES:
                 try:
-                    seconds, peaks, copies = simulate_torch(name, depth, count, times)
+                    seconds, peaks, copies = simulate_torch(name, depth, count, times,
+                                                            message_seconds)
                 except ValueError as error:
                     rows.append((depth, count, f"torch {name}", None, str(error)[:60], None))
                     continue
@@ -198,10 +227,9 @@ def simulated_table(depths, multiples, times_for) -> list:
 def _our_configuration(label, flags, parallel_state, depth, count, times, sizes):
     from megatron.core.runtimes.pipeline import PipelineRuntime
     from megatron.training.arguments import parse_args
-    config = parse_args(_config_flags(depth, count) + list(flags), world_size=depth)
+    config = parse_args(our_flags(flags, depth, count, times), world_size=depth)
     runtime = PipelineRuntime(config, parallel_state, torch.device("cpu"))
-    plan, _ = our_plan(flags, depth, count, times)
-    runtime._plans[count] = plan  # placed with the emulated charges (same schedule otherwise)
+    plan = runtime.plan
     param_floats, activation_floats = sizes
 
     def provider(config, parallel_state, *, pre_process=True, post_process=True,
@@ -396,6 +424,11 @@ def parse_args(argv=None):
                         help="parameter floats per stage (all-reduced between replicas)")
     parser.add_argument("--activation-floats", type=int, default=1 << 14,
                         help="floats per activation message")
+    parser.add_argument("--message-ms", type=float, default=0.0,
+                        help="--simulate-only: charge every message between ranks this latency "
+                             "(milliseconds) on both sides (default 0: messages free). The "
+                             "measured runs lose about 4-5 ms per message hop at 80 ms units on a "
+                             "loaded 2-core machine (docs/benchmarks.md)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only configurations whose label contains one of these words")
@@ -423,7 +456,8 @@ def main(argv=None) -> int:
                              (args.weight_ms / 1e3) if args.weight_ms is not None else unit)
 
     if args.simulate_only:
-        print(simulated_report(simulated_table(args.depths, args.counts, times_for)))
+        print(simulated_report(simulated_table(args.depths, args.counts, times_for,
+                                               args.message_ms / 1e3)))
         return 0
     sizes = (args.param_floats, args.activation_floats)
     for depth in args.depths:

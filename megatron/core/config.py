@@ -214,6 +214,11 @@ class ParallelConfig:
         0, "With --split-backward: micro-batches of activations a rank may keep stored beyond "
            "the schedule's busiest rank's peak in order to defer weight-gradient work (0: the "
            "schedule's peak activation memory is unchanged).")
+    pipeline_op_costs: Optional[str] = option(
+        None, "With --split-backward: JSON file of per-stage compute costs the planner places the "
+              "weight-gradient work and groups messages with: {\"stages\": [[F, I, W], ...]} "
+              "seconds, or tools/performance_model.py --measure output (default: F = 1, "
+              "I = W = 1 on every stage).")
     p2p_packing: str = option(
         "auto", "Pack all tensors bound for one peer into one message: auto (C++ if it builds, "
                 "else Python), cpp, python or off.", choices=("auto", "cpp", "python", "off"))

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -276,6 +277,13 @@ def _resolve_pipeline_schedule(config: MegatronConfig,
     if parallel.split_backward and pp < 2:
         raise ValueError("--split-backward reorders the backward passes of a pipeline schedule; it "
                          "needs --pipeline-model-parallel-size >= 2 (drop it without a pipeline)")
+    if parallel.pipeline_op_costs and not parallel.split_backward:
+        raise ValueError("--pipeline-op-costs places the weight-gradient halves of a split "
+                         "backward; add --split-backward or drop --pipeline-op-costs")
+    if parallel.pipeline_op_costs and not os.path.isfile(parallel.pipeline_op_costs):
+        raise ValueError(f"--pipeline-op-costs {parallel.pipeline_op_costs!r} is not a file; give "
+                         f"a JSON file ('stages' [[F, I, W], ...] or tools/performance_model.py "
+                         f"--measure output)")
     if parallel.split_backward_extra_activations < 0:
         raise ValueError(f"--split-backward-extra-activations "
                          f"{parallel.split_backward_extra_activations} must be >= 0")

@@ -85,6 +85,15 @@ LAYOUTS = [
      "--split-backward", 4, BATCH_N4),
     ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera --split-backward", 4,
      BATCH_N4),  # DP 2
+    # Interleaved Chimera (2D half-size stages per direction), alone and with split backward.
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera --chimera-variant interleaved",
+     2, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --chimera-variant interleaved "
+     "--split-backward", 4, "--micro-batch-size 1 --global-batch-size 8"),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --chimera-variant interleaved "
+     "--split-backward", 4, "--micro-batch-size 4 --global-batch-size 12"),  # N = 3 < D
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera --chimera-variant interleaved "
+     "--split-backward", 4, BATCH_N4),  # DP 2
 ]
 
 

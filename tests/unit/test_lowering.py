@@ -34,6 +34,9 @@ CONFIGS = [
     ("chimera", 8, 13, {"num_pipelines": 8}),
     ("chimera", 8, 3, {"num_pipelines": 4}),  # one pipeline without micro-batches
     ("chimera", 2, 1, {}),
+    ("chimera", 4, 8, {"variant": "interleaved"}),
+    ("chimera", 6, 5, {"variant": "interleaved"}),  # N not a multiple of D
+    ("chimera", 8, 3, {"variant": "interleaved"}),  # N < D
 ]
 
 
@@ -203,3 +206,13 @@ def test_doubled_step_messages_pair_the_activations_of_a_doubled_step(depth, num
     saved = doubled_units * 2 * (depth // 2) * (depth - 1) * 2
     assert messages(plain) - messages(paired) == saved
     simulate(paired, 1, 2)  # deadlock-free
+
+
+def test_reference_timeline_charges_a_message_latency_between_ranks_only():
+    from megatron.core.pipeline_parallel.planning.lowering import reference_timeline
+    schedule = build_schedule("1f1b", 2, 1)  # F on rank 0, F + B on rank 1, B on rank 0
+    free = reference_timeline(schedule, 2)
+    late = reference_timeline(schedule, 2, message_latency=0.25)
+    end = lambda timeline: max(stop for rank in timeline for _, stop in rank)  # noqa: E731
+    assert end(free) == 6 and end(late) == 6.5  # two hops, each 0.25 later
+    assert late[1][1][0] - late[1][0][1] == 0  # rank 1's backward follows its own forward at once

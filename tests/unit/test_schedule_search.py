@@ -1,6 +1,7 @@
 """The schedule search: every variant simulated with the same charges; the fastest within the
-memory budget (activations of 1F1B's busiest rank, weight copies) is Chimera + split backward,
-3N + D/P - 1 with P pipelines, ahead of ZB-H1 (3N + D - 1)."""
+memory budget (activations of 1F1B's busiest rank, weight copies) is interleaved Chimera + split
+backward, 3N + D/4 - 1/2, ahead of Chimera direct + split (3N + D/2 - 1 with two pipelines) and of
+ZB-H1 (3N + D - 1)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from megatron.core.pipeline_parallel.planning.schedule_search import (best_sched
 
 
 @pytest.mark.parametrize("depth", [4, 8])
-def test_chimera_with_split_backward_is_the_fastest_fitting_variant(depth):
+def test_interleaved_chimera_with_split_backward_is_the_fastest_fitting_variant(depth):
     for count in (depth, 2 * depth, 4 * depth):
         best = best_schedule(depth, count)
-        assert (best.name, best.options["num_pipelines"], best.split_backward) == ("chimera", 2, 0)
-        assert best.makespan == 3 * count + depth // 2 - 1
+        assert (best.name, best.options, best.split_backward) == (
+            "chimera", {"num_pipelines": 2, "variant": "interleaved"}, 0)
+        assert best.makespan == pytest.approx(3 * count + depth / 4 - 0.5)
         assert best.peak_activations <= depth and best.weight_copies == 2
         by_name = {c.describe(): c for c in search_schedules(depth, count)}
         assert by_name["1f1b + split backward"].makespan == 3 * count + depth - 1
+        assert by_name["chimera (num_pipelines=2, variant=direct) + split backward"].makespan == (
+            3 * count + depth // 2 - 1)
 
 
 def test_a_larger_weight_budget_admits_four_pipelines():

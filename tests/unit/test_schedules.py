@@ -203,6 +203,7 @@ def test_backward_halving_needs_even_micro_batch_size():
     ("chimera", 4, 6, {"variant": "forward-doubling"}, "multiple of D = 4"),
     ("chimera", 4, 2, {"variant": "backward-halving"}, "multiple of D = 4"),
     ("chimera", 8, 16, {"variant": "forward-doubling", "num_pipelines": 4}, "2 pipelines only"),
+    ("chimera", 8, 16, {"variant": "interleaved", "num_pipelines": 4}, "2 pipelines only"),
     ("chimera", 4, 4, {"variant": "sideways"}, "allowed: direct, forward-doubling"),
     ("chimera", 4, 0, {}, "positive int"),
     ("interleaved-1f1b", 4, 6, {"num_model_chunks": 2}, "multiple of"),
@@ -396,3 +397,15 @@ def test_no_torch_import():
     output = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                             text=True, check=True).stdout
     assert output.strip() == "False"
+
+
+def test_interleaved_chimera_needs_layers_for_2d_stages():
+    from megatron.training.arguments import parse_args
+    base = ("--hidden-size 32 --num-attention-heads 4 --seq-length 8 --max-position-embeddings 8 "
+            "--vocab-size 64 --lr 1e-3 --train-iters 1 --mock-data --micro-batch-size 1 "
+            "--global-batch-size 8 --pipeline-model-parallel-size 4 --pipeline-schedule chimera "
+            "--chimera-variant interleaved").split()
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        parse_args(["--num-layers", "4"] + base, world_size=4)
+    config = parse_args(["--num-layers", "8"] + base, world_size=4)
+    assert config.parallel.chimera_variant == "interleaved"

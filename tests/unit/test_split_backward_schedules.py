@@ -152,3 +152,20 @@ def test_planner_and_simulator_charge_the_same(name, options, defer):
     lowered = lower_schedule(schedule, layout, "eager-opt", stage_costs=costs)
     simulated = simulate(lowered, p2p_semantics="async", stage_costs=costs).makespan
     assert simulated == pytest.approx(planned)
+
+
+@pytest.mark.parametrize("depth", [4, 8, 16])
+def test_interleaved_chimera_with_split_backward_takes_3n_plus_d_over_4_minus_half(depth):
+    """Two directions of 2D half-size looped stages: the middle ranks' first input arrives after
+    D/2 - 1 half-stage forwards, so 3N + D/4 - 1/2 (one stage's F = I = W = 1), below the
+    3N + D/2 - 1/2 of PyTorch's two-chunk zero-bubble schedules, at D stored micro-batches of a
+    1F1B stage and Chimera's weights (four half stages per rank)."""
+    for count in (depth, 2 * depth, 4 * depth):
+        plan = make_plan("chimera", depth, count, {"variant": "interleaved"}, split_backward=0,
+                         stage_costs=StageCosts(2 * depth, 0.5, 1.0))
+        assert plan.layout.num_stages == 2 * depth
+        assert all(len(plan.layout.hosted(rank)) == 4 for rank in range(depth))
+        result = simulate_plan(plan, stage_costs=StageCosts(2 * depth, 0.5, 1.0))
+        assert result.makespan == pytest.approx(3 * count + depth / 4 - 0.5), (depth, count)
+        assert max(result.peak_activations) <= 2 * depth  # half stages: D 1F1B-stage micro-batches
+        assert result.makespan < makespan_and_peak("chimera", depth, count, split=0)[0]

@@ -208,10 +208,11 @@ def receive_points(ops, doubling_unit: int = 0, num_microbatches: int = 0) -> li
 
 
 def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
-                       backward_cost: float = 2, doubling_unit: int = 0, stage_costs=None
-                       ) -> list[list[tuple[float, float]]]:
+                       backward_cost: float = 2, doubling_unit: int = 0, stage_costs=None,
+                       message_latency: float = 0.0) -> list[list[tuple[float, float]]]:
     """(start, end) of every op when each rank runs its list in order and every op starts as
-    soon as its rank is free and its inputs exist (messages arrive instantly). The first op of
+    soon as its rank is free and its inputs exist (messages arrive instantly, or
+    ``message_latency`` after their producer ends when it ran on another rank). The first op of
     a doubled forward step waits for the inputs of both (see :func:`receive_points`).
     ``stage_costs`` (a :class:`~.op_costs.StageCosts`) charges by stage instead."""
     keys = {op_key(op) for ops in schedule for op in ops}
@@ -225,15 +226,19 @@ def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
                 rank_needs[index] = []
         needs.append(rank_needs)
     finished = {}  # op key -> end time
+    produced_on = {}  # op key -> rank that ran it
     times = [[] for _ in schedule]
     clock = [0.0] * len(schedule)
 
     def run(rank: int, index: int) -> None:
         op = schedule[rank][index]
-        start = max([clock[rank]] + [finished[key] for key in needs[rank][index]])
+        start = max([clock[rank]] + [finished[key] + (message_latency if produced_on[key] != rank
+                                                      else 0.0)
+                                     for key in needs[rank][index]])
         end = start + (_op_cost(op, forward_cost, backward_cost) if stage_costs is None
                        else stage_costs.cost(op))
         finished[op_key(op)] = end
+        produced_on[op_key(op)] = rank
         times[rank].append((start, end))
         clock[rank] = end
 

@@ -128,13 +128,22 @@ def plan_from_config(config, *, doubled_step_messages: bool = False,
     batch-size ramp-up runs smaller counts first)."""
     parallel = config.parallel
     name, options = schedule_from_config(parallel, registry)
+    stage_costs = None
+    if getattr(parallel, "pipeline_op_costs", None):
+        from .op_cost_profile import load_stage_costs
+        layout = layout_from_config(config, registry)
+        num_layers = getattr(config.model, "num_layers", None) or layout.num_stages
+        stage_costs = load_stage_costs(
+            parallel.pipeline_op_costs, layout.num_stages, parallel.pipeline_model_parallel_size,
+            stage_layers=[max(1, num_layers // layout.num_stages)] * layout.num_stages,
+            micro_batch_size=config.training.micro_batch_size)
     return make_plan(name, parallel.pipeline_model_parallel_size,
                      num_microbatches or config.training.num_microbatches, options,
                      grad_sync_policy=parallel.chimera_grad_sync,
                      doubled_step_messages=doubled_step_messages,
                      split_backward=(parallel.split_backward_extra_activations
                                      if parallel.split_backward else None),
-                     registry=registry)
+                     stage_costs=stage_costs, registry=registry)
 
 
 def layout_from_config(config, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> ScheduleLayout:

@@ -2,8 +2,9 @@
 
 The variants: 1F1B and interleaved 1F1B with and without split backward (ZB-H1 with it), Chimera
 direct with 2f = 2, 4, ... pipelines with and without split backward (the split planner decides per
-plan whether first stages' backwards are deferred, see :mod:`.schedules.split_backward`), and
-Chimera forward doubling. Each is planned and simulated with the same per-stage charges
+plan whether first stages' backwards are deferred, see :mod:`.schedules.split_backward`), interleaved
+Chimera (two directions of 2D half-size stages, :mod:`.schedules.chimera_interleaved`) and Chimera
+forward doubling. Each is planned and simulated with the same per-stage charges
 (:class:`~.op_costs.StageCosts`). A candidate *fits* when no rank stores more activations than
 ``max_activations`` micro-batches of a 1F1B stage (default D: 1F1B's busiest rank) and no rank holds
 more than ``max_weight_copies`` stages' weights of 1/D of the model each (default 2: Chimera's two
@@ -58,6 +59,8 @@ def candidate_configurations(pipeline_size: int, num_microbatches: int) -> list[
                 configurations.append(("chimera", {"num_pipelines": pipelines,
                                                    "variant": "direct"}, split))
                 pipelines *= 2
+            configurations.append(("chimera", {"num_pipelines": 2, "variant": "interleaved"},
+                                   split))
             if num_microbatches % pipeline_size == 0:
                 configurations.append(("chimera", {"num_pipelines": 2,
                                                    "variant": "forward-doubling"}, split))

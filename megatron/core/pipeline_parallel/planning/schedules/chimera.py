@@ -36,10 +36,11 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..instructions import Instruction, backward, forward
-from .family import ScheduleFamily, ScheduleOption
+from .chimera_interleaved import build_interleaved_chimera, interleaved_chimera_placements
+from .family import ScheduleFamily, ScheduleOption, even_stage_config
 from .layout import ScheduleLayout
 
-VARIANTS = ("direct", "forward-doubling", "backward-halving")
+VARIANTS = ("direct", "forward-doubling", "backward-halving", "interleaved")
 
 # Slots a basic / doubling unit advances the start of the next unit by (chimera.md §3).
 _BASIC_UNIT_SLOTS = 2
@@ -73,7 +74,7 @@ def check_chimera(pipeline_size: int, num_microbatches: int, num_pipelines=2,
         raise ValueError(
             f"chimera variant {variant} is defined for 2 pipelines only (got {num_pipelines}); "
             f"use --chimera-pipelines 2 or --chimera-variant direct")
-    if variant != "direct" and num_microbatches % depth != 0:
+    if variant in ("forward-doubling", "backward-halving") and num_microbatches % depth != 0:
         raise ValueError(
             f"chimera variant {variant} needs the number of micro-batches ({num_microbatches}) "
             f"to be a multiple of D = {depth} (allowed: {depth}, {2 * depth}, {3 * depth}, ...); "
@@ -136,6 +137,10 @@ def build_chimera(pipeline_size: int, num_microbatches: int, num_pipelines: int 
                   variant: str = "direct") -> list[list[Instruction]]:
     """Per-rank instruction lists of Chimera (see the module docstring for the numbering)."""
     depth = pipeline_size
+    if variant == "interleaved":
+        units = chimera_units(depth, num_microbatches, num_pipelines, "direct")
+        per_pipeline = [[m for _, blocks in units for m in blocks[p]] for p in range(2)]
+        return build_interleaved_chimera(depth, per_pipeline)
     placements = chimera_placements(depth, num_pipelines)
     # Chunk of (pipeline, stage) on its rank: position in the rank's modules ordered by pipeline.
     chunk_of = {}
@@ -188,11 +193,26 @@ def chimera_layout(pipeline_size: int, num_pipelines: int = 2,
                    variant: str = "direct") -> ScheduleLayout:
     """2f pipelines of D stages (see :func:`chimera_placements`); backward halving runs half
     micro-batches; the doubling variants pair forwards inside units of 2D micro-batches."""
+    if variant == "interleaved":
+        return ScheduleLayout("chimera interleaved", pipeline_size, 2 * pipeline_size,
+                              interleaved_chimera_placements(pipeline_size))
     fraction = Fraction(1, 2) if variant == "backward-halving" else Fraction(1)
-    doubling_unit = 2 * pipeline_size if variant != "direct" else 0
+    doubling_unit = 2 * pipeline_size if variant in ("forward-doubling", "backward-halving") else 0
     return ScheduleLayout(f"chimera {variant}", pipeline_size, pipeline_size,
                           chimera_placements(pipeline_size, num_pipelines), fraction,
                           doubling_unit)
+
+
+def chimera_config(parallel_config, num_layers: int) -> dict:
+    """Config rule: equal stages of num_layers / D layers; the interleaved variant cuts each
+    direction into 2D stages, so --num-layers must be a multiple of 2D."""
+    even_stage_config(parallel_config, num_layers)
+    stages = 2 * parallel_config.pipeline_model_parallel_size
+    if getattr(parallel_config, "chimera_variant", "direct") == "interleaved" and num_layers % stages:
+        raise ValueError(f"--chimera-variant interleaved cuts each direction into 2D = {stages} "
+                         f"stages; --num-layers {num_layers} is not a multiple of {stages} (use a "
+                         f"multiple of {stages} layers or another --chimera-variant)")
+    return {}
 
 
 def chimera_critical_path(pipeline_size: int, num_microbatches: int, num_pipelines: int = 2,
@@ -207,6 +227,8 @@ def chimera_critical_path(pipeline_size: int, num_microbatches: int, num_pipelin
     if num_pipelines > 2:
         f = num_pipelines // 2
         return (d, d + d // f - 2) if n == d else None
+    if variant == "interleaved":
+        return None
     basic = variant == "direct" or n == d
     if not basic or n % d:
         return None
@@ -233,6 +255,7 @@ CHIMERA = ScheduleFamily(
     ),
     checkpoint_options=("num_pipelines",),
     critical_path=chimera_critical_path,
+    derive_config=chimera_config,
     model_variants=(("-direct", {"variant": "direct"}),
                     ("-forward-doubling", {"variant": "forward-doubling"}),
                     ("-backward-halving", {"variant": "backward-halving"}),
