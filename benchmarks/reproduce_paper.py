@@ -7,8 +7,9 @@ What is fitted and what is predicted. Three constants of the shipped ``P100_ARIE
 fitted, by least squares on log(predicted / published), to the eleven GPT-2 throughputs in
 ``FIT_POINTS`` (megatron/performance_model/paper.py): the sustained fraction of the P100's
 9.3 TFLOP/s, the effective gloo bandwidth per node and γ, the share of its injection bandwidth
-a node gets across dragonfly groups when the whole job syncs. The rest is stated (see
-``assumptions``). For every point the constants are refitted without it (leave one out) and
+a node gets across dragonfly groups when the whole job syncs. Each is held inside what the
+hardware allows (:func:`bounds`: at most 100% of peak, at most the Aries NIC's stated
+injection bandwidth, γ in (0, 1]). The rest is stated (see ``assumptions``). For every point the constants are refitted without it (leave one out) and
 the point predicted; a speedup's leave-one-out refits without both of its points (Chimera's
 and the baseline's). Every claim below uses the leave-one-out numbers. The fits are stored in
 benchmarks/paper_fit.json; ``--fit`` recomputes them (about 8 minutes on a busy 2-core machine).
@@ -422,7 +423,10 @@ def assumptions(fits) -> str:
         f"{fitted['efficiency']:.3f} x 9.3 TFLOP/s, gloo bandwidth "
         f"{fitted['bandwidth'] / 1e9:.2f} GB/s per node, gamma "
         f"{fitted['global_bandwidth_fraction']:.3f}; RMS log error "
-        f"{fitted['rms_log_error']:.3f}.",
+        f"{fitted['rms_log_error']:.3f}. Every fit bounded by the hardware: efficiency <= 1, "
+        f"bandwidth <= the Aries NIC's injection bandwidth "
+        f"{ARIES_INJECTION_BANDWIDTH / 1e9:.1f} GB/s (Cray white paper WP-Aries01-1112), "
+        "0 < gamma <= 1.",
         f"Stated: P100 peak 9.3 TFLOP/s fp32 (NVIDIA P100 PCIe datasheet), 16 GB; "
         f"alpha {hw.alpha * 1e6:.0f} us per message (assumed; gloo over TCP); ring all-reduce "
         f"(gloo); memory bandwidth {hw.memory_bandwidth / 1e9:.0f} GB/s (P100 datasheet) for the "
