@@ -156,8 +156,9 @@ ARIES_INJECTION_BANDWIDTH = 10.2e9
 # the fitted constants PipeDream-2BW 574 / 434 / 318 seq/s and PipeDream 315 / 260 / 205 at
 # 0 / 20 / 50 us), no per-op overhead, no overlap slowdown.
 # FITTED (three constants, each bounded by the hardware: <= 100% of peak, <= the Aries NIC's
-# injection bandwidth above, 0 < gamma <= 1) by `benchmarks/reproduce_paper.py --fit` on the paper's eleven GPT-2
-# throughputs (least squares on log error; leave-one-out fits in benchmarks/paper_fit.json):
+# injection bandwidth above, 0 < gamma <= 1) by `benchmarks/reproduce_paper.py --fit` on the
+# paper's eleven GPT-2 throughputs (least squares on log error; leave-one-out fits in
+# benchmarks/paper_fit.json):
 # sustained 39.3% of peak, 5.47 GB/s effective gloo bandwidth per node, gamma 0.196.
 # Memory: 5.5 GB framework overhead carried over from the previous model, where it was chosen
 # so that the paper's recomputation decisions hold (not refitted; counted as a fitted choice).
