@@ -7,8 +7,9 @@ What is fitted and what is predicted. Three constants of the shipped ``P100_ARIE
 fitted, by least squares on log(predicted / published), to the eleven GPT-2 throughputs in
 ``FIT_POINTS`` (megatron/performance_model/paper.py): the sustained fraction of the P100's
 9.3 TFLOP/s, the effective gloo bandwidth per node and γ, the share of its injection bandwidth
-a node gets across dragonfly groups when the whole job syncs. The rest is stated (see
-``assumptions``). For every point the constants are refitted without it (leave one out) and
+a node gets across dragonfly groups when the whole job syncs. Each is held inside what the
+hardware allows (:func:`bounds`: at most 100% of peak, at most the Aries NIC's stated
+injection bandwidth, γ in (0, 1]). The rest is stated (see ``assumptions``). For every point the constants are refitted without it (leave one out) and
 the point predicted; a speedup's leave-one-out refits without both of its points (Chimera's
 and the baseline's). Every claim below uses the leave-one-out numbers. The fits are stored in
 benchmarks/paper_fit.json; ``--fit`` recomputes them (about 8 minutes on a busy 2-core machine).
@@ -33,7 +34,8 @@ from megatron.performance_model import (  # noqa: E402
 from megatron.performance_model.schemes import (  # noqa: E402
     check_schedule, schedule_microbatches)
 from megatron.performance_model import paper  # noqa: E402
-from megatron.performance_model.specs import P100_PEAK_FLOPS  # noqa: E402
+from megatron.performance_model.specs import (  # noqa: E402
+    ARIES_INJECTION_BANDWIDTH, P100_PEAK_FLOPS)
 
 FIT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_fit.json")
 BERT48 = ModelSpec(num_layers=48, hidden_size=1024, num_attention_heads=16, seq_length=128,
@@ -100,16 +102,35 @@ def _solve(matrix, vector):
     return [rows[i][n] / rows[i][i] if rows[i][i] else 0.0 for i in range(n)]
 
 
+def bounds() -> dict:
+    """What the hardware allows each fitted constant (stated, not fitted): the sustained
+    fraction of peak in (0, 1]; the per-node bandwidth at most the Aries NIC's stated
+    injection bandwidth (:data:`ARIES_INJECTION_BANDWIDTH`); γ, a fraction of that injection
+    bandwidth, in (0, 1]. Lower bounds are open (the fit runs on logs): a positive floor of
+    1e-6 stands for them."""
+    return {"efficiency": (1e-6, 1.0), "bandwidth": (1e-6, ARIES_INJECTION_BANDWIDTH),
+            "global_bandwidth_fraction": (1e-6, 1.0)}
+
+
 def fit(points, start: dict | None = None, base=P100_ARIES, iterations: int = 10,
         memo: dict | None = None) -> dict:
     """Levenberg-Marquardt on the logs of the three constants, minimising the sum of squared
-    log errors over ``points`` only. Returns the constants and the fit's RMS log error.
-    ``memo``: shared predictions (:func:`residuals`)."""
-    x = [math.log((start or constants_of(base))[name]) for name in FITTED]
+    log errors over ``points`` only, inside :func:`bounds` (projected: a constant at a bound
+    that the gradient pushes past it is held there and the step solved for the others; every
+    trial is clamped into the box). Returns the constants, the fit's RMS log error and which
+    constants ended on a bound. ``memo``: shared predictions (:func:`residuals`)."""
+    box = [tuple(math.log(v) for v in bounds()[name]) for name in FITTED]
+    x = [min(max(math.log((start or constants_of(base))[name]), low), high)
+         for name, (low, high) in zip(FITTED, box)]
 
     def evaluate_at(logs):
         values = residuals(dict(zip(FITTED, map(math.exp, logs))), points, base, memo)
         return values, sum(v * v for v in values)
+
+    def at_bound(i, gradient):
+        low, high = box[i]
+        return (x[i] >= high - 1e-12 and gradient[i] < 0) or (
+            x[i] <= low + 1e-12 and gradient[i] > 0)
 
     current, cost = evaluate_at(x)
     damping, step = 1e-2, 0.02
@@ -121,22 +142,30 @@ def fit(points, start: dict | None = None, base=P100_ARIES, iterations: int = 10
             jacobian.append([(a - b) / step for a, b in zip(evaluate_at(shifted)[0], current)])
         normal = [[sum(a * b for a, b in zip(ji, jj)) for jj in jacobian] for ji in jacobian]
         gradient = [sum(a * b for a, b in zip(ji, current)) for ji in jacobian]
+        held = [at_bound(i, gradient) for i in range(len(x))]
         while damping < 1e6:
-            damped = [[value * (1 + damping) + 1e-12 if i == j else value
+            damped = [[0.0 if held[i] or held[j] else
+                       (value * (1 + damping) + 1e-12 if i == j else value)
                        for j, value in enumerate(row)] for i, row in enumerate(normal)]
-            delta = _solve(damped, [-g for g in gradient])
-            trial = [a + b for a, b in zip(x, delta)]
+            for i in range(len(x)):
+                if held[i]:
+                    damped[i][i] = 1.0
+            delta = _solve(damped, [0.0 if held[i] else -g for i, g in enumerate(gradient)])
+            trial = [min(max(a + b, low), high) for a, b, (low, high) in zip(x, delta, box)]
             values, trial_cost = evaluate_at(trial)
             if trial_cost < cost:
+                moved = max(abs(a - b) for a, b in zip(trial, x))
                 x, current, cost, damping = trial, values, trial_cost, damping / 3
                 break
             damping *= 4
         else:
             break
-        if max(abs(d) for d in delta) < 1e-3:
+        if moved < 1e-3:
             break
     result = dict(zip(FITTED, map(math.exp, x)))
     result["rms_log_error"] = math.sqrt(cost / len(points))
+    result["at_bound"] = [name for name, value, (low, high) in zip(FITTED, x, box)
+                          if value >= high - 1e-9 or value <= low + 1e-9]
     return result
 
 
@@ -394,7 +423,10 @@ def assumptions(fits) -> str:
         f"{fitted['efficiency']:.3f} x 9.3 TFLOP/s, gloo bandwidth "
         f"{fitted['bandwidth'] / 1e9:.2f} GB/s per node, gamma "
         f"{fitted['global_bandwidth_fraction']:.3f}; RMS log error "
-        f"{fitted['rms_log_error']:.3f}.",
+        f"{fitted['rms_log_error']:.3f}. Every fit bounded by the hardware: efficiency <= 1, "
+        f"bandwidth <= the Aries NIC's injection bandwidth "
+        f"{ARIES_INJECTION_BANDWIDTH / 1e9:.1f} GB/s (Cray white paper WP-Aries01-1112), "
+        "0 < gamma <= 1.",
         f"Stated: P100 peak 9.3 TFLOP/s fp32 (NVIDIA P100 PCIe datasheet), 16 GB; "
         f"alpha {hw.alpha * 1e6:.0f} us per message (assumed; gloo over TCP); ring all-reduce "
         f"(gloo); memory bandwidth {hw.memory_bandwidth / 1e9:.0f} GB/s (P100 datasheet) for the "

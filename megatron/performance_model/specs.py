@@ -142,6 +142,12 @@ P100_MEMORY_BANDWIDTH = 732e9
 #: encoding = 15.75 GB/s per direction.
 PCIE3_X16_BANDWIDTH = 16 * 8e9 * 128 / 130 / 8
 
+#: The Cray Aries NIC's peak injection bandwidth per node, per direction (Alverson, Froese,
+#: Kaplan, Roweth, "Cray XC Series Network", Cray white paper WP-Aries01-1112, 2012): an upper
+#: bound, never reached by gloo over TCP, on the per-node bandwidth the paper fit may choose.
+#: It sits below the node's PCIe 3.0 x16 host link (15.75 GB/s), through which the NIC is fed.
+ARIES_INJECTION_BANDWIDTH = 10.2e9
+
 # The paper's machine (Piz Daint, §5): one P100 16 GB per node, Cray Aries, gloo, fp32.
 # STATED: peak 9.3 TFLOP/s, 16 GB, 732 GB/s memory bandwidth (datasheet), dragonfly groups of
 # 384 nodes (two XC cabinets), gloo's ring all-reduce, alpha 20 us per message (assumed for gloo
@@ -149,8 +155,10 @@ PCIE3_X16_BANDWIDTH = 16 * 8e9 * 128 / 130 / 8
 # 50 us, but PipeDream and PipeDream-2BW pay it once per 25 MiB DDP bucket and ring step: at
 # the fitted constants PipeDream-2BW 574 / 434 / 318 seq/s and PipeDream 315 / 260 / 205 at
 # 0 / 20 / 50 us), no per-op overhead, no overlap slowdown.
-# FITTED (three constants) by `benchmarks/reproduce_paper.py --fit` on the paper's eleven GPT-2
-# throughputs (least squares on log error; leave-one-out fits in benchmarks/paper_fit.json):
+# FITTED (three constants, each bounded by the hardware: <= 100% of peak, <= the Aries NIC's
+# injection bandwidth above, 0 < gamma <= 1) by `benchmarks/reproduce_paper.py --fit` on the
+# paper's eleven GPT-2 throughputs (least squares on log error; leave-one-out fits in
+# benchmarks/paper_fit.json):
 # sustained 39.3% of peak, 5.47 GB/s effective gloo bandwidth per node, gamma 0.196.
 # Memory: 5.5 GB framework overhead carried over from the previous model, where it was chosen
 # so that the paper's recomputation decisions hold (not refitted; counted as a fitted choice).

@@ -78,3 +78,41 @@ def test_json_output_has_the_agreed_shape(reproduce, capsys):
     assert data["weak_scaling_efficiency"]["published"] == 0.914
     assert len(data["points"]) == 11
     assert all(row["fits_memory"] for row in data["points"])
+
+
+def test_every_stored_fit_stays_inside_what_the_hardware_allows(reproduce, fits):
+    """Sustained FLOP rate at most the P100's peak, per-node bandwidth at most the Aries NIC's
+    stated injection bandwidth, γ a fraction in (0, 1]: in-sample and every held-out fit."""
+    from megatron.performance_model.specs import ARIES_INJECTION_BANDWIDTH
+
+    box = reproduce.bounds()
+    assert box["bandwidth"][1] == ARIES_INJECTION_BANDWIDTH == pytest.approx(10.2e9)
+    assert box["efficiency"][1] == 1.0 and box["global_bandwidth_fraction"][1] == 1.0
+    every = [fits["in_sample"], *fits["leave_one_out"].values(),
+             *fits["leave_pair_out"].values()]
+    for constants in every:
+        for name in reproduce.FITTED:
+            low, high = box[name]
+            assert 0 < low <= constants[name] <= high * (1 + 1e-9), (name, constants)
+
+
+def test_bounded_fit_holds_a_constant_at_its_bound_and_fits_the_rest(reproduce, monkeypatch):
+    """A stand-in residual whose unbounded optimum lies past the bandwidth bound along a flat
+    direction (only bandwidth × γ is pinned, with a weak pull towards 1,000 GB/s): the fit
+    stops at the bound and sets γ so that the product is kept."""
+    import math
+
+    high = reproduce.bounds()["bandwidth"][1]
+
+    def stand_in(constants, points, base=None, memo=None):
+        return [math.log(constants["bandwidth"] * constants["global_bandwidth_fraction"] / 1e9),
+                math.log(constants["efficiency"] / 0.4),
+                0.01 * math.log(constants["bandwidth"] / 1e12)]
+
+    monkeypatch.setattr(reproduce, "residuals", stand_in)
+    start = {"efficiency": 0.3, "bandwidth": 5e9, "global_bandwidth_fraction": 0.2}
+    result = reproduce.fit(("one", "two", "three"), start, iterations=60)
+    assert result["bandwidth"] == pytest.approx(high)
+    assert result["global_bandwidth_fraction"] == pytest.approx(1e9 / high, rel=1e-3)
+    assert result["efficiency"] == pytest.approx(0.4, rel=1e-3)
+    assert result["at_bound"] == ["bandwidth"]
