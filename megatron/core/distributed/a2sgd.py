@@ -60,30 +60,104 @@ def segment_bounds(sizes: Sequence[int], granularity: str, bucket_size: int) -> 
     raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of {GRANULARITIES}")
 
 
-def local_statistics(values: torch.Tensor, bounds: Sequence[tuple]) -> torch.Tensor:
-    """float64 [segments, 4]: (sum, count) of the non-negative entries, then of the negative ones."""
-    stats = torch.zeros(len(bounds), 4, dtype=torch.float64, device=values.device)
-    for index, (start, end) in enumerate(bounds):
-        segment = values[start:end].double()
-        positive = segment >= 0
-        stats[index, 0] = segment[positive].sum()
-        stats[index, 1] = positive.sum()
-        stats[index, 2] = segment[~positive].sum()
-        stats[index, 3] = (~positive).sum()
+class SegmentRuns:
+    """Segments grouped into *runs* of consecutive segments of equal length, computed once per
+    layout: each run is one 2-D view ``[segments, length]`` of the flat buffer, so the statistics
+    and the reconstruction cost one kernel per run (the whole model: 1 run; buckets: at most 2;
+    tensors: one per change of tensor size) instead of a Python loop over segments.
+    """
+
+    def __init__(self, bounds: Sequence[tuple]):
+        self.count = len(bounds)
+        self.runs: list[tuple[int, int, int, int]] = []  # (start, segments, length, first index)
+        for index, (start, end) in enumerate(bounds):
+            length = end - start
+            if self.runs:
+                run_start, segments, run_length, first = self.runs[-1]
+                if run_length == length and run_start + segments * run_length == start:
+                    self.runs[-1] = (run_start, segments + 1, run_length, first)
+                    continue
+            self.runs.append((start, 1, length, index))
+
+    def views(self, flat: torch.Tensor):
+        """(first segment index, ``[segments, length]`` view of ``flat``) per run."""
+        for start, segments, length, first in self.runs:
+            yield first, flat[start:start + segments * length].view(segments, length)
+
+
+def _runs(bounds) -> SegmentRuns:
+    return bounds if isinstance(bounds, SegmentRuns) else SegmentRuns(bounds)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The arithmetic dtype of A2SGD on a buffer: float32, float64 for a float64 buffer."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+EXACT_FLOAT32_COUNT = 2 ** 24  # a float32 sum of at most this many 0/1 entries is exact
+
+
+def non_negative_indicator(values: torch.Tensor, out: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
+    """1.0 where ``values >= 0``, else 0.0, in ``values``' dtype (a float indicator: counting and
+    selecting with it are plain vectorised arithmetic)."""
+    return torch.ge(values, 0, out=torch.empty_like(values) if out is None else out)
+
+
+def _exact_counts(indicator_rows: torch.Tensor) -> torch.Tensor:
+    """Per row, the number of ones of a 0/1 ``[rows, length]`` tensor, exact: summed in chunks
+    of at most :data:`EXACT_FLOAT32_COUNT` columns (exact in float32), the chunks in float64."""
+    length = indicator_rows.shape[1]
+    counts = torch.zeros(indicator_rows.shape[0], dtype=torch.float64)
+    for start in range(0, length, EXACT_FLOAT32_COUNT):
+        counts += indicator_rows[:, start:start + EXACT_FLOAT32_COUNT].sum(dim=1)
+    return counts
+
+
+def local_statistics(values: torch.Tensor, bounds, scratch: Optional[torch.Tensor] = None,
+                     indicator: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float64 [segments, 4]: (sum, count) of the non-negative entries, then of the negative ones.
+
+    The sums are accumulated in ``values``' dtype (torch's cascaded summation; float32 for float32
+    gradients) and returned as float64; the counts are exact. ``scratch`` (like ``values``) is an
+    optional work buffer; ``indicator`` is :func:`non_negative_indicator` of ``values``, computed
+    here when not given."""
+    runs = _runs(bounds)
+    scratch = torch.empty_like(values) if scratch is None else scratch
+    indicator = non_negative_indicator(values) if indicator is None else indicator
+    stats = torch.zeros(runs.count, 4, dtype=torch.float64, device=values.device)
+    for column, bound in ((0, {"min": 0}), (2, {"max": 0})):
+        torch.clamp(values, **bound, out=scratch)  # zeros in place of the other sign's entries
+        for first, view in runs.views(scratch):
+            stats[first:first + view.shape[0], column] = view.sum(dim=1)
+    for first, view in runs.views(indicator):
+        positives = _exact_counts(view)
+        stats[first:first + view.shape[0], 1] = positives
+        stats[first:first + view.shape[0], 3] = view.shape[1] - positives
     return stats
 
 
-def two_level_values(values: torch.Tensor, stats: torch.Tensor, bounds: Sequence[tuple]
-                     ) -> torch.Tensor:
+def two_level_values(values: torch.Tensor, stats: torch.Tensor, bounds,
+                     out: Optional[torch.Tensor] = None,
+                     indicator: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The applied gradient: each segment's global positive mean where ``values >= 0``, its global
-    negative mean elsewhere (a mean over no entries is 0)."""
-    positive_mean = stats[:, 0] / stats[:, 1].clamp(min=1)
-    negative_mean = stats[:, 2] / stats[:, 3].clamp(min=1)
-    applied = torch.empty_like(values)
-    for index, (start, end) in enumerate(bounds):
-        segment = values[start:end]
-        applied[start:end] = torch.where(segment >= 0, positive_mean[index].to(values.dtype),
-                                         negative_mean[index].to(values.dtype))
+    negative mean elsewhere (a mean over no entries is 0), computed in float64 and rounded to
+    ``values``' dtype. ``indicator`` may hold :func:`non_negative_indicator` of ``values``;
+    ``out`` receives the result (it may be ``indicator`` itself).
+
+    The selection is ``lerp(negative mean, positive mean, indicator)``, exact at the weights 0 and
+    1 (torch computes ``start + w (end - start)`` below 0.5 and ``end - (end - start)(1 - w)`` from
+    0.5), and one vectorised pass, where ``torch.where`` on a mask is several times slower on CPU."""
+    runs = _runs(bounds)
+    positive_mean = (stats[:, 0] / stats[:, 1].clamp(min=1)).to(values.dtype)
+    negative_mean = (stats[:, 2] / stats[:, 3].clamp(min=1)).to(values.dtype)
+    indicator = non_negative_indicator(values) if indicator is None else indicator
+    applied = torch.empty_like(values) if out is None else out
+    indicators = dict(runs.views(indicator))
+    for first, view in runs.views(applied):
+        rows = slice(first, first + view.shape[0])
+        torch.lerp(negative_mean[rows, None], positive_mean[rows, None], indicators[first],
+                   out=view)
     return applied
 
 
@@ -128,6 +202,8 @@ class A2SGDReducer(GradientReduction):
         self._sizes = {dtype: [p.numel() for p in self.inner.params[::-1] if p.dtype == dtype]
                        for dtype in self.inner.buffers}
         self.bytes_last_step = 0  # data-parallel bytes all-reduced by the last wait()
+        self._runs: dict = {}  # (dtype, granularity, bucket size) -> SegmentRuns
+        self._work: dict = {}  # dtype -> (p, scratch, indicator) work buffers
 
     @property
     def started(self) -> bool:
@@ -148,15 +224,49 @@ class A2SGDReducer(GradientReduction):
         scale = float(self.loss_scale())
         self.bytes_last_step = 0
         for dtype, buffer in self.inner.buffers.items():
-            values = buffer.double() / scale + self.errors[dtype].double()
-            bounds = segment_bounds(self._sizes[dtype], self.granularity, self.bucket_size)
-            stats = local_statistics(values, bounds)
+            corrected, scratch, indicator = self._work_buffers(dtype, buffer)
+            error = self.errors[dtype]
+            if scale == 1.0 and buffer.dtype == corrected.dtype == error.dtype:
+                torch.add(buffer, error, out=corrected)  # p = g + e
+            else:
+                corrected.copy_(buffer)
+                if scale != 1.0:
+                    corrected.div_(scale)
+                corrected.add_(error)
+            runs = self._segment_runs(dtype)
+            non_negative_indicator(corrected, out=indicator)
+            stats = local_statistics(corrected, runs, scratch, indicator)  # gradient consumed
             if group_size(self.data_group) > 1:
                 dist.all_reduce(stats, group=self.data_group)
             self.bytes_last_step += stats.numel() * stats.element_size()
-            applied = two_level_values(values, stats, bounds)
-            self.feedback.stage(dtype, (values - applied).to(buffer.dtype))
-            buffer.copy_(applied * scale)
+            applied = two_level_values(corrected, stats, runs, out=scratch, indicator=indicator)
+            corrected.sub_(applied)  # the new error, p - applied
+            self.feedback.stage(dtype, corrected if corrected.dtype == error.dtype
+                                else corrected.to(error.dtype))
+            if scale != 1.0:
+                applied.mul_(scale)
+            if applied is not buffer:
+                buffer.copy_(applied)
+
+    def _segment_runs(self, dtype: torch.dtype) -> SegmentRuns:
+        """The segment layout of ``dtype``'s buffer, computed once per granularity."""
+        key = (dtype, self.granularity, self.bucket_size)
+        if key not in self._runs:
+            self._runs[key] = SegmentRuns(segment_bounds(self._sizes[dtype], self.granularity,
+                                                         self.bucket_size))
+        return self._runs[key]
+
+    def _work_buffers(self, dtype: torch.dtype, buffer: torch.Tensor) -> tuple:
+        """(p, scratch, indicator) for ``dtype``'s buffer, allocated once, in the arithmetic dtype:
+        ``p = g + e`` and then the new error; the scratch (the gradient buffer itself when it has
+        the arithmetic dtype: the gradient is consumed once ``p`` is formed) holds the clamped
+        values, then the applied gradient; the indicator is 1.0 where ``p >= 0``, else 0.0."""
+        if dtype not in self._work:
+            work = work_dtype(dtype)
+            corrected = torch.empty(buffer.shape, dtype=work, device=buffer.device)
+            scratch = buffer if buffer.dtype == work else torch.empty_like(corrected)
+            self._work[dtype] = (corrected, scratch, torch.empty_like(corrected))
+        return self._work[dtype]
 
     def attach(self, optimizer) -> None:
         """Read the loss scale (the errors are kept unscaled) and, for ``synchronize()``, the
