@@ -82,7 +82,7 @@ def dequantise(norms: torch.Tensor, signed_levels: torch.Tensor, levels: int, nu
     bucket_size = signed_levels.numel() // max(norms.numel(), 1)
     rows = signed_levels.view(-1, bucket_size)
     target = (torch.empty(rows.shape) if out is None else out.view(rows.shape))
-    torch.mul(rows, (norms / levels)[:, None], out=target)
+    target.copy_(rows).mul_((norms / levels)[:, None])  # int8 -> float32 is exact
     return target.flatten()[:numel]
 
 
