@@ -30,6 +30,7 @@ means would otherwise differ between tensor-parallel ranks. Tied embeddings keep
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -174,6 +175,10 @@ class A2SGDReducer(GradientReduction):
         granularity: ``model`` (paper, default), ``bucket`` or ``tensor``.
         bucket_size: elements per segment for ``bucket``.
         sync_interval: ``synchronize()`` every this many iterations (``--a2sgd-sync-interval``).
+        overlap: once armed by ``start_when_ready()``, form ``p``, its sign indicator and its
+            statistics tensor by tensor during the backward, as each gradient is complete, on a
+            worker thread (whole-model granularity without a direction group; otherwise
+            everything happens in ``wait()``).
     """
 
     has_state = True  # the error buffers
@@ -181,7 +186,7 @@ class A2SGDReducer(GradientReduction):
     def __init__(self, params: Iterable[torch.nn.Parameter], *, direction_group: Any = None,
                  data_group: Any = None, exact_params: Iterable[torch.nn.Parameter] = (),
                  exact_group: Any = None, dp_size: int = 1, granularity: str = "model",
-                 bucket_size: int = 1_000_000, sync_interval: int = 0):
+                 bucket_size: int = 1_000_000, sync_interval: int = 0, overlap: bool = False):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of "
                              f"{GRANULARITIES}")
@@ -204,13 +209,83 @@ class A2SGDReducer(GradientReduction):
         self.bytes_last_step = 0  # data-parallel bytes all-reduced by the last wait()
         self._runs: dict = {}  # (dtype, granularity, bucket size) -> SegmentRuns
         self._work: dict = {}  # dtype -> (p, scratch, indicator) work buffers
+        self.direction_group = direction_group
+        self.overlap = bool(overlap)
+        self._armed = False
+        self.overlapped_last_step = False  # whether the last wait() used the backward's statistics
+        self._pending: dict = {}  # dtype -> gradients still to arrive in the armed backward
+        self._partial: dict = {}  # dtype -> float64 [4] statistics of the arrived gradients
+        self._hook_scratch: dict = {}  # dtype -> work buffer of the backward hooks
+        self._worker: Optional[ThreadPoolExecutor] = None  # runs the hooks' arithmetic
+        self._jobs: list = []  # its jobs of the armed backward
+        if self.overlap:
+            for param in self.params:
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @property
     def started(self) -> bool:
         return self.inner.started
 
     def start_when_ready(self) -> None:
-        """No overlap: the A2SGD step needs the whole gradient."""
+        """With ``overlap``: arm the backward hooks for the next backward (call before the last
+        micro-batch's); the statistics of each gradient are formed as soon as it is complete."""
+        for job in self._jobs:  # a backward armed before but never reduced
+            job.result()
+        self._jobs = []
+        self._armed = False
+        if (not self.overlap or self.granularity != "model"
+                or group_size(self.direction_group) > 1):
+            return  # the whole-gradient path in wait()
+        self.inner.rebind_all()  # the hooks read the buffers autograd writes
+        for dtype, buffer in self.inner.buffers.items():
+            self._work_buffers(dtype, buffer)
+            self._pending[dtype] = sum(1 for p in self.params if p.dtype == dtype)
+            self._partial[dtype] = torch.zeros(4, dtype=torch.float64)
+        self._armed = True
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Backward hook (when armed): hand ``param``'s slice to the worker thread, so its
+        arithmetic runs while the backward goes on (torch releases the GIL in its kernels)."""
+        if not self._armed or self._pending.get(param.dtype, 0) <= 0:
+            return
+        self._pending[param.dtype] -= 1
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="a2sgd")
+        start = self.inner.offset_of(param)
+        self._jobs.append(self._worker.submit(
+            self._slice_statistics, param.dtype, start, start + param.numel(),
+            float(self.loss_scale())))
+
+    def _slice_statistics(self, dtype: torch.dtype, start: int, end: int, scale: float) -> None:
+        """``p``, indicator and statistics of ``[start, end)``, added to the step's partial sums
+        (run by the one worker thread, so the additions are in submission order)."""
+        corrected, indicator = self._form_corrected(dtype, start, end, scale)
+        if dtype not in self._hook_scratch:
+            self._hook_scratch[dtype] = torch.empty_like(self._work[dtype][0])
+        scratch = self._hook_scratch[dtype][start:end]
+        partial = self._partial[dtype]
+        partial[0] += torch.clamp(corrected, min=0, out=scratch).sum()
+        partial[2] += torch.clamp(corrected, max=0, out=scratch).sum()
+        positives = _exact_counts(indicator.view(1, -1))[0]
+        partial[1] += positives
+        partial[3] += (end - start) - positives
+
+    def _form_corrected(self, dtype: torch.dtype, start: int, end: int, scale: float) -> tuple:
+        """``p = g / scale + e`` and its non-negative indicator on ``[start, end)`` of
+        ``dtype``'s work buffers (views returned)."""
+        buffer = self.inner.buffers[dtype]
+        corrected, _, indicator = self._work_buffers(dtype, buffer)
+        gradient, error = buffer[start:end], self.errors[dtype][start:end]
+        corrected, indicator = corrected[start:end], indicator[start:end]
+        if scale == 1.0 and gradient.dtype == corrected.dtype == error.dtype:
+            torch.add(gradient, error, out=corrected)
+        else:
+            corrected.copy_(gradient)
+            if scale != 1.0:
+                corrected.div_(scale)
+            corrected.add_(error)
+        non_negative_indicator(corrected, out=indicator)
+        return corrected, indicator
 
     def start(self) -> None:
         self.inner.start()
@@ -223,19 +298,21 @@ class A2SGDReducer(GradientReduction):
             self.exact.wait()
         scale = float(self.loss_scale())
         self.bytes_last_step = 0
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()  # the backward's statistics are complete (re-raises a worker's error)
+        overlapped = self._armed and all(n == 0 for n in self._pending.values())
+        self._armed = False
+        self.overlapped_last_step = overlapped
         for dtype, buffer in self.inner.buffers.items():
             corrected, scratch, indicator = self._work_buffers(dtype, buffer)
             error = self.errors[dtype]
-            if scale == 1.0 and buffer.dtype == corrected.dtype == error.dtype:
-                torch.add(buffer, error, out=corrected)  # p = g + e
-            else:
-                corrected.copy_(buffer)
-                if scale != 1.0:
-                    corrected.div_(scale)
-                corrected.add_(error)
             runs = self._segment_runs(dtype)
-            non_negative_indicator(corrected, out=indicator)
-            stats = local_statistics(corrected, runs, scratch, indicator)  # gradient consumed
+            if overlapped:  # p, indicator and statistics were formed in the backward
+                stats = self._partial[dtype].view(1, 4).clone()
+            else:
+                self._form_corrected(dtype, 0, buffer.numel(), scale)  # p = g / scale + e
+                stats = local_statistics(corrected, runs, scratch, indicator)  # g consumed
             if group_size(self.data_group) > 1:
                 dist.all_reduce(stats, group=self.data_group)
             self.bytes_last_step += stats.numel() * stats.element_size()
@@ -326,7 +403,7 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
                         data_group=request.data_group,
                         exact_params=[p for p in request.params if exact(p)],
                         exact_group=request.replica_group, dp_size=int(request.divide_by),
-                        sync_interval=interval)
+                        sync_interval=interval, overlap=request.overlap)
 
 
 def check_a2sgd_flags(parallel) -> None:
@@ -341,7 +418,7 @@ def check_a2sgd_flags(parallel) -> None:
 A2SGD_REDUCER = ReducerKind(
     name="a2sgd", description="A2SGD: two means per worker with error feedback (docs/a2sgd.md)",
     build=build_a2sgd_reduction, needs_direction_groups=True,
-    overlaps=False,  # the A2SGD step needs the whole gradient
+    overlaps=True,  # --overlap-grad-reduce: the statistics are formed in the backward
     validate=check_a2sgd_flags)
 
 
