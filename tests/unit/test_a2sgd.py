@@ -142,7 +142,7 @@ def test_overlapped_statistics_equal_the_whole_gradient_path(loss_scale):
                 A2SGDReducer(models[1].parameters(), overlap=True)]
     for reducer in reducers:
         reducer.loss_scale = lambda: loss_scale
-    for step in range(3):
+    for _step in range(3):
         batches = [(torch.randn(8, 6), torch.randn(8, 4)) for _ in range(2)]
         for model, reducer in zip(models, reducers):
             reducer.zero_grad()
