@@ -359,8 +359,12 @@ class A2SGDReducer(GradientReduction):
         self.average_parameters(self._optimizer_state)
 
     def finish_step(self, update_successful: bool) -> None:
-        """Commit the staged error when the optimizer stepped; drop it on an overflow step."""
-        self.feedback.commit(update_successful)
+        """Commit the staged error when the optimizer stepped; drop it on an overflow step. The
+        staged error is the work buffer ``p``; it becomes the kept error by a swap (no copy), and
+        the old error buffer becomes the next step's ``p``."""
+        for dtype, old_error in self.feedback.adopt_staged(update_successful).items():
+            if dtype in self._work and self.errors[dtype] is self._work[dtype][0]:
+                self._work[dtype] = (old_error,) + self._work[dtype][1:]
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
