@@ -19,6 +19,11 @@ and before every checkpoint and evaluation. All of this goes through the lifecyc
 which checkpoints keep per data-parallel rank. :data:`A2SGD_REDUCER` is the
 ``--dp-gradient-reducer a2sgd`` entry of :data:`~.reducers.BUILTIN_REDUCERS`.
 
+The arithmetic is float32 in buffers kept between steps, a few vectorised passes (see
+:func:`local_statistics`, :func:`two_level_values`); with ``overlap`` (``--overlap-grad-reduce``)
+the first passes (``p``, its sign indicator, the sums and counts) run per tensor on a worker thread
+during the backward, and ``wait()`` only all-reduces the statistics and writes the result.
+
 Exactness is kept where the issue asks: gradients of one replica's copies of a stage (Chimera's two
 pipeline directions) are summed exactly over the *direction group* first (ranks of this data-parallel
 replica holding the stage), then A2SGD runs over the data-parallel group (same pipeline rank, other
