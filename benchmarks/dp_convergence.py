@@ -4,6 +4,7 @@ over several seeds (gloo, CPU).
 
     python tools/build_demo_corpus.py        # once: data/demo/
     python benchmarks/dp_convergence.py [--iters 1000] [--seeds 1 2 3] [--dp 4]
+        [--layers 2] [--hidden 64] [--seq-length 64] [--global-batch 16]   # the GPT and batch
 
 Each variant trains the same small GPT from the same seed on the same global batches with one
 ``--dp-gradient-reducer`` and optimizer: exact all-reduce (Adam and SGD-momentum), A2SGD with Adam
