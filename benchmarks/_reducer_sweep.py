@@ -16,6 +16,10 @@ Reducers (each built once per size, all on the same :class:`EmulatedModel`; a re
 * ``a2sgd model`` / ``a2sgd bucket``: :class:`A2SGDReducer` over the whole gradient (the paper's, 32
   bytes) / per bucket of 1 M entries; the exact parameter sync every 10 steps is measured separately
   and added amortised (one tenth of its median time per step);
+* ``a2sgd overlap``: ``a2sgd model`` with ``overlap=True`` (``--overlap-grad-reduce``): ``p = g + e``,
+  its sign indicator and its statistics are formed tensor by tensor in the backward (during the
+  sleep, as they would run on an accelerator while the rest of the backward computes); the
+  all-reduce of 4 numbers, the reconstruction and the error remain after it;
 * ``topk``: :class:`TopKReducer`, ratio 0.01 (8 bytes per kept entry, all-gathered);
 * ``qsgd``: :class:`QSGDReducer`, 127 levels, buckets of 512 (1 byte per entry, all-gathered).
 
@@ -34,7 +38,8 @@ import time
 
 from _emulated_compute import ComputeTime, EmulatedModel, median_seconds
 
-REDUCERS = ("allreduce", "allreduce overlap", "a2sgd model", "a2sgd bucket", "topk", "qsgd")
+REDUCERS = ("allreduce", "allreduce overlap", "a2sgd model", "a2sgd overlap", "a2sgd bucket",
+            "topk", "qsgd")
 TENSORS = 8
 A2SGD_BUCKET = 1_000_000
 A2SGD_SYNC_INTERVAL = 10
@@ -57,8 +62,9 @@ def build_reducer(name: str, params: list, group, size: int):
                                overlap=True)
     if name.startswith("a2sgd"):
         return A2SGDReducer(params, data_group=group, dp_size=size,
-                            granularity=name.split()[1], bucket_size=A2SGD_BUCKET,
-                            sync_interval=A2SGD_SYNC_INTERVAL)
+                            granularity="bucket" if name == "a2sgd bucket" else "model",
+                            bucket_size=A2SGD_BUCKET, sync_interval=A2SGD_SYNC_INTERVAL,
+                            overlap=name == "a2sgd overlap")
     if name == "topk":
         return TopKReducer(params, ratio=TOPK_RATIO, data_group=group, dp_size=size)
     if name == "qsgd":
@@ -75,7 +81,7 @@ def bytes_per_step(name: str, numel: int, ranks: int) -> float:
     if name.startswith("allreduce"):
         return ring_bytes_sent(gradient, ranks, "all_reduce")
     if name.startswith("a2sgd"):
-        segments = 1 if name == "a2sgd model" else -(-numel // A2SGD_BUCKET)
+        segments = -(-numel // A2SGD_BUCKET) if name == "a2sgd bucket" else 1
         return (ring_bytes_sent(32 * segments, ranks, "all_reduce")
                 + ring_bytes_sent(gradient, ranks, "all_reduce") / A2SGD_SYNC_INTERVAL)
     if name == "topk":

@@ -19,8 +19,10 @@ the last step
 
 instead sweeps gradient size and communication / compute with sleeping compute and real gloo
 collectives (benchmarks/_emulated_compute.py, benchmarks/_reducer_sweep.py): exact all-reduce (also
-overlapped with the backward), A2SGD (whole model, per bucket), top-k and QSGD; step time, bytes per
-worker per step, and where each starts to beat all-reduce. Writes ``emulated.json`` to ``--out``.
+overlapped with the backward), A2SGD (whole model, whole model with its statistics overlapped with
+the backward, per bucket), top-k and QSGD; step time (median and min-max over rounds), bytes per
+worker per step, where each starts to beat all-reduce, and a closing summary of the speed-ups.
+Writes ``emulated.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -176,6 +178,18 @@ def emulated_main(args) -> None:
                          for numel, result in combined.items()}
                     for dp, combined in everything.items()}}, handle, indent=1)
         print(oversubscription_note(dp), flush=True)
+    print("\nSummary: speed-up over the exact all-reduce (median of round medians; its min-max "
+          "over rounds: the slowest round of one against the fastest of all-reduce, and back)")
+    print(f"{'DP':>3} {'floats':>11} {'M/C':>5} " + " ".join(f"{n:>22}" for n in reducers
+                                                           if n != "allreduce"))
+    for dp, combined in everything.items():
+        for numel, result in combined.items():
+            for row in result["rows"].values():
+                base = row["allreduce"]
+                cells = [f"x{base[0] / row[n][0]:.2f} ({base[1] / row[n][2]:.2f}-"
+                         f"{base[2] / row[n][1]:.2f})" for n in reducers if n != "allreduce"]
+                print(f"{dp:>3} {numel:>11,} {row['ratio']:>5.2f} "
+                      + " ".join(f"{c:>22}" for c in cells))
     print(f"wrote {args.out}/emulated.json")
 
 

@@ -4,6 +4,7 @@ over several seeds (gloo, CPU).
 
     python tools/build_demo_corpus.py        # once: data/demo/
     python benchmarks/dp_convergence.py [--iters 1000] [--seeds 1 2 3] [--dp 4]
+        [--layers 2] [--hidden 64] [--seq-length 64] [--global-batch 16]   # the GPT and batch
 
 Each variant trains the same small GPT from the same seed on the same global batches with one
 ``--dp-gradient-reducer`` and optimizer: exact all-reduce (Adam and SGD-momentum), A2SGD with Adam
@@ -32,10 +33,17 @@ for _path in (REPO, os.path.join(REPO, "tests")):
 
 DATA_FLAGS = ("--data-path data/demo/corpus_text_document --split 949,50,1 "
               "--tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model")
-MODEL_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-               "--max-position-embeddings 64 --micro-batch-size 4 --global-batch-size 16 "
-               "--lr-decay-style cosine --lr-warmup-iters 10 "
-               "--clip-grad 1.0 --log-interval 100000")
+SCHEDULE_FLAGS = "--lr-decay-style cosine --lr-warmup-iters 10 --clip-grad 1.0 --log-interval 100000"
+
+
+def model_flags(layers: int, hidden: int, seq_length: int, global_batch: int, dp: int) -> str:
+    """The GPT's shape and batch (4 attention heads; one micro-batch per data-parallel rank)."""
+    if global_batch % dp:
+        raise SystemExit(f"--global-batch {global_batch} must be a multiple of --dp {dp}")
+    return (f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads 4 "
+            f"--seq-length {seq_length} --max-position-embeddings {seq_length} "
+            f"--micro-batch-size {global_batch // dp} --global-batch-size {global_batch} "
+            f"{SCHEDULE_FLAGS}")
 ADAM = "--optimizer adam --lr 3e-3 --min-lr 3e-4"
 SGD = "--optimizer sgd --sgd-momentum 0.9 --lr 0.3 --min-lr 0.03"
 
@@ -93,6 +101,10 @@ def parse_arguments(argv=None):
     parser.add_argument("--eval-interval", type=int, default=50,
                         help="a multiple of both sync intervals")
     parser.add_argument("--eval-iters", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--only", nargs="*", default=None, help="run only these variant names")
     parser.add_argument("--out", default="runs/dp_convergence")
     parser.add_argument("--report", action="store_true",
@@ -101,7 +113,8 @@ def parse_arguments(argv=None):
 
 
 def _train_flags(args, seed: int, flags: str) -> list:
-    return (f"{MODEL_FLAGS} {DATA_FLAGS} {flags} --seed {seed} --train-iters {args.iters} "
+    shape = model_flags(args.layers, args.hidden, args.seq_length, args.global_batch, args.dp)
+    return (f"{shape} {DATA_FLAGS} {flags} --seed {seed} --train-iters {args.iters} "
             f"--eval-interval {args.eval_interval} --eval-iters {args.eval_iters}").split()
 
 

@@ -156,3 +156,24 @@ def test_checkpoint_holds_every_replicas_error_and_resume_is_exact(tmp_path):
         assert resumed_losses == straight_losses[3:]
         for key, value in straight_params.items():
             assert (resumed_params[key] == value).all(), key
+
+
+def _rank_losses_and_overlap(rank, world_size, argv):
+    from megatron.core.distributed.a2sgd import a2sgd_reducers
+    result, _ = _pretrain(rank, world_size, argv)
+    return {"losses": [r.losses["lm loss"] for r in result.history],
+            "overlapped": [r.overlapped_last_step
+                           for r in a2sgd_reducers(result.components.gradient_reducers)]}
+
+
+def test_overlapped_statistics_train_like_the_whole_gradient_path():
+    """--overlap-grad-reduce (DP 2, four micro-batches per rank): the statistics are formed in the
+    backward, and training follows the same losses as without overlap (float32 summation order)."""
+    argv = f"{TINY} --train-iters 4 --a2sgd-sync-interval 2"
+    plain = run_distributed(_rank_losses_and_overlap, 2, argv, timeout=240)
+    overlapped = run_distributed(_rank_losses_and_overlap, 2, f"{argv} --overlap-grad-reduce",
+                                 timeout=240)
+    assert all(not any(r["overlapped"]) for r in plain)
+    assert all(r["overlapped"] and all(r["overlapped"]) for r in overlapped)
+    for rank in range(2):
+        assert overlapped[rank]["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-5)

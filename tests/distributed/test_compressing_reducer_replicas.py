@@ -95,6 +95,7 @@ def test_emulated_compute_sweeps_run_and_print_their_tables(capsys, tmp_path):
                 "--rounds", "1", "--steps", "1", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     assert "bytes/worker/step" in text and "qsgd" in text and "beats all-reduce" in text
+    assert "Summary: speed-up" in text and "a2sgd overlap" in text
     assert os.path.exists(tmp_path / "emulated.json")
     assert crossover.main(["--emulate-compute", "--sizes", "20000", "--ratios", "1",
                            "--iterations", "2", "--rounds", "1"]) == 0

@@ -127,3 +127,64 @@ def test_flags_parse_and_a_bad_sync_interval_is_refused():
     with pytest.raises(ValueError, match="--a2sgd-sync-interval must be >= 1"):
         parse_args(tiny + ["--dp-gradient-reducer", "a2sgd", "--a2sgd-sync-interval", "0"],
                    world_size=1)
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 8.0])
+def test_overlapped_statistics_equal_the_whole_gradient_path(loss_scale):
+    """With ``overlap`` the backward hooks form p, the indicator and the statistics tensor by
+    tensor (after gradient accumulation over two micro-batches); the applied gradients and errors
+    equal those of the path that computes everything in wait(), up to the float32 summation order."""
+    torch.manual_seed(3)
+    models = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    reducers = [A2SGDReducer(models[0].parameters()),
+                A2SGDReducer(models[1].parameters(), overlap=True)]
+    for reducer in reducers:
+        reducer.loss_scale = lambda: loss_scale
+    for _step in range(3):
+        batches = [(torch.randn(8, 6), torch.randn(8, 4)) for _ in range(2)]
+        for model, reducer in zip(models, reducers):
+            reducer.zero_grad()
+            for index, (data, target) in enumerate(batches):
+                if index == len(batches) - 1:
+                    reducer.start_when_ready()
+                loss = torch.nn.functional.mse_loss(model(data), target) * loss_scale
+                loss.backward()
+            reducer.start()
+            reducer.wait()
+            reducer.finish_step(True)
+        assert reducers[1].overlapped_last_step and not reducers[0].overlapped_last_step
+        for plain, overlapped in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(overlapped.grad, plain.grad, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(reducers[1].errors[torch.float32],
+                                   reducers[0].errors[torch.float32], rtol=1e-6, atol=1e-7)
+
+
+def test_vectorised_statistics_equal_the_per_segment_definition():
+    """The run-wise statistics and reconstruction equal a per-segment float64 evaluation of the
+    definition (sums within float32 summation error, counts and selections exactly)."""
+    torch.manual_seed(5)
+    sizes = [7, 7, 7, 30, 1, 1, 64, 5]
+    values = torch.randn(sum(sizes))
+    values[3] = 0.0
+    for granularity in GRANULARITY_CASES:
+        bounds = segment_bounds(sizes, granularity, 16)
+        stats = local_statistics(values, bounds)
+        for index, (start, end) in enumerate(bounds):
+            segment = values[start:end].double()
+            positive = segment >= 0
+            expected = [segment[positive].sum(), positive.sum(), segment[~positive].sum(),
+                        (~positive).sum()]
+            torch.testing.assert_close(stats[index], torch.stack(expected).double(),
+                                       rtol=1e-6, atol=1e-6)
+            assert stats[index, 1] == positive.sum() and stats[index, 3] == (~positive).sum()
+        applied = two_level_values(values, stats, bounds)
+        for index, (start, end) in enumerate(bounds):
+            means = (stats[index, 0] / stats[index, 1].clamp(min=1),
+                     stats[index, 2] / stats[index, 3].clamp(min=1))
+            expected = torch.where(values[start:end] >= 0, means[0].float(), means[1].float())
+            assert torch.equal(applied[start:end], expected)
+
+
+GRANULARITY_CASES = ("model", "bucket", "tensor")

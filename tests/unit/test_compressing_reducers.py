@@ -33,6 +33,26 @@ def test_top_k_keeps_the_largest_magnitudes():
     assert sorted(zip(indices.tolist(), values.tolist())) == [(1, -5.0), (4, 4.0)]
 
 
+def test_top_k_of_a_long_vector_equals_a_full_sort_with_and_without_the_sampled_threshold():
+    """Long vectors take the sampled-threshold path: the result is the top k of a full sort; a
+    sample that sees only the largest entries (too few candidates) and a NaN fall back to
+    ``torch.topk`` over everything, which keeps the NaN (an overflow must reach the gradient)."""
+    torch.manual_seed(2)
+    values = torch.randn(400_000)
+    k = 4_000
+    expected = set(torch.sort(values.abs(), descending=True).indices[:k].tolist())
+    kept, indices = top_k(values, k)
+    assert set(indices.tolist()) == expected and torch.equal(kept, values[indices])
+    spiky = torch.zeros(400_000)
+    spiky[::6] = torch.arange(1, 66_668, dtype=torch.float32)  # the strided sample sees these
+    spiky[1:60_000:6] = 1e6  # ... and misses the 10,000 largest: fewer than k candidates pass
+    _, indices = top_k(spiky, 20_000)
+    assert set(indices.tolist()) == set(torch.sort(spiky, descending=True).indices[:20_000].tolist())
+    values[123] = float("nan")
+    _, indices = top_k(values, k)
+    assert 123 in indices.tolist()
+
+
 def test_two_ranks_average_their_sparse_payloads():
     rank0 = (torch.tensor([-5.0, 4.0]), torch.tensor([1, 4]))
     rank1 = (torch.tensor([2.0, 6.0]), torch.tensor([1, 0]))

@@ -19,6 +19,11 @@ and before every checkpoint and evaluation. All of this goes through the lifecyc
 which checkpoints keep per data-parallel rank. :data:`A2SGD_REDUCER` is the
 ``--dp-gradient-reducer a2sgd`` entry of :data:`~.reducers.BUILTIN_REDUCERS`.
 
+The arithmetic is float32 in buffers kept between steps, a few vectorised passes (see
+:func:`local_statistics`, :func:`two_level_values`); with ``overlap`` (``--overlap-grad-reduce``)
+the first passes (``p``, its sign indicator, the sums and counts) run per tensor on a worker thread
+during the backward, and ``wait()`` only all-reduces the statistics and writes the result.
+
 Exactness is kept where the issue asks: gradients of one replica's copies of a stage (Chimera's two
 pipeline directions) are summed exactly over the *direction group* first (ranks of this data-parallel
 replica holding the stage), then A2SGD runs over the data-parallel group (same pipeline rank, other
@@ -30,6 +35,7 @@ means would otherwise differ between tensor-parallel ranks. Tied embeddings keep
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -60,30 +66,104 @@ def segment_bounds(sizes: Sequence[int], granularity: str, bucket_size: int) -> 
     raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of {GRANULARITIES}")
 
 
-def local_statistics(values: torch.Tensor, bounds: Sequence[tuple]) -> torch.Tensor:
-    """float64 [segments, 4]: (sum, count) of the non-negative entries, then of the negative ones."""
-    stats = torch.zeros(len(bounds), 4, dtype=torch.float64, device=values.device)
-    for index, (start, end) in enumerate(bounds):
-        segment = values[start:end].double()
-        positive = segment >= 0
-        stats[index, 0] = segment[positive].sum()
-        stats[index, 1] = positive.sum()
-        stats[index, 2] = segment[~positive].sum()
-        stats[index, 3] = (~positive).sum()
+class SegmentRuns:
+    """Segments grouped into *runs* of consecutive segments of equal length, computed once per
+    layout: each run is one 2-D view ``[segments, length]`` of the flat buffer, so the statistics
+    and the reconstruction cost one kernel per run (the whole model: 1 run; buckets: at most 2;
+    tensors: one per change of tensor size) instead of a Python loop over segments.
+    """
+
+    def __init__(self, bounds: Sequence[tuple]):
+        self.count = len(bounds)
+        self.runs: list[tuple[int, int, int, int]] = []  # (start, segments, length, first index)
+        for index, (start, end) in enumerate(bounds):
+            length = end - start
+            if self.runs:
+                run_start, segments, run_length, first = self.runs[-1]
+                if run_length == length and run_start + segments * run_length == start:
+                    self.runs[-1] = (run_start, segments + 1, run_length, first)
+                    continue
+            self.runs.append((start, 1, length, index))
+
+    def views(self, flat: torch.Tensor):
+        """(first segment index, ``[segments, length]`` view of ``flat``) per run."""
+        for start, segments, length, first in self.runs:
+            yield first, flat[start:start + segments * length].view(segments, length)
+
+
+def _runs(bounds) -> SegmentRuns:
+    return bounds if isinstance(bounds, SegmentRuns) else SegmentRuns(bounds)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The arithmetic dtype of A2SGD on a buffer: float32, float64 for a float64 buffer."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+EXACT_FLOAT32_COUNT = 2 ** 24  # a float32 sum of at most this many 0/1 entries is exact
+
+
+def non_negative_indicator(values: torch.Tensor, out: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
+    """1.0 where ``values >= 0``, else 0.0, in ``values``' dtype (a float indicator: counting and
+    selecting with it are plain vectorised arithmetic)."""
+    return torch.ge(values, 0, out=torch.empty_like(values) if out is None else out)
+
+
+def _exact_counts(indicator_rows: torch.Tensor) -> torch.Tensor:
+    """Per row, the number of ones of a 0/1 ``[rows, length]`` tensor, exact: summed in chunks
+    of at most :data:`EXACT_FLOAT32_COUNT` columns (exact in float32), the chunks in float64."""
+    length = indicator_rows.shape[1]
+    counts = torch.zeros(indicator_rows.shape[0], dtype=torch.float64)
+    for start in range(0, length, EXACT_FLOAT32_COUNT):
+        counts += indicator_rows[:, start:start + EXACT_FLOAT32_COUNT].sum(dim=1)
+    return counts
+
+
+def local_statistics(values: torch.Tensor, bounds, scratch: Optional[torch.Tensor] = None,
+                     indicator: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float64 [segments, 4]: (sum, count) of the non-negative entries, then of the negative ones.
+
+    The sums are accumulated in ``values``' dtype (torch's cascaded summation; float32 for float32
+    gradients) and returned as float64; the counts are exact. ``scratch`` (like ``values``) is an
+    optional work buffer; ``indicator`` is :func:`non_negative_indicator` of ``values``, computed
+    here when not given."""
+    runs = _runs(bounds)
+    scratch = torch.empty_like(values) if scratch is None else scratch
+    indicator = non_negative_indicator(values) if indicator is None else indicator
+    stats = torch.zeros(runs.count, 4, dtype=torch.float64, device=values.device)
+    for column, bound in ((0, {"min": 0}), (2, {"max": 0})):
+        torch.clamp(values, **bound, out=scratch)  # zeros in place of the other sign's entries
+        for first, view in runs.views(scratch):
+            stats[first:first + view.shape[0], column] = view.sum(dim=1)
+    for first, view in runs.views(indicator):
+        positives = _exact_counts(view)
+        stats[first:first + view.shape[0], 1] = positives
+        stats[first:first + view.shape[0], 3] = view.shape[1] - positives
     return stats
 
 
-def two_level_values(values: torch.Tensor, stats: torch.Tensor, bounds: Sequence[tuple]
-                     ) -> torch.Tensor:
+def two_level_values(values: torch.Tensor, stats: torch.Tensor, bounds,
+                     out: Optional[torch.Tensor] = None,
+                     indicator: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The applied gradient: each segment's global positive mean where ``values >= 0``, its global
-    negative mean elsewhere (a mean over no entries is 0)."""
-    positive_mean = stats[:, 0] / stats[:, 1].clamp(min=1)
-    negative_mean = stats[:, 2] / stats[:, 3].clamp(min=1)
-    applied = torch.empty_like(values)
-    for index, (start, end) in enumerate(bounds):
-        segment = values[start:end]
-        applied[start:end] = torch.where(segment >= 0, positive_mean[index].to(values.dtype),
-                                         negative_mean[index].to(values.dtype))
+    negative mean elsewhere (a mean over no entries is 0), computed in float64 and rounded to
+    ``values``' dtype. ``indicator`` may hold :func:`non_negative_indicator` of ``values``;
+    ``out`` receives the result (it may be ``indicator`` itself).
+
+    The selection is ``lerp(negative mean, positive mean, indicator)``, exact at the weights 0 and
+    1 (torch computes ``start + w (end - start)`` below 0.5 and ``end - (end - start)(1 - w)`` from
+    0.5), and one vectorised pass, where ``torch.where`` on a mask is several times slower on CPU."""
+    runs = _runs(bounds)
+    positive_mean = (stats[:, 0] / stats[:, 1].clamp(min=1)).to(values.dtype)
+    negative_mean = (stats[:, 2] / stats[:, 3].clamp(min=1)).to(values.dtype)
+    indicator = non_negative_indicator(values) if indicator is None else indicator
+    applied = torch.empty_like(values) if out is None else out
+    indicators = dict(runs.views(indicator))
+    for first, view in runs.views(applied):
+        rows = slice(first, first + view.shape[0])
+        torch.lerp(negative_mean[rows, None], positive_mean[rows, None], indicators[first],
+                   out=view)
     return applied
 
 
@@ -100,6 +180,10 @@ class A2SGDReducer(GradientReduction):
         granularity: ``model`` (paper, default), ``bucket`` or ``tensor``.
         bucket_size: elements per segment for ``bucket``.
         sync_interval: ``synchronize()`` every this many iterations (``--a2sgd-sync-interval``).
+        overlap: once armed by ``start_when_ready()``, form ``p``, its sign indicator and its
+            statistics tensor by tensor during the backward, as each gradient is complete, on a
+            worker thread (whole-model granularity without a direction group; otherwise
+            everything happens in ``wait()``).
     """
 
     has_state = True  # the error buffers
@@ -107,7 +191,7 @@ class A2SGDReducer(GradientReduction):
     def __init__(self, params: Iterable[torch.nn.Parameter], *, direction_group: Any = None,
                  data_group: Any = None, exact_params: Iterable[torch.nn.Parameter] = (),
                  exact_group: Any = None, dp_size: int = 1, granularity: str = "model",
-                 bucket_size: int = 1_000_000, sync_interval: int = 0):
+                 bucket_size: int = 1_000_000, sync_interval: int = 0, overlap: bool = False):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of "
                              f"{GRANULARITIES}")
@@ -128,13 +212,85 @@ class A2SGDReducer(GradientReduction):
         self._sizes = {dtype: [p.numel() for p in self.inner.params[::-1] if p.dtype == dtype]
                        for dtype in self.inner.buffers}
         self.bytes_last_step = 0  # data-parallel bytes all-reduced by the last wait()
+        self._runs: dict = {}  # (dtype, granularity, bucket size) -> SegmentRuns
+        self._work: dict = {}  # dtype -> (p, scratch, indicator) work buffers
+        self.direction_group = direction_group
+        self.overlap = bool(overlap)
+        self._armed = False
+        self.overlapped_last_step = False  # whether the last wait() used the backward's statistics
+        self._pending: dict = {}  # dtype -> gradients still to arrive in the armed backward
+        self._partial: dict = {}  # dtype -> float64 [4] statistics of the arrived gradients
+        self._hook_scratch: dict = {}  # dtype -> work buffer of the backward hooks
+        self._worker: Optional[ThreadPoolExecutor] = None  # runs the hooks' arithmetic
+        self._jobs: list = []  # its jobs of the armed backward
+        if self.overlap:
+            for param in self.params:
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @property
     def started(self) -> bool:
         return self.inner.started
 
     def start_when_ready(self) -> None:
-        """No overlap: the A2SGD step needs the whole gradient."""
+        """With ``overlap``: arm the backward hooks for the next backward (call before the last
+        micro-batch's); the statistics of each gradient are formed as soon as it is complete."""
+        for job in self._jobs:  # a backward armed before but never reduced
+            job.result()
+        self._jobs = []
+        self._armed = False
+        if (not self.overlap or self.granularity != "model"
+                or group_size(self.direction_group) > 1):
+            return  # the whole-gradient path in wait()
+        self.inner.rebind_all()  # the hooks read the buffers autograd writes
+        for dtype, buffer in self.inner.buffers.items():
+            self._work_buffers(dtype, buffer)
+            self._pending[dtype] = sum(1 for p in self.params if p.dtype == dtype)
+            self._partial[dtype] = torch.zeros(4, dtype=torch.float64)
+        self._armed = True
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Backward hook (when armed): hand ``param``'s slice to the worker thread, so its
+        arithmetic runs while the backward goes on (torch releases the GIL in its kernels)."""
+        if not self._armed or self._pending.get(param.dtype, 0) <= 0:
+            return
+        self._pending[param.dtype] -= 1
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="a2sgd")
+        start = self.inner.offset_of(param)
+        self._jobs.append(self._worker.submit(
+            self._slice_statistics, param.dtype, start, start + param.numel(),
+            float(self.loss_scale())))
+
+    def _slice_statistics(self, dtype: torch.dtype, start: int, end: int, scale: float) -> None:
+        """``p``, indicator and statistics of ``[start, end)``, added to the step's partial sums
+        (run by the one worker thread, so the additions are in submission order)."""
+        corrected, indicator = self._form_corrected(dtype, start, end, scale)
+        if dtype not in self._hook_scratch:
+            self._hook_scratch[dtype] = torch.empty_like(self._work[dtype][0])
+        scratch = self._hook_scratch[dtype][start:end]
+        partial = self._partial[dtype]
+        partial[0] += torch.clamp(corrected, min=0, out=scratch).sum()
+        partial[2] += torch.clamp(corrected, max=0, out=scratch).sum()
+        positives = _exact_counts(indicator.view(1, -1))[0]
+        partial[1] += positives
+        partial[3] += (end - start) - positives
+
+    def _form_corrected(self, dtype: torch.dtype, start: int, end: int, scale: float) -> tuple:
+        """``p = g / scale + e`` and its non-negative indicator on ``[start, end)`` of
+        ``dtype``'s work buffers (views returned)."""
+        buffer = self.inner.buffers[dtype]
+        corrected, _, indicator = self._work_buffers(dtype, buffer)
+        gradient, error = buffer[start:end], self.errors[dtype][start:end]
+        corrected, indicator = corrected[start:end], indicator[start:end]
+        if scale == 1.0 and gradient.dtype == corrected.dtype == error.dtype:
+            torch.add(gradient, error, out=corrected)
+        else:
+            corrected.copy_(gradient)
+            if scale != 1.0:
+                corrected.div_(scale)
+            corrected.add_(error)
+        non_negative_indicator(corrected, out=indicator)
+        return corrected, indicator
 
     def start(self) -> None:
         self.inner.start()
@@ -147,16 +303,52 @@ class A2SGDReducer(GradientReduction):
             self.exact.wait()
         scale = float(self.loss_scale())
         self.bytes_last_step = 0
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()  # the backward's statistics are complete (re-raises a worker's error)
+        overlapped = self._armed and all(n == 0 for n in self._pending.values())
+        self._armed = False
+        self.overlapped_last_step = overlapped
         for dtype, buffer in self.inner.buffers.items():
-            values = buffer.double() / scale + self.errors[dtype].double()
-            bounds = segment_bounds(self._sizes[dtype], self.granularity, self.bucket_size)
-            stats = local_statistics(values, bounds)
+            corrected, scratch, indicator = self._work_buffers(dtype, buffer)
+            error = self.errors[dtype]
+            runs = self._segment_runs(dtype)
+            if overlapped:  # p, indicator and statistics were formed in the backward
+                stats = self._partial[dtype].view(1, 4).clone()
+            else:
+                self._form_corrected(dtype, 0, buffer.numel(), scale)  # p = g / scale + e
+                stats = local_statistics(corrected, runs, scratch, indicator)  # g consumed
             if group_size(self.data_group) > 1:
                 dist.all_reduce(stats, group=self.data_group)
             self.bytes_last_step += stats.numel() * stats.element_size()
-            applied = two_level_values(values, stats, bounds)
-            self.feedback.stage(dtype, (values - applied).to(buffer.dtype))
-            buffer.copy_(applied * scale)
+            applied = two_level_values(corrected, stats, runs, out=scratch, indicator=indicator)
+            corrected.sub_(applied)  # the new error, p - applied
+            self.feedback.stage(dtype, corrected if corrected.dtype == error.dtype
+                                else corrected.to(error.dtype))
+            if scale != 1.0:
+                applied.mul_(scale)
+            if applied is not buffer:
+                buffer.copy_(applied)
+
+    def _segment_runs(self, dtype: torch.dtype) -> SegmentRuns:
+        """The segment layout of ``dtype``'s buffer, computed once per granularity."""
+        key = (dtype, self.granularity, self.bucket_size)
+        if key not in self._runs:
+            self._runs[key] = SegmentRuns(segment_bounds(self._sizes[dtype], self.granularity,
+                                                         self.bucket_size))
+        return self._runs[key]
+
+    def _work_buffers(self, dtype: torch.dtype, buffer: torch.Tensor) -> tuple:
+        """(p, scratch, indicator) for ``dtype``'s buffer, allocated once, in the arithmetic dtype:
+        ``p = g + e`` and then the new error; the scratch (the gradient buffer itself when it has
+        the arithmetic dtype: the gradient is consumed once ``p`` is formed) holds the clamped
+        values, then the applied gradient; the indicator is 1.0 where ``p >= 0``, else 0.0."""
+        if dtype not in self._work:
+            work = work_dtype(dtype)
+            corrected = torch.empty(buffer.shape, dtype=work, device=buffer.device)
+            scratch = buffer if buffer.dtype == work else torch.empty_like(corrected)
+            self._work[dtype] = (corrected, scratch, torch.empty_like(corrected))
+        return self._work[dtype]
 
     def attach(self, optimizer) -> None:
         """Read the loss scale (the errors are kept unscaled) and, for ``synchronize()``, the
@@ -172,8 +364,12 @@ class A2SGDReducer(GradientReduction):
         self.average_parameters(self._optimizer_state)
 
     def finish_step(self, update_successful: bool) -> None:
-        """Commit the staged error when the optimizer stepped; drop it on an overflow step."""
-        self.feedback.commit(update_successful)
+        """Commit the staged error when the optimizer stepped; drop it on an overflow step. The
+        staged error is the work buffer ``p``; it becomes the kept error by a swap (no copy), and
+        the old error buffer becomes the next step's ``p``."""
+        for dtype, old_error in self.feedback.adopt_staged(update_successful).items():
+            if dtype in self._work and self.errors[dtype] is self._work[dtype][0]:
+                self._work[dtype] = (old_error,) + self._work[dtype][1:]
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
@@ -216,7 +412,7 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
                         data_group=request.data_group,
                         exact_params=[p for p in request.params if exact(p)],
                         exact_group=request.replica_group, dp_size=int(request.divide_by),
-                        sync_interval=interval)
+                        sync_interval=interval, overlap=request.overlap)
 
 
 def check_a2sgd_flags(parallel) -> None:
@@ -231,7 +427,7 @@ def check_a2sgd_flags(parallel) -> None:
 A2SGD_REDUCER = ReducerKind(
     name="a2sgd", description="A2SGD: two means per worker with error feedback (docs/a2sgd.md)",
     build=build_a2sgd_reduction, needs_direction_groups=True,
-    overlaps=False,  # the A2SGD step needs the whole gradient
+    overlaps=True,  # --overlap-grad-reduce: the statistics are formed in the backward
     validate=check_a2sgd_flags)
 
 

@@ -85,13 +85,14 @@ class CompressingReducer(GradientReduction):
         self.dp_size = int(dp_size)
         self.loss_scale: Callable[[], float] = lambda: 1.0
         self.payload_bytes_last_step = 0  # what this rank contributed to the all-gathers
+        self._scratch: dict = {}  # (name, dtype) -> work buffer kept between steps
 
     # ------------------------------------------------------------------ what a subclass provides
 
     def compressed_average(self, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
-        """float32 ``values`` (this rank's unscaled gradient of one dtype) -> the applied
-        gradient (float32, the same on every data-parallel rank); adds to
-        ``payload_bytes_last_step``."""
+        """float32 ``values`` (this rank's unscaled gradient of one dtype; read only, it may be the
+        gradient buffer itself) -> the applied gradient (float32, the same on every data-parallel
+        rank; it may be a :meth:`scratch` buffer); adds to ``payload_bytes_last_step``."""
         raise NotImplementedError
 
     def commit(self, ok: bool) -> None:
@@ -118,8 +119,22 @@ class CompressingReducer(GradientReduction):
         scale = float(self.loss_scale())
         self.payload_bytes_last_step = 0
         for dtype, buffer in self.inner.buffers.items():
-            applied = self.compressed_average(dtype, buffer.float() / scale)
-            buffer.copy_(applied * scale)
+            unscaled = (buffer if scale == 1.0 and buffer.dtype == torch.float32
+                        else buffer.float() / scale)
+            applied = self.compressed_average(dtype, unscaled)
+            buffer.copy_(applied)
+            if scale != 1.0:
+                buffer.mul_(scale)
+
+    def scratch(self, name: str, dtype: torch.dtype, numel: int,
+                element: torch.dtype = torch.float32) -> torch.Tensor:
+        """A work buffer of ``numel`` ``element`` entries kept between steps (one per ``name`` and
+        gradient dtype): allocating tens of megabytes afresh every step costs about as much as
+        the arithmetic on them."""
+        key = (name, dtype)
+        if key not in self._scratch or self._scratch[key].numel() != numel:
+            self._scratch[key] = torch.empty(numel, dtype=element)
+        return self._scratch[key]
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()

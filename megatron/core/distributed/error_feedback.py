@@ -34,6 +34,18 @@ class ErrorFeedback:
                 self.errors[dtype].copy_(error)
         self._staged = None
 
+    def adopt_staged(self, update_successful: bool) -> dict:
+        """Like :meth:`commit`, but the staged tensors *become* the kept errors (no copy); returns
+        the replaced tensors by dtype (empty when nothing was adopted), free for the caller to
+        reuse as work buffers. Only for a caller that staged tensors it owns and will not touch
+        again until it gets them back this way."""
+        replaced: dict = {}
+        if self._staged is not None and update_successful:
+            for dtype, error in self._staged.items():
+                replaced[dtype], self.errors[dtype] = self.errors[dtype], error
+        self._staged = None
+        return replaced
+
     def state_dict(self) -> dict:
         return {"errors": {str(dtype): error.clone() for dtype, error in self.errors.items()}}
 

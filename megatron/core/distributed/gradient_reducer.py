@@ -132,6 +132,15 @@ class GradientReducer(GradientReduction):
             view.copy_(grad)
         param.grad = view
 
+    def offset_of(self, param: torch.nn.Parameter) -> int:
+        """Where ``param``'s gradient starts in its dtype's flat buffer."""
+        return self._offsets[id(param)][1]
+
+    def rebind_all(self) -> None:
+        """Make every ``.grad`` a view of its buffer slice again (see :meth:`_rebind`)."""
+        for param in self.params:
+            self._rebind(param)
+
     @property
     def started(self) -> bool:
         return self._started

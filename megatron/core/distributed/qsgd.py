@@ -21,7 +21,7 @@ state is the reducer's ``state_dict()`` (checkpoints resume the same draws).
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,33 +35,55 @@ from megatron.core.distributed.reduction import ChunkReductionRequest, ReducerKi
 MAX_LEVELS = 127  # a signed level fits one int8
 
 
-def _buckets(values: torch.Tensor, bucket_size: int) -> torch.Tensor:
-    """``values`` zero-padded to whole buckets, as [buckets, bucket_size]."""
+def _buckets(values: torch.Tensor, bucket_size: int, out: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
+    """``values`` zero-padded to whole buckets, as [buckets, bucket_size] (a view of ``values``
+    when no padding is needed; else of ``out``, a work buffer of the padded length, when given)."""
     padding = (-values.numel()) % bucket_size
     if padding:
-        values = torch.cat([values, values.new_zeros(padding)])
+        if out is None:
+            values = torch.cat([values, values.new_zeros(padding)])
+        else:
+            out[:values.numel()].copy_(values)
+            out[values.numel():].zero_()
+            values = out
     return values.view(-1, bucket_size)
 
 
-def quantise(values: torch.Tensor, levels: int, bucket_size: int, uniform: torch.Tensor
+def quantise(values: torch.Tensor, levels: int, bucket_size: int, uniform: torch.Tensor,
+             scratch: Optional[tuple] = None, out_levels: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 norm per bucket, int8 signed level per entry, padded to whole buckets) of float32
-    ``values``; ``uniform`` holds one U[0, 1) draw per padded entry (see the module docstring)."""
-    buckets = _buckets(values, bucket_size)
+    ``values``; ``uniform`` holds one U[0, 1) draw per padded entry (see the module docstring).
+
+    ``values`` and ``uniform`` are only read. ``scratch`` is an optional triple of float32 work
+    buffers of the padded length (the ratios, the levels, the zero-padded copy of ``values``);
+    ``out_levels`` (int8, padded length) receives the signed levels."""
+    padded = uniform.numel()
+    ratio_buffer, level_buffer, padding_buffer = (
+        scratch if scratch is not None else (torch.empty(padded), torch.empty(padded), None))
+    buckets = _buckets(values, bucket_size, out=padding_buffer)
     norms = torch.linalg.vector_norm(buckets, dim=1)
-    ratio = buckets.abs() * (levels / norms.clamp(min=torch.finfo(torch.float32).tiny))[:, None]
-    lower = ratio.floor().clamp(max=levels)
-    level = lower + (uniform.view_as(buckets) < ratio - lower).to(buckets.dtype)
-    signed = torch.where(buckets < 0, -level, level)
-    return norms, signed.to(torch.int8).flatten()
+    ratio = torch.abs(buckets, out=ratio_buffer.view_as(buckets))
+    ratio.mul_((levels / norms.clamp(min=torch.finfo(torch.float32).tiny))[:, None])
+    level = torch.floor(ratio, out=level_buffer.view_as(buckets)).clamp_(max=levels)
+    fraction = ratio.sub_(level)
+    level.add_(torch.lt(uniform.view_as(buckets), fraction, out=fraction))  # rounds up w.p. frac
+    level.copysign_(buckets)  # the sign of the entry (a zero entry has level 0)
+    signed = torch.empty(padded, dtype=torch.int8) if out_levels is None else out_levels
+    signed.copy_(level.flatten())
+    return norms, signed
 
 
-def dequantise(norms: torch.Tensor, signed_levels: torch.Tensor, levels: int, numel: int
-               ) -> torch.Tensor:
-    """The float32 vector (first ``numel`` entries) a :func:`quantise` payload stands for."""
+def dequantise(norms: torch.Tensor, signed_levels: torch.Tensor, levels: int, numel: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float32 vector (first ``numel`` entries) a :func:`quantise` payload stands for
+    (written into ``out``, a float32 buffer of the padded length, when given)."""
     bucket_size = signed_levels.numel() // max(norms.numel(), 1)
-    buckets = signed_levels.view(-1, bucket_size).float() * (norms / levels)[:, None]
-    return buckets.flatten()[:numel]
+    rows = signed_levels.view(-1, bucket_size)
+    target = (torch.empty(rows.shape) if out is None else out.view(rows.shape))
+    target.copy_(rows).mul_((norms / levels)[:, None])  # int8 -> float32 is exact
+    return target.flatten()[:numel]
 
 
 def generator_seed(base_seed: int, dp_rank: int, key: Hashable) -> int:
@@ -91,18 +113,29 @@ class QSGDReducer(CompressingReducer):
         self.generator = torch.Generator().manual_seed(seed)
 
     def compressed_average(self, dtype, values):
-        padded = values.numel() + (-values.numel()) % self.bucket_size
-        uniform = torch.rand(padded, generator=self.generator)
-        norms, signed = quantise(values, self.levels, self.bucket_size, uniform)
-        payload = torch.cat([norms.view(torch.uint8), signed.view(torch.uint8)])
+        numel = values.numel()
+        padded = numel + (-numel) % self.bucket_size
+        buckets = padded // self.bucket_size
+        uniform = torch.rand(padded, generator=self.generator,
+                             out=self.scratch("uniform", dtype, padded))
+        norm_bytes = buckets * 4
+        payload = self.scratch("payload", dtype, norm_bytes + padded, torch.uint8)
+        norms, _ = quantise(values, self.levels, self.bucket_size, uniform,
+                            scratch=(self.scratch("ratio", dtype, padded),
+                                     self.scratch("level", dtype, padded),
+                                     self.scratch("padded", dtype, padded)),
+                            out_levels=payload[norm_bytes:].view(torch.int8))
+        payload[:norm_bytes].view(torch.float32).copy_(norms)
         self.payload_bytes_last_step += payload.numel()
-        total = torch.zeros(values.numel(), dtype=torch.float32)
-        norm_bytes = norms.numel() * 4
-        for gathered in all_gather_payloads(payload, self.data_group):
-            total += dequantise(gathered[:norm_bytes].view(torch.float32),
-                                gathered[norm_bytes:].view(torch.int8), self.levels,
-                                values.numel())
-        return total / self.dp_size
+        total = self.scratch("applied", dtype, padded)
+        term = self.scratch("ratio", dtype, padded)  # free again once the levels are in
+        for rank, gathered in enumerate(all_gather_payloads(payload, self.data_group)):
+            dequantise(gathered[:norm_bytes].view(torch.float32),
+                       gathered[norm_bytes:].view(torch.int8), self.levels, padded,
+                       out=total if rank == 0 else term)
+            if rank > 0:
+                total.add_(term)
+        return total[:numel].div_(self.dp_size)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

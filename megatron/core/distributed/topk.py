@@ -21,6 +21,7 @@ frame are :mod:`~.compressed`'s.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -36,20 +37,45 @@ def kept_entries(numel: int, ratio: float) -> int:
     return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
 
 
-def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, int64 indices) of the ``k`` entries of ``values`` largest in magnitude."""
-    _, indices = torch.topk(values.abs(), k, sorted=False)
+SAMPLE_SIZE = 1 << 16  # entries of the strided sample that estimates the top-k threshold
+
+
+def top_k(values: torch.Tensor, k: int, magnitudes: Optional[torch.Tensor] = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int64 indices) of the ``k`` entries of ``values`` largest in magnitude.
+
+    For a small ``k`` of a long vector a threshold ``t`` is taken from a strided sample (the
+    magnitude about ``2 k`` entries of the whole exceed), the entries with magnitude ``>= t`` are the
+    candidates, and ``torch.topk`` runs on them only. When at least ``k`` entries pass, every one
+    of the top k does (the k-th largest magnitude is then ``>= t``), so the result is the top k of
+    the whole vector (ties at the k-th magnitude may be broken differently, as ``torch.topk``'s
+    own are unspecified); otherwise, or when the magnitudes hold a NaN or an infinity (kept as
+    ``torch.topk`` keeps them, so an overflow reaches the applied gradient), the whole vector goes
+    to ``torch.topk``. ``magnitudes`` is an optional work buffer like ``values``."""
+    magnitudes = torch.abs(values, out=magnitudes) if magnitudes is not None else values.abs()
+    numel = values.numel()
+    if 0 < k and 16 * k <= numel and numel >= 4 * SAMPLE_SIZE:
+        sample = magnitudes[::numel // SAMPLE_SIZE]
+        above = min(sample.numel(), math.ceil(2 * k * sample.numel() / numel))
+        threshold = torch.kthvalue(sample, sample.numel() - above + 1).values
+        if bool(torch.isfinite(magnitudes.sum())):
+            candidates = torch.nonzero(magnitudes >= threshold).squeeze(1)
+            if candidates.numel() >= k:
+                _, chosen = torch.topk(magnitudes[candidates], k, sorted=False)
+                indices = candidates[chosen]
+                return values[indices], indices
+    _, indices = torch.topk(magnitudes, k, sorted=False)
     return values[indices], indices
 
 
 def sparse_average(payloads: list[tuple[torch.Tensor, torch.Tensor]], numel: int,
-                   divide_by: float) -> torch.Tensor:
+                   divide_by: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The sum over ranks (in order) of each rank's sparse (values, indices), divided by
-    ``divide_by``."""
-    total = torch.zeros(numel, dtype=torch.float32)
+    ``divide_by`` (into ``out`` when given)."""
+    total = torch.zeros(numel, dtype=torch.float32) if out is None else out.zero_()
     for values, indices in payloads:
         total.index_add_(0, indices.long(), values)
-    return total / divide_by
+    return total.div_(divide_by)
 
 
 class TopKReducer(CompressingReducer):
@@ -69,8 +95,11 @@ class TopKReducer(CompressingReducer):
         self.errors = self.feedback.errors
 
     def compressed_average(self, dtype, values):
-        corrected = values + self.errors[dtype]
-        kept, indices = top_k(corrected, kept_entries(corrected.numel(), self.ratio))
+        numel = values.numel()
+        corrected = torch.add(values, self.errors[dtype],
+                              out=self.scratch("corrected", dtype, numel))  # p = g + e
+        kept, indices = top_k(corrected, kept_entries(numel, self.ratio),
+                              magnitudes=self.scratch("magnitudes", dtype, numel))
         if indices.numel() and indices.max() >= 2 ** 31:
             raise ValueError("top-k indices are sent as int32; this chunk has more than 2**31 "
                              "entries of one dtype, split the model into more pipeline stages")
@@ -78,11 +107,10 @@ class TopKReducer(CompressingReducer):
         self.payload_bytes_last_step += payload.numel() * payload.element_size()
         gathered = all_gather_payloads(payload, self.data_group)
         k = kept.numel()
-        applied = sparse_average([(p[:k], p[k:].view(torch.int32)) for p in gathered],
-                                 corrected.numel(), self.dp_size)
-        error = corrected.clone()
-        error[indices] = 0.0
-        self.feedback.stage(dtype, error)
+        applied = sparse_average([(p[:k], p[k:].view(torch.int32)) for p in gathered], numel,
+                                 self.dp_size, out=self.scratch("applied", dtype, numel))
+        corrected[indices] = 0.0  # the new error: p - top_k(p)
+        self.feedback.stage(dtype, corrected)
         return applied
 
     def commit(self, ok: bool) -> None:
