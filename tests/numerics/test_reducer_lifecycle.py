@@ -100,7 +100,8 @@ def test_the_built_in_table_is_unchanged_and_is_the_flags_choices():
 def test_pretrain_drives_the_lifecycle_and_the_state_survives_a_checkpoint(tmp_path):
     save = tmp_path / "ckpt"
     # fp16 with too large an initial scale: the first step overflows (after_step sees ok=False).
-    result, reducer = _run(f"--train-iters 4 --save {save} --save-interval 3 --fp16 "
+    # The legacy layout, whose per-rank file the test reads below.
+    result, reducer = _run(f"--train-iters 4 --save {save} --save-interval 3 --ckpt-format torch --fp16 "
                            "--initial-loss-scale 1048576 --hysteresis 1 --loss-scale-window 1000")
     assert reducer.optimizer is result.components.optimizer
     oks = [not record.skipped for record in result.history]
