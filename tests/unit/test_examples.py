@@ -14,8 +14,12 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 def script_argv(path: pathlib.Path) -> list[str]:
     """The pretrain_gpt.py arguments of a launch script, shell variables replaced by a word."""
     text = path.read_text().replace("\\\n", " ")
-    command = next(line for line in text.splitlines() if re.search(r"pretrain_gpt\.py\s+--", line))
+    # Flag groups: read -r -a NAME <<< "${NAME:-defaults}", used as "${NAME[@]}".
+    groups = dict(re.findall(r'read -r -a (\w+) <<< "\$\{\1:-([^}]*)\}"', text))
+    command = next(line for line in text.splitlines()
+                   if re.search(r'pretrain_gpt\.py\s+(--|"\$\{\w+\[@\]\})', line))
     command = command.split("pretrain_gpt.py", 1)[1]
+    command = re.sub(r'"\$\{(\w+)\[@\]\}"', lambda match: groups[match.group(1)], command)
     # "${NAME:-default}" -> default; other shell variables -> a placeholder word.
     command = re.sub(r'"\$\{[A-Za-z_]+:-([^}"]*)\}"', r"\1", command)
     command = re.sub(r'"\$\{?[A-Za-z_]+[^"]*"', "VALUE", command)
