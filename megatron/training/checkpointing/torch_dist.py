@@ -136,6 +136,18 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
     return pieces, objects
 
 
+def agreed_snapshot(components, state, checkpoint_config, copy: bool) -> tuple[list, dict]:
+    """This rank's pieces and objects to save, once every rank agreed it could collect its own
+    (raises on every rank if one could not), small tensors packed into ``objects``."""
+    pieces, objects, error = None, None, None
+    try:
+        pieces, objects = snapshot(components, state, checkpoint_config, copy=copy)
+    except Exception as caught:
+        error = _describe(caught)
+    pieces = agree_and_pack(components.parallel_state, pieces, objects, error, state.iteration)
+    return pieces, objects
+
+
 def agree_and_pack(parallel_state, pieces, objects: dict, error, iteration: int) -> list:
     """Every rank learns whether every rank could collect its state (raises everywhere if not) and
     which boxes of small tensors every rank holds; the lowest rank holding a box packs it (so a
@@ -201,12 +213,7 @@ def save_files(components, state, checkpoint_config, root: str, staging_dir: str
     alone), then DCP writes, then every rank records its files' CRC-32s; a failure anywhere
     raises on every rank, the caller removes the staging directory."""
     parallel_state = components.parallel_state
-    pieces, objects, error = None, None, None
-    try:
-        pieces, objects = snapshot(components, state, checkpoint_config, copy=False)
-    except Exception as caught:
-        error = _describe(caught)
-    pieces = agree_and_pack(parallel_state, pieces, objects, error, state.iteration)
+    pieces, objects = agreed_snapshot(components, state, checkpoint_config, copy=False)
     error, files = None, {}
     try:
         write_pieces(components, pieces, objects, staging_dir)
@@ -259,12 +266,7 @@ def start_background_save(components, state, checkpoint_config, root: str, stagi
     """Copy this rank's state (every rank agrees it could), then start DCP's asynchronous save
     into ``staging_dir``; returns the future. Training may change the weights right away."""
     parallel_state = components.parallel_state
-    pieces, objects, error = None, None, None
-    try:
-        pieces, objects = snapshot(components, state, checkpoint_config, copy=True)
-    except Exception as caught:
-        error = _describe(caught)
-    pieces = agree_and_pack(parallel_state, pieces, objects, error, state.iteration)
+    pieces, objects = agreed_snapshot(components, state, checkpoint_config, copy=True)
     worker = getattr(checkpoint_config, "use_persistent_ckpt_worker", False)
     # DCP's writer process joins its peers through a process group: one process uses the thread
     executor = AsyncCheckpointerType.PROCESS if worker and not _no_dist(parallel_state) \
