@@ -23,6 +23,16 @@ torch.set_num_threads(1)
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
+def assert_export_reproduces_the_import(tmp_path) -> None:
+    """Exporting tmp_path/ckpt (imported from tmp_path/hf) writes the imported tensors bit-exactly."""
+    export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), log=print)
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(back) == set(original)
+    for name, value in original.items():
+        assert torch.equal(back[name], value), name
+
+
 @pytest.mark.parametrize("layout,extra", [((1, 4, "chimera"), ""), ((2, 1, None), "--openai-gelu")],
                          ids=["chimera-pp4", "tp2-openai-gelu"])
 def test_export_loads_in_transformers_with_our_logits(tmp_path, layout, extra):
@@ -70,12 +80,7 @@ def test_import_random_gpt2_gives_its_logits_and_round_trips_exactly(tmp_path, u
         theirs = hf_model(tokens).logits
     torch.testing.assert_close(full_logits(model, tokens)[..., :50], theirs, atol=1e-5, rtol=0)
 
-    export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), log=print)
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(back) == set(original)
-    for name, value in original.items():
-        assert torch.equal(back[name], value), name
+    assert_export_reproduces_the_import(tmp_path)
 
 
 def test_import_refuses_unsupported_models(tmp_path):
@@ -192,12 +197,7 @@ def test_random_llama_imports_with_its_logits_and_round_trips_exactly(tmp_path):
     with torch.no_grad():
         theirs = hf_model(tokens).logits
     torch.testing.assert_close(full_logits(model, tokens)[..., :50], theirs, atol=1e-4, rtol=0)
-    export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), log=print)
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(back) == set(original)
-    for name, value in original.items():
-        assert torch.equal(back[name], value), name
+    assert_export_reproduces_the_import(tmp_path)
 
 
 def test_models_neither_gpt2_nor_llama_are_refused_with_the_flag_to_change(tmp_path):
