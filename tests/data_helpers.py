@@ -37,3 +37,33 @@ def gpt2_corpus(directory):
                    check=True, timeout=120, capture_output=True)
     return ["--data-path", str(directory / "corpus_text_document"), "--tokenizer-type",
             "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+
+
+class UnevenLossMask:
+    """A dataset whose samples carry loss masks of different lengths: the samples whose index is
+    ``remainder`` modulo ``period`` count only their first ``kept`` tokens."""
+
+    def __init__(self, dataset, period: int, remainder: int, kept: int):
+        self.dataset, self.period, self.remainder, self.kept = dataset, period, remainder, kept
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        import numpy as np
+
+        sample = dict(self.dataset[index])
+        mask = np.ones(len(sample["text"]) - 1, dtype=np.float32)
+        if index % self.period == self.remainder:
+            mask[self.kept:] = 0
+        sample["loss_mask"] = mask
+        return sample
+
+
+def uneven_loss_mask_datasets(config, parallel_state, num_samples, *, period, remainder, kept):
+    """pretrain_gpt's datasets with :class:`UnevenLossMask` masks (bind the keywords with
+    functools.partial to get a datasets provider)."""
+    import pretrain_gpt
+
+    return tuple(None if d is None else UnevenLossMask(d, period, remainder, kept)
+                 for d in pretrain_gpt.datasets_provider(config, parallel_state, num_samples))

@@ -4,10 +4,11 @@ reported loss is float32, so 1e-6 relative), and so does one micro-batch holding
 
 from __future__ import annotations
 
-import numpy as np
+import functools
 import pytest
 
 import pretrain_gpt
+from data_helpers import uneven_loss_mask_datasets
 from dist_harness import run_distributed
 from pipeline_reference import test_model_provider as float64_model
 from megatron.core.parallel_state import ParallelState
@@ -21,27 +22,8 @@ TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--calculate-per-token-loss")
 
 
-class UnevenLossMask:
-    """Samples whose loss masks differ: every third sample counts only its first 5 tokens."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        sample = dict(self.dataset[index])
-        mask = np.ones(len(sample["text"]) - 1, dtype=np.float32)
-        if index % 3 == 0:
-            mask[5:] = 0
-        sample["loss_mask"] = mask
-        return sample
-
-
-def uneven_datasets(config, parallel_state, num_samples):
-    return tuple(None if d is None else UnevenLossMask(d) for d in
-                 pretrain_gpt.datasets_provider(config, parallel_state, num_samples))
+# Samples whose loss masks differ: every third sample counts only its first 5 tokens.
+uneven_datasets = functools.partial(uneven_loss_mask_datasets, period=3, remainder=0, kept=5)
 
 
 def _train(rank, world_size, argv):

@@ -3,11 +3,12 @@ fails if its flag were parsed and then ignored). One process, tiny model, mock d
 
 import os
 
+import functools
 import pytest
-import numpy as np
 import torch
 
 import pretrain_gpt
+from data_helpers import uneven_loss_mask_datasets
 from megatron.core.parallel_state import ParallelState
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import Checkpointer
@@ -195,27 +196,8 @@ def test_eval_global_batch_size_sets_the_validation_batch():
         parse_args(f"{TINY} {flags} --eval-global-batch-size 5".split(), world_size=1)
 
 
-class _UnevenLossMask:
-    """A dataset whose samples carry loss masks of different lengths (odd samples: 3 tokens)."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        sample = dict(self.dataset[index])
-        mask = np.ones(len(sample["text"]) - 1, dtype=np.float32)
-        if index % 2:
-            mask[3:] = 0
-        sample["loss_mask"] = mask
-        return sample
-
-
-def _uneven_datasets(config, parallel_state, num_samples):
-    return tuple(None if d is None else _UnevenLossMask(d) for d in
-                 pretrain_gpt.datasets_provider(config, parallel_state, num_samples))
+# A dataset whose samples carry loss masks of different lengths (odd samples: 3 tokens).
+_uneven_datasets = functools.partial(uneven_loss_mask_datasets, period=2, remainder=1, kept=3)
 
 
 def _losses_with_uneven_masks(extra: str):
