@@ -188,3 +188,19 @@ def format_table(headers: list, rows: list) -> str:
         if index == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+#: torch.distributed.pipelining schedules that run one stage per rank; the others run two.
+SINGLE_STAGE_TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+
+
+def torch_stage_ids(schedule_name: str, rank: int, depth: int) -> tuple[int, list]:
+    """The number of PipelineStages and the ids of ``rank``'s stages for a PyTorch schedule:
+    one stage per rank, or two in the V placement (ZB-V, DualPipeV) or the loop placement
+    (the interleaved schedules)."""
+    if schedule_name in SINGLE_STAGE_TORCH_SCHEDULES:
+        return depth, [rank]
+    num_stages = 2 * depth
+    if schedule_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        return num_stages, [rank, num_stages - 1 - rank]
+    return num_stages, [rank, rank + depth]

@@ -47,7 +47,7 @@ for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.path.dirname(os.pa
 
 from _emulated_stages import (EmulatedStage, StageTimes, emulated_loss,  # noqa: E402
                               profile_times, uniform_times)
-from _harness import format_table, oversubscription_note  # noqa: E402
+from _harness import format_table, oversubscription_note, torch_stage_ids  # noqa: E402
 
 LAYERS_PER_STAGE = 2  # so interleaved / V schedules get 2 chunks of one layer per rank
 
@@ -267,14 +267,8 @@ def _our_configuration(label, flags, parallel_state, depth, count, times, sizes)
 def _torch_configuration(name, rank, depth, count, times, sizes):
     from torch.distributed import pipelining
     param_floats, activation_floats = sizes
-    multi = name not in ("ScheduleGPipe", "Schedule1F1B")
-    num_stages = depth * (2 if multi else 1)
-    if not multi:
-        stage_ids = [rank]
-    elif name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-        stage_ids = [rank, num_stages - 1 - rank]  # V placement
-    else:
-        stage_ids = [rank, rank + depth]  # loop placement
+    num_stages, stage_ids = torch_stage_ids(name, rank, depth)
+    multi = len(stage_ids) > 1
     per_stage = depth * LAYERS_PER_STAGE // num_stages
     stages, params = [], []
     for stage_id in stage_ids:

@@ -36,7 +36,7 @@ for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.path.dirname(__fil
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from _harness import format_table, oversubscription_note  # noqa: E402
+from _harness import format_table, oversubscription_note, torch_stage_ids  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 
 DEPTH = 2
@@ -159,14 +159,8 @@ class TorchConfiguration:
         from megatron.training.arguments import parse_args
         config = parse_args(model_flags(quick) + ["--global-batch-size",
                                                   str(4 * num_microbatches)])
-        multi = name != "Schedule1F1B"
-        num_stages = DEPTH * (2 if multi else 1)
-        if not multi:
-            stage_ids = [rank]
-        elif name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-            stage_ids = [rank, num_stages - 1 - rank]  # V placement
-        else:
-            stage_ids = [rank, rank + DEPTH]  # loop placement
+        num_stages, stage_ids = torch_stage_ids(name, rank, DEPTH)
+        multi = len(stage_ids) > 1
         per_stage = config.model.num_layers // num_stages
         self.stages, params = [], []
         for stage_id in stage_ids:
