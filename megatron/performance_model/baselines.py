@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from megatron.performance_model.costs import DDP_BUCKET_BYTES, StageCosts, activation_bytes
 from megatron.performance_model.memory import state_bytes, working_bytes
+from megatron.performance_model.schemes import LAST_STAGE_NOT_RECOMPUTED
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
 
 
@@ -182,10 +183,18 @@ def baseline_memory(model: ModelSpec, hardware: HardwareSpec, scheme: str, num_s
     """Memory per rank (paper Table 2). GEMS: both mirrored stages (2Mθ), one micro-batch in
     flight per worker (Ma: a worker finishes the down micro-batch's backward before the up
     one's forward). PipeDream: rank r stashes D − r weight versions and holds D − r
-    micro-batches (1F1B in flight). PipeDream-2BW: two weight versions, D − r micro-batches."""
+    micro-batches (1F1B in flight). PipeDream-2BW: two weight versions, D − r micro-batches.
+    PipeDream and PipeDream-2BW: the last rank keeps its full activations even when the run
+    recomputes (:data:`~.schemes.LAST_STAGE_NOT_RECOMPUTED`)."""
     stored = activation_bytes(model, micro_batch_size, num_stages, recompute)
     memory = []
     for rank in range(num_stages):
+        mode = recompute
+        if scheme in LAST_STAGE_NOT_RECOMPUTED and rank == num_stages - 1 and num_stages > 1:
+            mode = "none"  # the authors' runtime never recomputes the last stage
+            stored_here = activation_bytes(model, micro_batch_size, num_stages, mode, [rank])
+        else:
+            stored_here = stored
         if scheme == "gems":
             stages, versions, in_flight = sorted({rank, num_stages - 1 - rank}), 1, 1
         elif scheme == "pipedream":
@@ -196,8 +205,8 @@ def baseline_memory(model: ModelSpec, hardware: HardwareSpec, scheme: str, num_s
             raise ValueError(f"{scheme!r} is not an analytic baseline")
         memory.append(state_bytes(model, hardware, num_stages, stages, replicas,
                                   weight_versions=versions)
-                      + in_flight * stored + hardware.framework_overhead_bytes
-                      + working_bytes(model, num_stages, micro_batch_size, recompute,
+                      + in_flight * stored_here + hardware.framework_overhead_bytes
+                      + working_bytes(model, num_stages, micro_batch_size, mode,
                                       num_stages - 1 in stages))
     return memory
 

@@ -28,6 +28,11 @@ ANALYTIC_SCHEMES = tuple(ANALYTIC_PIPELINES)
 #: Schemes whose authors' runtime syncs gradients through DistributedDataParallel (25 MiB
 #: buckets, one all-reduce each); GEMS and Chimera all-reduce whole flattened chunks.
 DDP_SCHEMES = ("pipedream", "pipedream-2bw")
+#: Schemes whose runtime never recomputes the last stage: the authors' PipeDream/PipeDream-2BW
+#: ``main_with_runtime.py`` sets ``recompute_step = args.recompute_step and r.stage !=
+#: (r.num_stages - 1)`` (github.com/Shigangli/Chimera@ChimeraBk, baselines/gpt2_pipedream2bw);
+#: its Chimera and GPipe paths recompute every stage.
+LAST_STAGE_NOT_RECOMPUTED = DDP_SCHEMES
 
 
 def scheme_table(registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:

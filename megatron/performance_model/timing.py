@@ -15,7 +15,7 @@ from megatron.performance_model.costs import (
 from megatron.core.pipeline_parallel.planning.op_costs import StageCosts as OpStageCosts
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.performance_model.schemes import (
-    ANALYTIC_SCHEMES, DDP_SCHEMES, critical_path, lowered_schedule, model_stages, num_replicas, scheme_layout)
+    ANALYTIC_SCHEMES, DDP_SCHEMES, LAST_STAGE_NOT_RECOMPUTED, critical_path, lowered_schedule, model_stages, num_replicas, scheme_layout)
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
 
 
@@ -49,6 +49,12 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
     if stage_balance == "per-stage":
         stage_forward, stage_backward = stage_compute_times(model, hardware, stages,
                                                             micro_batch_size, recompute)
+        if scheme in LAST_STAGE_NOT_RECOMPUTED and stages > 1:
+            # the authors' runtime passes recompute_step = args.recompute_step and stage !=
+            # num_stages - 1 (main_with_runtime.py): the last stage keeps its activations
+            _, plain_backward = stage_compute_times(model, hardware, stages, micro_batch_size,
+                                                    "none")
+            stage_backward = stage_backward[:-1] + plain_backward[-1:]
         forward, backward = (sum(stage_forward) / stages, sum(stage_backward) / stages)
     optimizer = tuple(optimizer_step_time(hardware, size / model.bytes_per_value)
                       for size in gradient_bytes)
