@@ -256,6 +256,18 @@ def sync_policy_ratios(hardware) -> list:
     return rows
 
 
+def bert48_check(fits, base=P100_ARIES) -> list:
+    """Bert-48 Chimera at 16/32/64 nodes (never fitted; ours) with the in-sample constants and
+    with those fitted without PipeDream-2BW's point: all three runs stay inside one dragonfly
+    group, so they weigh the uncontended bandwidth the two fits disagree on."""
+    in_sample = hardware_of(fits["in_sample"], base)
+    held_out = hardware_of(fits["leave_one_out"]["PipeDream-2BW"], base)
+    return [{"nodes": run.nodes, "published": run.published,
+             "in_sample": estimate(in_sample, run, BERT48).throughput,
+             "without_pipedream_2bw": estimate(held_out, run, BERT48).throughput}
+            for run in paper.BERT48_WEAK_SCALING]
+
+
 def time_parts(result) -> dict:
     """Iteration time split (ours): compute = the mean worker's N·(F + Bk) without
     recomputation (micro-batch size sets it); recompute = the forwards the backwards re-run;
@@ -405,6 +417,7 @@ def report(fits, base=P100_ARIES) -> dict:
             "sync_policy": [{"nodes": n, "predicted": p, "published": q}
                             for n, p, q in sync_policy_ratios(hardware)],
             "decomposition_2048": decomposition_rows(hardware),
+            "bert48_chimera": bert48_check(fits, base),
             "planner_top": best, "planner_top_five": fits["planner"],
             "planner_lines": lines}
 
@@ -479,6 +492,10 @@ def format_text(data, fits) -> str:
             "Sync policy, Bert-48 D=4 B=8 N=8, eager-opt / eager (ours, not fitted) vs "
             "published: " + ", ".join(f"{r['nodes']} nodes {r['predicted']:.3f}x/"
                                       f"{r['published']:.2f}x" for r in data["sync_policy"]),
+            "Bert-48 Chimera D=4 B=8 N=8, not fitted (seq/s): published | in-sample | fitted "
+            "without PipeDream-2BW (ours): " + ", ".join(
+                f"{r['nodes']} nodes {r['published']:.0f} | {r['in_sample']:.0f} | "
+                f"{r['without_pipedream_2bw']:.0f}" for r in data["bert48_chimera"]),
             ""]
     out += data["planner_lines"]
     return "\n".join(out)

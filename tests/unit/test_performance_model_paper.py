@@ -186,3 +186,41 @@ def test_gloo_stages_every_message_through_the_host():
                  - allreduce_time(bare, 64, 1e8, contention))
         assert extra == pytest.approx(2e8 / PCIE3_X16_BANDWIDTH)
     assert allreduce_time(P100_ARIES, 1, 1e8) == 0.0
+
+
+@pytest.mark.parametrize("scheme, recomputes_last", [
+    ("pipedream-2bw", False), ("pipedream", False), ("1f1b", True), ("gpipe", True)])
+def test_the_authors_pipedream_runtime_never_recomputes_the_last_stage(scheme, recomputes_last):
+    # main_with_runtime.py (baselines/gpt2_pipedream2bw): recompute_step = args.recompute_step
+    # and r.stage != (r.num_stages - 1); the schedule-backed schemes recompute every stage.
+    from megatron.performance_model import stage_costs
+    from megatron.performance_model.costs import recompute_flops
+    depth = 8
+    costs = stage_costs(GPT2_PAPER, P100_ARIES, scheme, 4, depth, 1, "full", "per-stage")
+    forward, backward = costs.stage_forward, costs.stage_backward
+    layers = recompute_flops(GPT2_PAPER, depth, 1, "full", depth - 1) / P100_ARIES.flops_per_second
+    assert backward[0] == pytest.approx(3 * forward[0])  # a middle/first stage recomputes
+    expected_last = 2 * forward[-1] + (layers if recomputes_last else 0.0)
+    assert backward[-1] == pytest.approx(expected_last)
+
+
+def test_the_last_pipedream_rank_keeps_its_full_activations():
+    from megatron.performance_model.baselines import baseline_memory
+    from megatron.performance_model.costs import activation_bytes
+    from megatron.performance_model.memory import state_bytes, working_bytes
+    depth, replicas = 8, 4
+    memory = baseline_memory(GPT2_PAPER, P100_ARIES, "pipedream-2bw", depth, 1, "full", replicas)
+    last = depth - 1
+    state = state_bytes(GPT2_PAPER, P100_ARIES, depth, [last], replicas, weight_versions=2)
+    overhead = P100_ARIES.framework_overhead_bytes
+
+    def last_rank(mode):  # one micro-batch in flight on the last rank (D - r = 1)
+        return (state + activation_bytes(GPT2_PAPER, 1, depth, mode, [last]) + overhead
+                + working_bytes(GPT2_PAPER, depth, 1, mode, True))
+
+    assert memory[-1] == pytest.approx(last_rank("none"))
+    assert memory[-1] > last_rank("full")
+    first = state_bytes(GPT2_PAPER, P100_ARIES, depth, [0], replicas, weight_versions=2)
+    assert memory[0] == pytest.approx(first + depth * activation_bytes(GPT2_PAPER, 1, depth, "full")
+                                      + overhead + working_bytes(GPT2_PAPER, depth, 1, "full",
+                                                                 False))
