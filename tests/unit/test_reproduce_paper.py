@@ -78,6 +78,11 @@ def test_json_output_has_the_agreed_shape(reproduce, capsys):
     assert data["weak_scaling_efficiency"]["published"] == 0.914
     assert len(data["points"]) == 11
     assert all(row["fits_memory"] for row in data["points"])
+    # Bert-48 Chimera (never fitted): transcribed from chimera.md §8, predicted by two fits
+    assert [(r["nodes"], r["published"]) for r in data["bert48_chimera"]] == [
+        (16, 89), (32, 174), (64, 341)]
+    assert all(r["in_sample"] > 0 and r["without_pipedream_2bw"] > 0
+               for r in data["bert48_chimera"])
 
 
 def test_every_stored_fit_stays_inside_what_the_hardware_allows(reproduce, fits):
