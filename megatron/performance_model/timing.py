@@ -11,7 +11,7 @@ from megatron.core.pipeline_parallel.planning.simulator import simulate
 from megatron.performance_model.costs import (
     StageCosts, allreduce_time, compute_times, ddp_buckets, network_contention, optimizer_step_time,
     overlap_delay,
-    p2p_time, shared_link_finish_times, stage_compute_times, stage_parameters)
+    p2p_time, recompute_flops, shared_link_finish_times, stage_compute_times, stage_parameters)
 from megatron.core.pipeline_parallel.planning.op_costs import StageCosts as OpStageCosts
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.performance_model.schemes import (
@@ -45,16 +45,20 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
     alone = network_contention(hardware, data_parallel * num_stages, replicas)
     allreduce_alone = tuple(allreduce_time(hardware, replicas, size, alone, count)
                             for size, count in zip(gradient_bytes, messages))
+    # The authors' PipeDream runtime passes recompute_step = args.recompute_step and stage !=
+    # num_stages - 1 (main_with_runtime.py): its last stage keeps its activations and skips
+    # the recomputed forward (the one with the most FLOPs, so ``slowest`` is that stage).
+    skipped = 0.0
+    if scheme in LAST_STAGE_NOT_RECOMPUTED and stages > 1:
+        skipped = (recompute_flops(model, stages, micro_batch_size, recompute, stages - 1)
+                   / hardware.sustained_rate(micro_batch_size * model.seq_length))
+        backward -= skipped / stages if stage_balance == "balanced" else skipped
     stage_forward = stage_backward = ()
     if stage_balance == "per-stage":
         stage_forward, stage_backward = stage_compute_times(model, hardware, stages,
                                                             micro_batch_size, recompute)
-        if scheme in LAST_STAGE_NOT_RECOMPUTED and stages > 1:
-            # the authors' runtime passes recompute_step = args.recompute_step and stage !=
-            # num_stages - 1 (main_with_runtime.py): the last stage keeps its activations
-            _, plain_backward = stage_compute_times(model, hardware, stages, micro_batch_size,
-                                                    "none")
-            stage_backward = stage_backward[:-1] + plain_backward[-1:]
+        if skipped:
+            stage_backward = stage_backward[:-1] + (stage_backward[-1] - skipped,)
         forward, backward = (sum(stage_forward) / stages, sum(stage_backward) / stages)
     optimizer = tuple(optimizer_step_time(hardware, size / model.bytes_per_value)
                       for size in gradient_bytes)

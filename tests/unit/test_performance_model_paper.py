@@ -224,3 +224,16 @@ def test_the_last_pipedream_rank_keeps_its_full_activations():
     assert memory[0] == pytest.approx(first + depth * activation_bytes(GPT2_PAPER, 1, depth, "full")
                                       + overhead + working_bytes(GPT2_PAPER, depth, 1, "full",
                                                                  False))
+
+
+@pytest.mark.parametrize("balance", ["balanced", "slowest"])
+def test_every_stage_balance_skips_the_last_stages_recomputation(balance):
+    from megatron.performance_model import stage_costs
+    from megatron.performance_model.costs import recompute_flops
+    depth = 8
+    skipped = (recompute_flops(GPT2_PAPER, depth, 1, "full", depth - 1)
+               / P100_ARIES.flops_per_second)
+    pipedream = stage_costs(GPT2_PAPER, P100_ARIES, "pipedream-2bw", 4, depth, 1, "full", balance)
+    one_f_one_b = stage_costs(GPT2_PAPER, P100_ARIES, "1f1b", 4, depth, 1, "full", balance)
+    share = 1 / depth if balance == "balanced" else 1.0
+    assert one_f_one_b.backward - pipedream.backward == pytest.approx(skipped * share)
