@@ -14,7 +14,9 @@ What each implementation does, read off the authors' code:
   weight versions (``AdamWWithStashingAndAggregation``). Data parallelism is
   ``DistributedDataParallel`` under ``no_sync()`` except for the last backward of each update
   interval, whose all-reduce therefore runs inside that backward, blocking the rank, before
-  ``optimizer.step()``: no bubble to hide it in, nothing asynchronous.
+  ``optimizer.step()``: no bubble to hide it in, nothing asynchronous. With
+  ``--recompute_step`` every stage but the last recomputes (``recompute_step =
+  args.recompute_step and r.stage != (r.num_stages - 1)``; the same for PipeDream).
 * PipeDream (``--pipedream``): ``update_interval = 1``: every micro-batch's backward
   all-reduces and updates the weights; rank r stashes ``num_warmup_minibatches + 1 = D − r``
   weight versions (``AdamWWithStashing``).
