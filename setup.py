@@ -13,6 +13,8 @@ import sys
 from setuptools import find_packages, setup
 
 PACKING_SOURCE = "megatron/csrc/packing.cpp"
+# A2SGD's fused CPU passes, registered as torch operators by the same library (see a2sgd.cpp).
+A2SGD_SOURCE = "megatron/csrc/a2sgd.cpp"
 
 
 def packing_extension():
@@ -48,7 +50,7 @@ def packing_extension():
 
     extension = CppExtension(
         name="megatron._packing_cpp",
-        sources=[PACKING_SOURCE],
+        sources=[PACKING_SOURCE, A2SGD_SOURCE],
         extra_compile_args=["-O3"],
         optional=True,
     )
