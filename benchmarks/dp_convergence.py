@@ -51,6 +51,7 @@ SGD = "--optimizer sgd --sgd-momentum 0.9 --lr 0.3 --min-lr 0.03"
 def variants(short: int, long: int) -> dict:
     """name -> (optimizer label, flags); the A2SGD sync intervals are ``short`` and ``long``."""
     a2sgd = "--dp-gradient-reducer a2sgd --a2sgd-sync-interval"
+    per_tensor = "--a2sgd-granularity tensor"
     return {
         "allreduce adam": ("adam", ADAM),
         "allreduce sgd": ("sgd", SGD),
@@ -58,6 +59,8 @@ def variants(short: int, long: int) -> dict:
         f"a2sgd adam sync {long}": ("adam", f"{ADAM} {a2sgd} {long}"),
         f"a2sgd sgd sync {short}": ("sgd", f"{SGD} {a2sgd} {short}"),
         f"a2sgd sgd sync {long}": ("sgd", f"{SGD} {a2sgd} {long}"),
+        f"a2sgd adam tensor sync {short}": ("adam", f"{ADAM} {a2sgd} {short} {per_tensor}"),
+        f"a2sgd sgd tensor sync {short}": ("sgd", f"{SGD} {a2sgd} {short} {per_tensor}"),
         "topk adam": ("adam", f"{ADAM} --dp-gradient-reducer topk --topk-ratio 0.01"),
         "qsgd adam": ("adam", f"{ADAM} --dp-gradient-reducer qsgd --qsgd-levels 127"),
     }

@@ -52,6 +52,7 @@ from megatron.core.distributed.reduction import (ChunkReductionRequest, Gradient
                                                  ReducerKind)
 
 GRANULARITIES = ("model", "bucket", "tensor")
+FLAG_BUCKET_SIZE = 4096  # entries per segment of --a2sgd-granularity bucket
 
 
 def segment_bounds(sizes: Sequence[int], granularity: str, bucket_size: int) -> list[tuple]:
@@ -478,11 +479,13 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
     def exact(param):
         return request.tensor_parallel and not getattr(param, "tensor_model_parallel", False)
     interval = request.parallel.a2sgd_sync_interval if request.parallel is not None else 0
+    granularity = request.parallel.a2sgd_granularity if request.parallel is not None else "model"
     return A2SGDReducer([p for p in request.params if not exact(p)],
                         direction_group=request.direction_group(),
                         data_group=request.data_group,
                         exact_params=[p for p in request.params if exact(p)],
                         exact_group=request.replica_group, dp_size=int(request.divide_by),
+                        granularity=granularity, bucket_size=FLAG_BUCKET_SIZE,
                         sync_interval=interval, overlap=request.overlap)
 
 
