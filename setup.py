@@ -1,5 +1,10 @@
 """Package definition, with the optional C++ p2p-packing extension (megatron/csrc/packing.cpp).
 
+The same library also holds A2SGD's fused CPU passes (megatron/csrc/a2sgd.cpp, registered as the
+torch operators torch.ops.megatron_a2sgd.*; megatron/core/distributed/a2sgd_kernel.py). They are
+only in the setup.py build: the packing module's compile-on-first-use builds packing.cpp alone, and
+without the operators A2SGD uses its torch passes.
+
 The extension is built when torch is importable at build time, which needs
 `pip install --no-build-isolation -e .` (an isolated build environment has no torch). Without torch,
 or when compilation fails, the package installs without it: megatron.core.pipeline_parallel.execution.packing

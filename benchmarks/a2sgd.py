@@ -22,7 +22,10 @@ collectives (benchmarks/_emulated_compute.py, benchmarks/_reducer_sweep.py): exa
 overlapped with the backward), A2SGD (whole model, whole model with its statistics overlapped with
 the backward, per bucket), top-k and QSGD; step time (median and min-max over rounds), bytes per
 worker per step, where each starts to beat all-reduce, and a closing summary of the speed-ups.
-Writes ``emulated.json`` to ``--out``.
+Writes ``emulated.json`` to ``--out``. ``--reducers ... "a2sgd torch"`` adds A2SGD with its torch
+passes instead of the fused kernel. A (DP, size) point whose estimated memory exceeds 90% of the
+available memory is skipped with a message (on 24 GiB: 100 M floats only at DP 2; see
+docs/a2sgd.md for the limits).
 """
 
 from __future__ import annotations
