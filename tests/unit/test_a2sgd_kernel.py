@@ -199,3 +199,21 @@ def test_fallback_to_the_torch_path(monkeypatch):
     reducer.finish_step(True)
     assert param.grad.tolist() == [2.0, -2.0, 2.0, -2.0]
     assert reducer.errors[torch.float32].tolist() == [1.0, 1.0, -1.0, -1.0]
+
+
+def test_kernel_statistics_do_not_depend_on_the_thread_count(ops):
+    """Blocks are summed in order, so replicas with other thread counts agree bitwise."""
+    numel = 1_000_003
+    gradient, error = _vectors("random", numel, seed=7)
+    runs = SegmentRuns(segment_bounds([numel // 2, numel - numel // 2], "tensor", 0))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            corrected = torch.empty(numel)
+            results.append(a2sgd_kernel.corrected_statistics(ops, gradient, error, corrected, 1.0,
+                                                             runs.table))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(result, results[0]) for result in results[1:])
