@@ -1,5 +1,10 @@
 """Package definition, with the optional C++ p2p-packing extension (megatron/csrc/packing.cpp).
 
+The same library also holds A2SGD's fused CPU passes (megatron/csrc/a2sgd.cpp, registered as the
+torch operators torch.ops.megatron_a2sgd.*; megatron/core/distributed/a2sgd_kernel.py). They are
+only in the setup.py build: the packing module's compile-on-first-use builds packing.cpp alone, and
+without the operators A2SGD uses its torch passes.
+
 The extension is built when torch is importable at build time, which needs
 `pip install --no-build-isolation -e .` (an isolated build environment has no torch). Without torch,
 or when compilation fails, the package installs without it: megatron.core.pipeline_parallel.execution.packing
@@ -13,6 +18,8 @@ import sys
 from setuptools import find_packages, setup
 
 PACKING_SOURCE = "megatron/csrc/packing.cpp"
+# A2SGD's fused CPU passes, registered as torch operators by the same library (see a2sgd.cpp).
+A2SGD_SOURCE = "megatron/csrc/a2sgd.cpp"
 
 
 def packing_extension():
@@ -48,7 +55,7 @@ def packing_extension():
 
     extension = CppExtension(
         name="megatron._packing_cpp",
-        sources=[PACKING_SOURCE],
+        sources=[PACKING_SOURCE, A2SGD_SOURCE],
         extra_compile_args=["-O3"],
         optional=True,
     )

@@ -21,7 +21,13 @@ Reducers (each built once per size, all on the same :class:`EmulatedModel`; a re
   sleep, as they would run on an accelerator while the rest of the backward computes); the
   all-reduce of 4 numbers, the reconstruction and the error remain after it;
 * ``topk``: :class:`TopKReducer`, ratio 0.01 (8 bytes per kept entry, all-gathered);
-* ``qsgd``: :class:`QSGDReducer`, 127 levels, buckets of 512 (1 byte per entry, all-gathered).
+* ``qsgd``: :class:`QSGDReducer`, 127 levels, buckets of 512 (1 byte per entry, all-gathered);
+* ``a2sgd torch`` (only when named in ``--reducers``): ``a2sgd model`` with the torch passes
+  instead of the fused C++ kernel (``A2SGDReducer(arithmetic="torch")``).
+
+Before each (P, N) the benchmark estimates the memory the P ranks need
+(:func:`resident_bytes_per_rank`) and skips the point, saying so, when it exceeds 90% of the
+available memory.
 
 Measurements are interleaved: round after round, every ratio, every reducer; each does ``steps``
 timed steps (after one warm-up step in the first round), each between barriers, the slowest
@@ -33,6 +39,7 @@ medians as its spread. Bytes are what one worker sends per step in a ring algori
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -40,6 +47,9 @@ from _emulated_compute import ComputeTime, EmulatedModel, median_seconds
 
 REDUCERS = ("allreduce", "allreduce overlap", "a2sgd model", "a2sgd overlap", "a2sgd bucket",
             "topk", "qsgd")
+# On request only (--reducers): A2SGD whole model with the torch passes instead of the fused
+# kernel, to compare the two arithmetics in the same minutes.
+OPTIONAL_REDUCERS = ("a2sgd torch",)
 TENSORS = 8
 A2SGD_BUCKET = 1_000_000
 A2SGD_SYNC_INTERVAL = 10
@@ -64,13 +74,49 @@ def build_reducer(name: str, params: list, group, size: int):
         return A2SGDReducer(params, data_group=group, dp_size=size,
                             granularity="bucket" if name == "a2sgd bucket" else "model",
                             bucket_size=A2SGD_BUCKET, sync_interval=A2SGD_SYNC_INTERVAL,
-                            overlap=name == "a2sgd overlap")
+                            overlap=name == "a2sgd overlap",
+                            arithmetic="torch" if name == "a2sgd torch" else "auto")
     if name == "topk":
         return TopKReducer(params, ratio=TOPK_RATIO, data_group=group, dp_size=size)
     if name == "qsgd":
         return QSGDReducer(params, levels=QSGD_LEVELS, bucket_size=QSGD_BUCKET,
                            seed=1 + dist.get_rank(), data_group=group, dp_size=size)
-    raise ValueError(f"unknown reducer {name!r}; use one of {REDUCERS}")
+    raise ValueError(f"unknown reducer {name!r}; use one of {REDUCERS + OPTIONAL_REDUCERS}")
+
+
+# Resident memory per rank, in gradient-sized float32 buffers (4 N bytes), measured as the growth
+# of one rank's RSS at 5 M floats over two steps and a sync (rounded up): the model (parameters and
+# the two gradient patterns), each reducer (A2SGD with the fused kernel: gradient, error and p
+# buffers; the torch passes add the sign indicator, and with overlap the hooks' scratch), the exact
+# all-reduce that measures M, and one buffer of slack for the collectives.
+RESIDENT_BUFFERS = {"model": 3.7, "allreduce": 1.2, "allreduce overlap": 1.2, "a2sgd model": 3.1,
+                    "a2sgd overlap": 3.1, "a2sgd bucket": 3.1, "topk": 3.3, "qsgd": 1.2,
+                    "a2sgd torch": 4.1}
+TORCH_PATH_EXTRA = {"a2sgd model": 1.0, "a2sgd overlap": 2.0, "a2sgd bucket": 1.0}
+PROCESS_BYTES = 2 ** 29  # a rank's interpreter, torch and gloo before any buffer
+QSGD_GATHERED_PER_RANK = 0.26  # one int8 per entry and a float32 norm per 512, from every rank
+
+
+def resident_bytes_per_rank(reducers: list, numel: int, ranks: int, fused: bool = True) -> float:
+    """Estimated memory one rank of the sweep holds at ``numel`` floats (see RESIDENT_BUFFERS)."""
+    buffers = RESIDENT_BUFFERS["model"] + RESIDENT_BUFFERS["allreduce"] + 1.0
+    for name in reducers:
+        buffers += RESIDENT_BUFFERS[name] + (0.0 if fused else TORCH_PATH_EXTRA.get(name, 0.0))
+    if "qsgd" in reducers:
+        buffers += QSGD_GATHERED_PER_RANK * ranks
+    return buffers * 4 * numel + PROCESS_BYTES
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def bytes_per_step(name: str, numel: int, ranks: int) -> float:

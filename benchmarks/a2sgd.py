@@ -22,7 +22,10 @@ collectives (benchmarks/_emulated_compute.py, benchmarks/_reducer_sweep.py): exa
 overlapped with the backward), A2SGD (whole model, whole model with its statistics overlapped with
 the backward, per bucket), top-k and QSGD; step time (median and min-max over rounds), bytes per
 worker per step, where each starts to beat all-reduce, and a closing summary of the speed-ups.
-Writes ``emulated.json`` to ``--out``.
+Writes ``emulated.json`` to ``--out``. ``--reducers ... "a2sgd torch"`` adds A2SGD with its torch
+passes instead of the fused kernel. A (DP, size) point whose estimated memory exceeds 90% of the
+available memory is skipped with a message (on 24 GiB: 100 M floats only at DP 2; see
+docs/a2sgd.md for the limits).
 """
 
 from __future__ import annotations
@@ -143,8 +146,10 @@ def emulated_main(args) -> None:
     """The --emulate-compute sweep (see benchmarks/_reducer_sweep.py)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _harness import oversubscription_note
-    from _reducer_sweep import (REDUCERS, bytes_per_step, combine_ranks, crossings,
-                                rank_sweep)
+    from _reducer_sweep import (REDUCERS, available_memory_bytes, bytes_per_step, combine_ranks,
+                                crossings, rank_sweep, resident_bytes_per_rank)
+
+    from megatron.core.distributed import a2sgd_kernel
     reducers = args.reducers or list(REDUCERS)
     sizes = [int(size) for size in args.sizes]
     everything = {}
@@ -152,6 +157,15 @@ def emulated_main(args) -> None:
         combined = everything.setdefault(dp, {})
         for numel in sizes:
             if dp in args.dp_size_cap and numel > args.dp_size_cap[dp]:
+                continue
+            needed = dp * resident_bytes_per_rank(reducers, numel, dp,
+                                                  fused=a2sgd_kernel.fused_ops() is not None)
+            available = available_memory_bytes()
+            if needed > 0.9 * available:
+                print(f"\nDP {dp}, {numel:,} floats: skipped, it needs about "
+                      f"{needed / 2**30:.1f} GiB ({dp} ranks) and {available / 2**30:.1f} GiB "
+                      f"are available; run fewer --reducers, a smaller --dp, or cap the size "
+                      f"with --max-size", flush=True)
                 continue
             per_rank = run_distributed(rank_sweep, dp, [numel], args.ratios, reducers,
                                        args.rounds, args.steps, timeout=7200)

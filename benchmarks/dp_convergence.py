@@ -8,7 +8,8 @@ over several seeds (gloo, CPU).
 
 Each variant trains the same small GPT from the same seed on the same global batches with one
 ``--dp-gradient-reducer`` and optimizer: exact all-reduce (Adam and SGD-momentum), A2SGD with Adam
-and with SGD-momentum at two sync intervals, top-k (error feedback) and QSGD with Adam. The
+and with SGD-momentum at two sync intervals (and per-tensor segments, ``--a2sgd-granularity
+tensor``, at the short interval), top-k (error feedback) and QSGD with Adam. The
 validation loss (``--eval-iters`` batches every ``--eval-interval`` iterations; a multiple of every
 sync interval, so evaluation adds no A2SGD syncs) is recorded per seed. Runs are ordered seed by
 seed, variant by variant, and ``results.json`` is rewritten after each run, so a run cut short still
@@ -51,6 +52,7 @@ SGD = "--optimizer sgd --sgd-momentum 0.9 --lr 0.3 --min-lr 0.03"
 def variants(short: int, long: int) -> dict:
     """name -> (optimizer label, flags); the A2SGD sync intervals are ``short`` and ``long``."""
     a2sgd = "--dp-gradient-reducer a2sgd --a2sgd-sync-interval"
+    per_tensor = "--a2sgd-granularity tensor"
     return {
         "allreduce adam": ("adam", ADAM),
         "allreduce sgd": ("sgd", SGD),
@@ -58,6 +60,8 @@ def variants(short: int, long: int) -> dict:
         f"a2sgd adam sync {long}": ("adam", f"{ADAM} {a2sgd} {long}"),
         f"a2sgd sgd sync {short}": ("sgd", f"{SGD} {a2sgd} {short}"),
         f"a2sgd sgd sync {long}": ("sgd", f"{SGD} {a2sgd} {long}"),
+        f"a2sgd adam tensor sync {short}": ("adam", f"{ADAM} {a2sgd} {short} {per_tensor}"),
+        f"a2sgd sgd tensor sync {short}": ("sgd", f"{SGD} {a2sgd} {short} {per_tensor}"),
         "topk adam": ("adam", f"{ADAM} --dp-gradient-reducer topk --topk-ratio 0.01"),
         "qsgd adam": ("adam", f"{ADAM} --dp-gradient-reducer qsgd --qsgd-levels 127"),
     }
@@ -177,13 +181,13 @@ def summarise(results: dict) -> list:
 
 
 def print_report(results: dict) -> None:
-    print(f"{'variant':<22} {'seeds':<9} {'final val loss: mean (min-max)':<32} "
+    print(f"{'variant':<26} {'seeds':<9} {'final val loss: mean (min-max)':<32} "
           f"{'gap to all-reduce: mean (min-max)':<34}")
     for row in summarise(results):
         gap = ("-" if row["gap"] is None else
                f"{row['gap']:+.4f} ({row['gap_min']:+.4f} .. {row['gap_max']:+.4f})")
         seeds = ",".join(str(s) for s in row["seeds"])
-        print(f"{row['variant']:<22} {seeds:<9} "
+        print(f"{row['variant']:<26} {seeds:<9} "
               f"{row['mean']:.4f} ({row['min']:.4f}-{row['max']:.4f}){'':<10} {gap}")
 
 

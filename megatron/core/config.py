@@ -255,6 +255,11 @@ class ParallelConfig:
     a2sgd_sync_interval: int = option(
         10, "With --dp-gradient-reducer a2sgd: average the parameters exactly over data-parallel "
             "replicas every this many iterations (also before every checkpoint and evaluation).")
+    a2sgd_granularity: str = option(
+        "model", "With --dp-gradient-reducer a2sgd: the segments that get their own two means: "
+                 "the whole model chunk (the paper's; 32 bytes per step), buckets of 4096 "
+                 "entries, or each tensor (see docs/a2sgd.md).",
+        choices=("model", "bucket", "tensor"))
     topk_ratio: float = option(
         0.01, "With --dp-gradient-reducer topk: the fraction of gradient entries (largest in "
               "magnitude, after error feedback) each data-parallel rank sends.")

@@ -19,10 +19,13 @@ and before every checkpoint and evaluation. All of this goes through the lifecyc
 which checkpoints keep per data-parallel rank. :data:`A2SGD_REDUCER` is the
 ``--dp-gradient-reducer a2sgd`` entry of :data:`~.reducers.BUILTIN_REDUCERS`.
 
-The arithmetic is float32 in buffers kept between steps, a few vectorised passes (see
-:func:`local_statistics`, :func:`two_level_values`); with ``overlap`` (``--overlap-grad-reduce``)
-the first passes (``p``, its sign indicator, the sums and counts) run per tensor on a worker thread
-during the backward, and ``wait()`` only all-reduces the statistics and writes the result.
+The arithmetic is float32 in buffers kept between steps. On CPU float32 buffers it is two fused
+passes of the C++ kernel of :mod:`.a2sgd_kernel` (``p`` and the statistics; then the applied
+gradient and the new error); elsewhere, or without the extension, a few vectorised torch passes
+(see :func:`local_statistics`, :func:`two_level_values`): ``A2SGDReducer(arithmetic=...)``. With
+``overlap`` (``--overlap-grad-reduce``) the first pass (``p`` and its statistics) runs per tensor
+on a worker thread during the backward, and ``wait()`` only all-reduces the statistics and writes
+the result.
 
 Exactness is kept where the issue asks: gradients of one replica's copies of a stage (Chimera's two
 pipeline directions) are summed exactly over the *direction group* first (ranks of this data-parallel
@@ -41,6 +44,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed import a2sgd_kernel
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.error_feedback import ErrorFeedback
 from megatron.core.distributed.gradient_reducer import GradientReducer
@@ -48,6 +52,7 @@ from megatron.core.distributed.reduction import (ChunkReductionRequest, Gradient
                                                  ReducerKind)
 
 GRANULARITIES = ("model", "bucket", "tensor")
+FLAG_BUCKET_SIZE = 4096  # entries per segment of --a2sgd-granularity bucket
 
 
 def segment_bounds(sizes: Sequence[int], granularity: str, bucket_size: int) -> list[tuple]:
@@ -84,6 +89,13 @@ class SegmentRuns:
                     self.runs[-1] = (run_start, segments + 1, run_length, first)
                     continue
             self.runs.append((start, 1, length, index))
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The runs as the kernel's int64 ``[runs, 3]`` table of (start, segments, length)."""
+        if not hasattr(self, "_table"):
+            self._table = a2sgd_kernel.runs_table(self)
+        return self._table
 
     def views(self, flat: torch.Tensor):
         """(first segment index, ``[segments, length]`` view of ``flat``) per run."""
@@ -143,6 +155,13 @@ def local_statistics(values: torch.Tensor, bounds, scratch: Optional[torch.Tenso
     return stats
 
 
+def segment_means(stats: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(positive means, negative means) ``[segments]`` of float64 statistics, rounded to
+    ``dtype`` (a mean over no entries is 0)."""
+    return ((stats[:, 0] / stats[:, 1].clamp(min=1)).to(dtype),
+            (stats[:, 2] / stats[:, 3].clamp(min=1)).to(dtype))
+
+
 def two_level_values(values: torch.Tensor, stats: torch.Tensor, bounds,
                      out: Optional[torch.Tensor] = None,
                      indicator: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -155,8 +174,7 @@ def two_level_values(values: torch.Tensor, stats: torch.Tensor, bounds,
     1 (torch computes ``start + w (end - start)`` below 0.5 and ``end - (end - start)(1 - w)`` from
     0.5), and one vectorised pass, where ``torch.where`` on a mask is several times slower on CPU."""
     runs = _runs(bounds)
-    positive_mean = (stats[:, 0] / stats[:, 1].clamp(min=1)).to(values.dtype)
-    negative_mean = (stats[:, 2] / stats[:, 3].clamp(min=1)).to(values.dtype)
+    positive_mean, negative_mean = segment_means(stats, values.dtype)
     indicator = non_negative_indicator(values) if indicator is None else indicator
     applied = torch.empty_like(values) if out is None else out
     indicators = dict(runs.views(indicator))
@@ -184,6 +202,10 @@ class A2SGDReducer(GradientReduction):
             statistics tensor by tensor during the backward, as each gradient is complete, on a
             worker thread (whole-model granularity without a direction group; otherwise
             everything happens in ``wait()``).
+        arithmetic: ``auto`` (default): the fused C++ kernel (:mod:`.a2sgd_kernel`) for CPU
+            float32 buffers when the extension provides it, else the torch passes; ``fused``:
+            the kernel, a ValueError where it cannot serve a buffer; ``torch``: the torch passes.
+            :attr:`arithmetic_by_dtype` says which one each buffer uses.
     """
 
     has_state = True  # the error buffers
@@ -191,10 +213,14 @@ class A2SGDReducer(GradientReduction):
     def __init__(self, params: Iterable[torch.nn.Parameter], *, direction_group: Any = None,
                  data_group: Any = None, exact_params: Iterable[torch.nn.Parameter] = (),
                  exact_group: Any = None, dp_size: int = 1, granularity: str = "model",
-                 bucket_size: int = 1_000_000, sync_interval: int = 0, overlap: bool = False):
+                 bucket_size: int = 1_000_000, sync_interval: int = 0, overlap: bool = False,
+                 arithmetic: str = "auto"):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of "
                              f"{GRANULARITIES}")
+        if arithmetic not in a2sgd_kernel.ARITHMETICS:
+            raise ValueError(f"unknown A2SGD arithmetic {arithmetic!r}; use one of "
+                             f"{a2sgd_kernel.ARITHMETICS}")
         self.params = [p for p in params if p.requires_grad]
         self.inner = GradientReducer(self.params, direction_group, divide_by=1.0)
         exact_params = [p for p in exact_params if p.requires_grad]
@@ -213,7 +239,12 @@ class A2SGDReducer(GradientReduction):
                        for dtype in self.inner.buffers}
         self.bytes_last_step = 0  # data-parallel bytes all-reduced by the last wait()
         self._runs: dict = {}  # (dtype, granularity, bucket size) -> SegmentRuns
-        self._work: dict = {}  # dtype -> (p, scratch, indicator) work buffers
+        self._work: dict = {}  # dtype -> (p, scratch) work buffers
+        self._indicators: dict = {}  # dtype -> the torch path's sign indicator buffer
+        self._kernel = {dtype: self._choose_kernel(arithmetic, buffer, self.errors[dtype])
+                        for dtype, buffer in self.inner.buffers.items()}
+        self.arithmetic_by_dtype = {dtype: "torch" if ops is None else "fused"
+                                    for dtype, ops in self._kernel.items()}
         self.direction_group = direction_group
         self.overlap = bool(overlap)
         self._armed = False
@@ -226,6 +257,19 @@ class A2SGDReducer(GradientReduction):
         if self.overlap:
             for param in self.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @staticmethod
+    def _choose_kernel(arithmetic: str, buffer: torch.Tensor, error: torch.Tensor):
+        """The kernel's operators for this buffer, or None for the torch passes."""
+        if arithmetic == "torch":
+            return None
+        reason = a2sgd_kernel.unavailable_reason(buffer, error)
+        if reason is None:
+            return a2sgd_kernel.fused_ops()
+        if arithmetic == "fused":
+            raise ValueError(f"A2SGDReducer(arithmetic='fused') cannot use the fused kernel: "
+                             f"{reason}; use arithmetic='auto' to fall back to the torch passes")
+        return None
 
     @property
     def started(self) -> bool:
@@ -264,6 +308,14 @@ class A2SGDReducer(GradientReduction):
     def _slice_statistics(self, dtype: torch.dtype, start: int, end: int, scale: float) -> None:
         """``p``, indicator and statistics of ``[start, end)``, added to the step's partial sums
         (run by the one worker thread, so the additions are in submission order)."""
+        ops = self._kernel[dtype]
+        if ops is not None:  # one fused pass: p and its statistics
+            corrected = self._work_buffers(dtype, self.inner.buffers[dtype])[0]
+            whole = torch.tensor([[0, 1, end - start]], dtype=torch.int64)
+            self._partial[dtype] += a2sgd_kernel.corrected_statistics(
+                ops, self.inner.buffers[dtype][start:end], self.errors[dtype][start:end],
+                corrected[start:end], scale, whole)[0]
+            return
         corrected, indicator = self._form_corrected(dtype, start, end, scale)
         if dtype not in self._hook_scratch:
             self._hook_scratch[dtype] = torch.empty_like(self._work[dtype][0])
@@ -279,7 +331,8 @@ class A2SGDReducer(GradientReduction):
         """``p = g / scale + e`` and its non-negative indicator on ``[start, end)`` of
         ``dtype``'s work buffers (views returned)."""
         buffer = self.inner.buffers[dtype]
-        corrected, _, indicator = self._work_buffers(dtype, buffer)
+        corrected = self._work_buffers(dtype, buffer)[0]
+        indicator = self._indicator(dtype)
         gradient, error = buffer[start:end], self.errors[dtype][start:end]
         corrected, indicator = corrected[start:end], indicator[start:end]
         if scale == 1.0 and gradient.dtype == corrected.dtype == error.dtype:
@@ -310,17 +363,29 @@ class A2SGDReducer(GradientReduction):
         self._armed = False
         self.overlapped_last_step = overlapped
         for dtype, buffer in self.inner.buffers.items():
-            corrected, scratch, indicator = self._work_buffers(dtype, buffer)
+            corrected, scratch = self._work_buffers(dtype, buffer)
             error = self.errors[dtype]
             runs = self._segment_runs(dtype)
-            if overlapped:  # p, indicator and statistics were formed in the backward
+            ops = self._kernel[dtype]
+            if overlapped:  # p (and the indicator) and statistics were formed in the backward
                 stats = self._partial[dtype].view(1, 4).clone()
+            elif ops is not None:  # one fused pass: p = g / scale + e and the statistics
+                stats = a2sgd_kernel.corrected_statistics(ops, buffer, error, corrected, scale,
+                                                          runs.table)
             else:
                 self._form_corrected(dtype, 0, buffer.numel(), scale)  # p = g / scale + e
-                stats = local_statistics(corrected, runs, scratch, indicator)  # g consumed
+                stats = local_statistics(corrected, runs, scratch,
+                                         self._indicator(dtype))  # g consumed
             if group_size(self.data_group) > 1:
                 dist.all_reduce(stats, group=self.data_group)
             self.bytes_last_step += stats.numel() * stats.element_size()
+            if ops is not None:  # one fused pass: applied (into the gradient buffer), p - applied
+                positive, negative = segment_means(stats, corrected.dtype)
+                a2sgd_kernel.two_level_apply(ops, corrected, buffer, positive, negative, scale,
+                                             runs.table)
+                self.feedback.stage(dtype, corrected)
+                continue
+            indicator = self._indicator(dtype)
             applied = two_level_values(corrected, stats, runs, out=scratch, indicator=indicator)
             corrected.sub_(applied)  # the new error, p - applied
             self.feedback.stage(dtype, corrected if corrected.dtype == error.dtype
@@ -339,16 +404,23 @@ class A2SGDReducer(GradientReduction):
         return self._runs[key]
 
     def _work_buffers(self, dtype: torch.dtype, buffer: torch.Tensor) -> tuple:
-        """(p, scratch, indicator) for ``dtype``'s buffer, allocated once, in the arithmetic dtype:
+        """(p, scratch) for ``dtype``'s buffer, allocated once, in the arithmetic dtype:
         ``p = g + e`` and then the new error; the scratch (the gradient buffer itself when it has
         the arithmetic dtype: the gradient is consumed once ``p`` is formed) holds the clamped
-        values, then the applied gradient; the indicator is 1.0 where ``p >= 0``, else 0.0."""
+        values, then the applied gradient."""
         if dtype not in self._work:
             work = work_dtype(dtype)
             corrected = torch.empty(buffer.shape, dtype=work, device=buffer.device)
             scratch = buffer if buffer.dtype == work else torch.empty_like(corrected)
-            self._work[dtype] = (corrected, scratch, torch.empty_like(corrected))
+            self._work[dtype] = (corrected, scratch)
         return self._work[dtype]
+
+    def _indicator(self, dtype: torch.dtype) -> torch.Tensor:
+        """The torch path's work buffer for the indicator (1.0 where ``p >= 0``, else 0.0),
+        allocated on first use (the fused kernel needs none)."""
+        if dtype not in self._indicators:
+            self._indicators[dtype] = torch.empty_like(self._work[dtype][0])
+        return self._indicators[dtype]
 
     def attach(self, optimizer) -> None:
         """Read the loss scale (the errors are kept unscaled) and, for ``synchronize()``, the
@@ -407,11 +479,13 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
     def exact(param):
         return request.tensor_parallel and not getattr(param, "tensor_model_parallel", False)
     interval = request.parallel.a2sgd_sync_interval if request.parallel is not None else 0
+    granularity = request.parallel.a2sgd_granularity if request.parallel is not None else "model"
     return A2SGDReducer([p for p in request.params if not exact(p)],
                         direction_group=request.direction_group(),
                         data_group=request.data_group,
                         exact_params=[p for p in request.params if exact(p)],
                         exact_group=request.replica_group, dp_size=int(request.divide_by),
+                        granularity=granularity, bucket_size=FLAG_BUCKET_SIZE,
                         sync_interval=interval, overlap=request.overlap)
 
 
