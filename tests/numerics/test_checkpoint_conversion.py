@@ -275,10 +275,10 @@ def test_cli_converts_interleaved_checkpoint(tmp_path):
     _assert_full_equal(merge_full_state(read_checkpoint(str(tmp_path / "files"))), full)
 
 
-def test_uneven_stages_convert_and_a_different_split_is_refused(tmp_path):
+def test_uneven_stages_convert_and_load_in_another_split(tmp_path):
     """Chimera PP2 with stages [1, 3] converts (CLI, uneven target flags) to 1F1B PP2 with
     stages [3, 1]: every rank holds exactly its layers, with the source's weights and loss; the
-    source loaded with even stages is refused, naming the split."""
+    source loaded directly with even stages gets the same weights (through the global keys)."""
     from tools.convert_checkpoint import main
     config = _config(1, 2, "chimera", extra="--decoder-first-pipeline-num-layers 1")
     full = _random_full_weights(config)
@@ -298,8 +298,13 @@ def test_uneven_stages_convert_and_a_different_split_is_refused(tmp_path):
             assert torch.equal(value, full[name]), name
     assert torch.allclose(_loss([modules[(0, 0)], modules[(0, 1)]], target),
                           _reference_loss(_config(), full), rtol=1e-6)
-    with pytest.raises(RuntimeError, match=r"layers per stage \[1, 3\]\] but this run"):
-        _load_target(tmp_path / "src", _config(1, 2, "chimera"))
+    # loaded directly with even stages (another layout): read through the global keys
+    modules, _, _, lines = _load_target(tmp_path / "src", _config(1, 2, "chimera"))
+    assert any("resharding from [TP=1, PP=2, schedule=chimera (2 pipelines), 2 model chunks per "
+               "rank, layers per stage [1, 3]]" in line for line in lines), lines
+    for chunk in modules.values():
+        for name, value in chunk.state_dict().items():
+            assert torch.equal(value, full[name]), name
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -450,6 +450,8 @@ class Checkpointer:
         parallel_state = components.parallel_state
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             chunk.load_state_dict(payload[key], strict=True)
+        if payload.get("resharded") and parallel_state.rank == 0:  # from another layout
+            self.log(payload["resharded"])
         if checkpoint_config.finetune:
             return training_state_class()
         if not checkpoint_config.no_load_optim:
@@ -468,10 +470,7 @@ class Checkpointer:
                 self.log("  the checkpoint holds weights only (converted from "
                          f"[{payload.get('converted_from', 'another layout')}]): the optimizer, "
                          "LR schedule and RNG states start afresh")
-        elif payload.get("resharded"):
-            if parallel_state.rank == 0:
-                self.log(payload["resharded"])
-        elif not checkpoint_config.no_load_rng:
+        elif not checkpoint_config.no_load_rng and not payload.get("resharded"):
             rng_states = payload["rng_state"]
             if len(rng_states) == parallel_state.dp_size:
                 restore_rng_state(rng_states[parallel_state.dp_rank])

@@ -37,6 +37,7 @@ from megatron.training.checkpointing.global_keys import (OPTIMIZER_PREFIX, Piece
                                                         optimizer_pieces, partition_dim_of,
                                                         scalar_state_fallbacks, tp_placement)
 from megatron.training.checkpointing.state import _check_model_flags, describe_layout
+from megatron.training.checkpointing.torch_dist import _check_pieces
 
 _SAVED_FILE = re.compile(r"^mp_rank_(\d+)(?:_\d+)?/(model_optim_rng|distrib_optim_dp\d+)\.pt$")
 
@@ -107,7 +108,7 @@ class SavedPieces:
                 if self.first is None:
                     self.first = payload
                     _check_model_flags(path, payload.get("config", {}).get("model", {}),
-                                       _current_model_flags(components))
+                                       dataclasses.asdict(components.config.model))
                 if load_model:
                     self._add_model(path, payload, chunk_keys, dims, tp_rank, tp_size)
                 entry = payload.get("optimizer")
@@ -138,25 +139,10 @@ class SavedPieces:
         return {piece.key: (piece.global_shape, piece.tensor.dtype) for piece in self.pieces}
 
 
-def _current_model_flags(components) -> dict:
-    return dataclasses.asdict(components.config.model)
-
-
 def _fill(targets: list, saved: SavedPieces, iteration_dir: str) -> None:
     """Fill ``targets`` from the saved pieces; a key missing, of another global shape, or not
     covered completely is named."""
-    shapes = saved.shapes()
-    for target in targets:
-        if target.key not in shapes:
-            raise CheckpointError(f"checkpoint {iteration_dir} holds no {target.key!r} (global "
-                                  f"shape {target.global_shape}); it was saved from another model"
-                                  + (" or without its optimizer state (pass --no-load-optim)"
-                                     if target.key.startswith(OPTIMIZER_PREFIX) else ""))
-        if tuple(shapes[target.key][0]) != tuple(target.global_shape):
-            raise CheckpointError(f"checkpoint {iteration_dir}: {target.key} has global shape "
-                                  f"{tuple(shapes[target.key][0])}, this run's model "
-                                  f"{tuple(target.global_shape)}; the model flags differ from "
-                                  f"the saved run's")
+    _check_pieces(targets, saved.shapes(), iteration_dir)
     gaps = fill_from(targets, list(saved.pieces))
     if gaps:
         raise CheckpointError(f"the saved files of {iteration_dir} do not cover "
