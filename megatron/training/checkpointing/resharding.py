@@ -129,10 +129,18 @@ class SavedPieces:
                 raise CheckpointError(f"checkpoint file {path} has no {key!r} entry; it was not "
                                       f"written by this project's checkpointing")
             for name, value in payload[key].items():
-                if name in dims:
-                    self.pieces.add(model_key(name),
-                                    tp_placement(tuple(value.shape), dims[name], tp_rank,
-                                                 tp_size), value)
+                if name not in dims:
+                    continue
+                place = tp_placement(tuple(value.shape), dims[name], tp_rank, tp_size)
+                copy = self.pieces.by_index.get((model_key(name), place.offsets))
+                if copy is not None and not torch.equal(copy.tensor, value):
+                    raise CheckpointError(
+                        f"parameter {name} differs between its copies in checkpoint "
+                        f"{os.path.dirname(os.path.dirname(path))} ({path} and an earlier file): "
+                        f"the replicas (Chimera stage replicas, tied embedding copies, "
+                        f"tensor-parallel replicas) must be identical to be read in another "
+                        f"layout; resume in the saved layout instead")
+                self.pieces.add(model_key(name), place, value)
 
     def shapes(self) -> dict:
         """``{key: (global shape, dtype)}`` of every saved key this rank may read."""
