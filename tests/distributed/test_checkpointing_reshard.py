@@ -10,7 +10,8 @@ layers [3, 1].
 
 Legacy ``--ckpt-format torch`` checkpoints reshard through the same global keys (the files record
 their optimizer state by parameter name): Chimera PP2 with the distributed optimizer -> 1F1B TP2
-and -> PP1 x DP2; 1F1B TP2 x PP2 (replicated optimizer) -> Chimera PP2 x DP2.
+(replicated optimizer) and -> PP1 x DP2 (distributed optimizer); 1F1B TP2 x PP2 (replicated) ->
+Chimera PP2 x DP2 with the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -179,11 +180,13 @@ LEGACY_SOURCES = {  # saved layout, world size; {target name: (target layout, wo
     "chimera-pp2-distopt": (
         "--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
         "--use-distributed-optimizer", 2,
-        {"1f1b-tp2": ("--tensor-model-parallel-size 2", 2), "pp1xdp2": ("", 2)}),
-    "1f1b-tp2xpp2": (
+        {"1f1b-tp2": ("--tensor-model-parallel-size 2", 2),  # distributed optimizer off
+         "pp1xdp2-distopt": ("--use-distributed-optimizer", 2)}),  # shards recut
+    "1f1b-tp2xpp2": (  # replicated optimizer, tensor-parallel files
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
         "--pipeline-schedule 1f1b", 4,
-        {"chimera-pp2xdp2": ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera", 4)}),
+        {"chimera-pp2xdp2-distopt": ("--pipeline-model-parallel-size 2 --pipeline-schedule "
+                                     "chimera --use-distributed-optimizer", 4)}),
 }
 
 
