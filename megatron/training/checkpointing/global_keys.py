@@ -19,7 +19,9 @@ merged) shape. A :class:`Piece` is the box of such a global tensor that this ran
 
 So the same key and global shape describe a parameter's state in every layout (TP, PP, DP,
 schedule, distributed optimizer on or off) and loading is "read the boxes this rank needs", which
-torch.distributed.checkpoint does. No module here touches process groups.
+torch.distributed.checkpoint does. A legacy ``--ckpt-format torch`` file records
+:func:`optimizer_state_keys` next to its optimizer state, so that the same keys name it in another
+layout (:mod:`.resharding`). No module here touches process groups.
 """
 
 from __future__ import annotations

@@ -28,9 +28,15 @@ def is_sharded(optimizer) -> bool:
 def optimizer_state_entry(components) -> dict:
     """What the rank file records as its optimizer state: a marker (distributed optimizer), or
     the state with its ``state_keys``."""
-    optimizer = components.optimizer
-    if is_sharded(optimizer):
+    if is_sharded(components.optimizer):
         return {"sharded": True, "data_parallel_size": components.parallel_state.dp_size}
+    return named_optimizer_state(components)
+
+
+def named_optimizer_state(components) -> dict:
+    """This rank's optimizer state dict with its ``state_keys`` (what each position is, by
+    parameter name)."""
+    optimizer = components.optimizer
     return {**optimizer.state_dict(),
             "state_keys": optimizer_state_keys(optimizer, components.model_chunks)}
 
@@ -48,10 +54,7 @@ def write_optimizer_shard(components, header: dict, staging_dir: str) -> tuple[s
                             optimizer_shard_name(parallel_state.dp_rank))
     path = os.path.join(staging_dir, relative)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    optimizer = components.optimizer
-    save_file({**header, "optimizer": {**optimizer.state_dict(), "state_keys":
-                                       optimizer_state_keys(optimizer, components.model_chunks)}},
-              path)
+    save_file({**header, "optimizer": named_optimizer_state(components)}, path)
     return relative, {"size": os.path.getsize(path), "crc32": file_crc32(path)}
 
 
