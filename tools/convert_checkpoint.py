@@ -2,20 +2,23 @@
 """Convert a Megatron-Chimera checkpoint's weights to another parallel layout (TP, PP, schedule),
 to a Hugging Face GPT-2, or from a Hugging Face GPT-2 or a Megatron-LM GPT checkpoint.
 
-    python tools/convert_checkpoint.py --load ckpt_chimera --save ckpt_single \\
-        --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+    python tools/convert_checkpoint.py --load ckpt_chimera --save ckpt_weights
+    python tools/convert_checkpoint.py --load ckpt_chimera --save ckpt_pp2 --ckpt-format torch \\
+        --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2
     python tools/convert_checkpoint.py --load ckpt --save hf_gpt2 --target-format hf
     python tools/convert_checkpoint.py --load hf_gpt2 --save ckpt_tp2 --source-format hf \\
         --tensor-model-parallel-size 2
     python tools/convert_checkpoint.py --load megatron_lm_ckpt --save ckpt \\
         --source-format megatron-lm
 
-Reads every rank file of the iteration (the tracker's, or --iteration N) in this one process,
-merges each parameter to its full tensor and writes the target layout's files (or, with
---ckpt-format torch_dist, whole tensors that load in any layout). A torch_dist source holds whole
-tensors already. The result holds
-weights only: load it with --finetune (start at iteration 0) or --no-load-optim (keep the
-iteration and consumed samples). See docs/checkpointing.md and docs/inference.md.
+Reads either format (a torch source: every rank file of the iteration, the tracker's or
+--iteration N, merged to full tensors in this one process; a torch_dist source holds whole tensors
+already) and writes, like training, --ckpt-format torch_dist by default: whole tensors that load in
+any layout (the layout flags then only validate the target); --ckpt-format torch writes the target
+layout's per-rank files. The result holds weights only: load it with --finetune (start at
+iteration 0) or --no-load-optim (keep the iteration and consumed samples). To resume a training
+run in another layout with its optimizer state, no conversion is needed: load the checkpoint
+(either format) directly in the new layout. See docs/checkpointing.md and docs/inference.md.
 """
 
 import argparse
@@ -26,18 +29,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES  # noqa: E402
 from megatron.training.checkpoint_conversion import (  # noqa: E402
-    ConversionError, TargetLayout, convert_checkpoint)
+    CKPT_FORMATS, DEFAULT_CKPT_FORMAT, ConversionError, TargetLayout, convert_checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The converter's flags (the target layout uses Megatron's flag names)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    summary, _, details = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(description=summary, epilog=details, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="source checkpoint directory")
     parser.add_argument("--save", required=True, help="target directory (must not hold the "
                                                       "same iteration already)")
     parser.add_argument("--iteration", type=int, default=None,
                         help="iteration to convert (default: the source's tracker)")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                        help="target layout (with --ckpt-format torch_dist the result loads in "
+                        "any layout and the target flags are only validated)")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-schedule", default=None,
                         choices=BUILTIN_SCHEDULES.names)
@@ -57,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-format", choices=("native", "hf"), default="native",
                         help="write this project's checkpoint in the target layout (native) or "
                         "a Hugging Face GPT2LMHeadModel directory (hf; layout flags ignored)")
-    parser.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
-                        help="native target: per-rank files of the target layout (torch) or "
-                        "global tensors that load in any layout (torch_dist); either format is "
-                        "read")
+    parser.add_argument("--ckpt-format", choices=CKPT_FORMATS, default=DEFAULT_CKPT_FORMAT,
+                        help="native target: global tensors that load in any layout (torch_dist, "
+                        "the default, as for training) or the per-rank files of the target "
+                        "layout (torch); either format is read")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="imports: training sequence length (default: the position table)")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -92,11 +99,12 @@ def main(argv=None) -> int:
         elif args.source_format == "hf":
             from megatron.training.hf_checkpoint import import_from_hf
             import_from_hf(args.load, args.save, target, seq_length=args.seq_length,
-                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                           ckpt_format=args.ckpt_format)
         elif args.source_format == "megatron-lm":
             from megatron.training.megatron_lm_import import import_megatron_lm
             import_megatron_lm(args.load, args.save, target, iteration=args.iteration,
-                               seq_length=args.seq_length)
+                               seq_length=args.seq_length, ckpt_format=args.ckpt_format)
         else:
             convert_checkpoint(args.load, args.save, target, iteration=args.iteration,
                                ckpt_format=args.ckpt_format)

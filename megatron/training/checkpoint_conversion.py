@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core.config import MegatronConfig
+from megatron.core.config import CheckpointConfig, MegatronConfig
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.planning.stage_split import config_stage_layer_ranges
 from megatron.core.pipeline_parallel.planning.plan import layout_from_config
@@ -45,6 +45,10 @@ from megatron.training.checkpointing import torch_dist
 from megatron.training.checkpointing.global_keys import (Piece, PieceSet, TensorPlacement,
                                                         fill_from)
 from megatron.training.checkpointing.files import fresh_staging_dir
+
+#: What the converter writes unless told otherwise: the training runs' default ``--ckpt-format``.
+DEFAULT_CKPT_FORMAT = CheckpointConfig().ckpt_format
+CKPT_FORMATS = ("torch_dist", "torch")
 
 # Flags of the parallel layout besides the schedule families' own (see layout_fields); everything
 # else of the source run's config carries over.
@@ -338,6 +342,28 @@ def _add_saved_box(pieces: PieceSet, where: dict, name: str, shape: tuple, dim, 
 # Splitting and writing
 # ----------------------------------------------------------------------------------------------
 
+def _check_has(full: dict, name: str, shape: tuple) -> None:
+    if name not in full:
+        raise ConversionError(f"the source checkpoint has no {name}, which the target layout "
+                              f"needs; the model flags differ")
+    if tuple(full[name].shape) != tuple(shape):
+        raise ConversionError(f"{name} has shape {tuple(full[name].shape)} in the source, the "
+                              f"target model expects {tuple(shape)}")
+
+
+def model_state_of(full: dict, config: MegatronConfig,
+                   registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:
+    """The entries of ``full`` that the model of ``config`` holds, each checked to be there with
+    its full shape (ConversionError otherwise)."""
+    found = {}
+    for templates in _templates(config, registry).values():
+        for template in templates:
+            for name, (shape, _) in template.items():
+                _check_has(full, name, shape)
+                found[name] = full[name]
+    return found
+
+
 def split_for_layout(full: dict, config: MegatronConfig,
                      registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:
     """``{(tp_rank, pp_rank): [state dict of each hosted chunk]}`` of the layout of ``config``."""
@@ -349,13 +375,8 @@ def split_for_layout(full: dict, config: MegatronConfig,
             for template in templates:
                 state = {}
                 for name, (shape, dim) in template.items():
-                    if name not in full:
-                        raise ConversionError(f"the source checkpoint has no {name}, which the "
-                                              f"target layout needs; the model flags differ")
+                    _check_has(full, name, shape)
                     value = full[name]
-                    if tuple(value.shape) != shape:
-                        raise ConversionError(f"{name} has shape {tuple(value.shape)} in the "
-                                              f"source, the target model expects {shape}")
                     if dim is not None:
                         value = shard_of(value, dim, tp_rank, tp_size)
                     state[name] = value.clone().contiguous()  # own storage: small files
@@ -403,17 +424,43 @@ def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, 
     return final_dir
 
 
+def write_weights(save: str, iteration: int, config: MegatronConfig, full: dict, progress: dict,
+                  note: str = "", ckpt_format: str = DEFAULT_CKPT_FORMAT,
+                  registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> tuple[str, str]:
+    """Write ``full`` ({name: whole tensor}) as a weights-only checkpoint of ``config`` in
+    ``ckpt_format``: "torch_dist" (the training default) writes whole tensors through
+    torch.distributed.checkpoint, which load in any layout; "torch" writes the per-rank files of
+    ``config``'s layout. Returns (iteration directory, what was written, for the log)."""
+    if ckpt_format not in CKPT_FORMATS:
+        raise ConversionError(f"unknown checkpoint format {ckpt_format!r}; choose one of "
+                              f"{', '.join(CKPT_FORMATS)}")
+    if ckpt_format == torch_dist.TORCH_DIST:
+        state = model_state_of(full, config, registry)
+        try:
+            written = torch_dist.write_full_weights(save, iteration, config, state, progress,
+                                                    note=note)
+        except CheckpointError as error:
+            raise ConversionError(str(error)) from None
+        return written, "torch_dist, loads in any layout"
+    chunks = split_for_layout(full, config, registry)
+    written = write_weights_checkpoint(save, iteration, config, chunks, progress, note=note,
+                                       registry=registry)
+    layout = parallel_layout(config, len(next(iter(chunks.values()))), registry)
+    return written, f"torch, {describe_layout(layout)}"
+
+
 def convert_checkpoint(load: str, save: str, target: TargetLayout,
                        iteration: Optional[int] = None, log=print,
                        registry: ScheduleRegistry = BUILTIN_SCHEDULES,
-                       ckpt_format: str = "torch") -> str:
+                       ckpt_format: str = DEFAULT_CKPT_FORMAT) -> str:
     """Convert ``load``'s iteration (default: the tracker's) to ``target``; write it to ``save``.
     ``registry`` holds the schedule families of both layouts (pass your own for a family of
     yours).
 
-    Either format is read. ``ckpt_format`` "torch" writes the target layout's per-rank files;
-    "torch_dist" writes whole tensors through torch.distributed.checkpoint, which load in any
-    layout (the target layout then only validates the flags).
+    Either format is read. ``ckpt_format`` (default: the training default, ``torch_dist``) is what
+    is written: "torch_dist" whole tensors through torch.distributed.checkpoint, which load in any
+    layout (the target layout then only validates the flags); "torch" the target layout's
+    per-rank files.
 
     Returns the written iteration directory. Raises ConversionError (a ValueError) naming the
     problem and the fix for a missing iteration, corrupt files, diverged replicas, a model that
@@ -424,21 +471,8 @@ def convert_checkpoint(load: str, save: str, target: TargetLayout,
     config = target_config(source.config, target, registry)
     log(f"converting {load} iteration {source.iteration} [{source_layout}]")
     full = merge_full_state(source, registry)
-    if ckpt_format == torch_dist.TORCH_DIST:
-        try:
-            written = torch_dist.write_full_weights(save, source.iteration, config, full,
-                                                    source.payloads[(0, 0)], note=source_layout)
-        except CheckpointError as error:
-            raise ConversionError(str(error)) from None
-        log(f"  wrote {written} [torch_dist, loads in any layout]: {len(full)} parameters, "
-            f"weights only (load it with --finetune or --no-load-optim)")
-        return written
-    chunks = split_for_layout(full, config, registry)
-    target_layout = describe_layout(parallel_layout(config, len(next(iter(chunks.values()))),
-                                                    registry))
-    first = source.payloads[(0, 0)]
-    written = write_weights_checkpoint(save, source.iteration, config, chunks, first,
-                                       note=source_layout, registry=registry)
-    log(f"  wrote {written} [{target_layout}]: {len(full)} parameters, weights only (load it "
-        f"with --finetune or --no-load-optim)")
+    written, what = write_weights(save, source.iteration, config, full, source.payloads[(0, 0)],
+                                  note=source_layout, ckpt_format=ckpt_format, registry=registry)
+    log(f"  wrote {written} [{what}]: {len(full)} parameters, weights only (load it with "
+        f"--finetune or --no-load-optim)")
     return written

@@ -18,8 +18,8 @@ from typing import Optional
 
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.training.checkpoint_conversion import (
-    ConversionError, TargetLayout, merge_full_state, read_checkpoint, split_for_layout,
-    write_weights_checkpoint)
+    DEFAULT_CKPT_FORMAT, ConversionError, TargetLayout, merge_full_state, read_checkpoint,
+    write_weights)
 from megatron.training.hf_conversion import (
     HFConversionError, hf_config_dict, hf_to_ours_state, model_flags_from_hf, ours_to_hf_state,
     read_hf_directory, write_hf_directory)
@@ -160,9 +160,11 @@ def _import_config(hf_config: dict, hf_dir: str, save: str, target: TargetLayout
 
 def import_from_hf(hf_dir: str, save: str, target: TargetLayout, *,
                    seq_length: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
-                   log=print, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> str:
+                   log=print, registry: ScheduleRegistry = BUILTIN_SCHEDULES,
+                   ckpt_format: str = DEFAULT_CKPT_FORMAT) -> str:
     """Write the Hugging Face GPT-2 or Llama in ``hf_dir`` as a weights-only checkpoint (iteration 0) of
-    ``target``'s layout into ``save``. Returns the iteration directory."""
+    ``target``'s layout into ``save``, in ``ckpt_format`` (``torch_dist``, the default, loads in
+    any layout; ``torch`` is the per-rank files of ``target``). Returns the iteration directory."""
     try:
         hf_config, hf_state = read_hf_directory(hf_dir)
         config, train_flags = _import_config(hf_config, hf_dir, save, target, seq_length,
@@ -173,9 +175,8 @@ def import_from_hf(hf_dir: str, save: str, target: TargetLayout, *,
             full = hf_to_ours_state(hf_state, config.model)
     except (HFConversionError, LlamaConversionError) as error:
         raise ConversionError(str(error)) from None
-    chunks = split_for_layout(full, config, registry)
-    written = write_weights_checkpoint(save, 0, config, chunks, {}, note=f"hf:{hf_dir}",
-                                       registry=registry)
+    written, _ = write_weights(save, 0, config, full, {}, note=f"hf:{hf_dir}",
+                               ckpt_format=ckpt_format, registry=registry)
     log(f"imported {hf_dir} into {written}; train on with --load {save} --finetune "
         f"{' '.join(train_flags)}")
     return written

@@ -31,7 +31,7 @@ import torch
 from megatron.core.pipeline_parallel.planning.stage_split import (StageSplit, stage_layer_counts,
                                                                   stage_layer_ranges)
 from megatron.training.checkpoint_conversion import (
-    ConversionError, TargetLayout, split_for_layout, write_weights_checkpoint)
+    DEFAULT_CKPT_FORMAT, ConversionError, TargetLayout, write_weights)
 
 LEGACY_LAYER_NAMES = {
     "input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
@@ -293,9 +293,9 @@ def _modern_block_flags(args) -> list[str]:
 
 def import_megatron_lm(load: str, save: str, target: TargetLayout, *,
                        iteration: Optional[int] = None, seq_length: Optional[int] = None,
-                       log=print) -> str:
+                       log=print, ckpt_format: str = DEFAULT_CKPT_FORMAT) -> str:
     """Write a Megatron-LM GPT checkpoint as our weights-only checkpoint (iteration 0) of
-    ``target``'s layout. The vocabulary keeps Megatron-LM's padded size (``--vocab-size`` of the
+    ``target``'s layout, in ``ckpt_format`` (default ``torch_dist``: loads in any layout). The vocabulary keeps Megatron-LM's padded size (``--vocab-size`` of the
     written config); a tokenizer is not carried over: pass the run's tokenizer flags when training."""
     from megatron.training.arguments import parse_args
     from megatron.training.hf_checkpoint import layout_flags
@@ -311,8 +311,8 @@ def import_megatron_lm(load: str, save: str, target: TargetLayout, *,
     except (ValueError, SystemExit) as error:
         raise ConversionError(f"the Megatron-LM model does not fit the target layout: {error}"
                               ) from None
-    written = write_weights_checkpoint(save, 0, config, split_for_layout(full, config), {},
-                                       note=f"megatron-lm:{load}")
+    written, _ = write_weights(save, 0, config, full, {}, note=f"megatron-lm:{load}",
+                               ckpt_format=ckpt_format)
     log(f"imported Megatron-LM checkpoint {load} into {written}; model flags: "
         f"{' '.join(flags[:14] + _modern_block_flags(args))}")
     return written

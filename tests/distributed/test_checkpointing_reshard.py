@@ -7,6 +7,11 @@ Layouts (at most 4 gloo ranks): Chimera PP4 with the distributed optimizer -> 1F
 interleaved PP2 x DP2 (saved with --async-save) -> PP1 x DP2; Chimera PP2 x DP2 -> Chimera PP2 x TP2;
 uneven stages: Chimera PP2 x DP2 with layers [1, 3] and the distributed optimizer -> 1F1B PP2 with
 layers [3, 1].
+
+Legacy ``--ckpt-format torch`` checkpoints reshard through the same global keys (the files record
+their optimizer state by parameter name): Chimera PP2 with the distributed optimizer -> 1F1B TP2
+(replicated optimizer) and -> PP1 x DP2 (distributed optimizer); 1F1B TP2 x PP2 (replicated) ->
+Chimera PP2 x DP2 with the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -67,23 +72,29 @@ def _train(rank, world_size, argv):
 UNPACKED = {"chimera-pp4-distopt->1f1b-tp2xpp2"}
 
 
+def _save_straight_run(source: str, world_size: int, save_dir: str, unpacked: bool = False):
+    """Train 6 iterations saving at 3 and 6, then point the tracker at 3; the straight losses."""
+    with pytest.MonkeyPatch.context() as patch:  # the forked ranks inherit the limit
+        if unpacked:
+            patch.setattr(torch_dist, "PACK_LIMIT_BYTES", 0)
+        results = run_distributed(_train, world_size,
+                                  f"{TINY} {source} --save {save_dir} --save-interval 3",
+                                  timeout=300)
+    losses = results[0][0]
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert read_tracker(save_dir) == 6
+    write_tracker(save_dir, 3)  # resume from iteration 3; iteration 6 is the straight run's end
+    return losses
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def saved_run(request, tmp_path_factory):
     """(case, save dir holding iterations 3 and 6 with the tracker at 3, straight losses)."""
     source, source_world, _, _ = CASES[request.param]
     save_dir = str(tmp_path_factory.mktemp("reshard") / "ckpt")
-    with pytest.MonkeyPatch.context() as patch:  # the forked ranks inherit the limit
-        if request.param in UNPACKED:
-            patch.setattr(torch_dist, "PACK_LIMIT_BYTES", 0)
-        results = run_distributed(_train, source_world,
-                                  f"{TINY} {source} --save {save_dir} --save-interval 3",
-                                  timeout=300)
+    losses = _save_straight_run(source, source_world, save_dir, request.param in UNPACKED)
     packed = any(name.startswith(torch_dist.PACKED) for name in _saved_keys(save_dir, 3))
     assert packed == (request.param not in UNPACKED)
-    losses = results[0][0]
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    assert read_tracker(save_dir) == 6
-    write_tracker(save_dir, 3)  # resume from iteration 3; iteration 6 is the straight run's end
     return request.param, save_dir, losses
 
 
@@ -95,7 +106,12 @@ def _saved_keys(save_dir: str, iteration: int) -> list:
 
 def _resume(case: str, save_dir: str, extra: str = ""):
     _, _, target, target_world = CASES[case]
-    results = run_distributed(_train, target_world, f"{TINY} {target} --load {save_dir} {extra}",
+    return _resume_in(target, target_world, save_dir, extra)
+
+
+def _resume_in(target: str, world_size: int, save_dir: str, extra: str = ""):
+    """(losses, rank 0's checkpoint log lines) of the run resumed from ``save_dir``."""
+    results = run_distributed(_train, world_size, f"{TINY} {target} --load {save_dir} {extra}",
                               timeout=300)
     return results[0]
 
@@ -155,3 +171,54 @@ def _volume(shape) -> int:
     for size in shape:
         result *= size
     return result
+
+
+# ---- legacy (--ckpt-format torch) checkpoints through the global keys ---------------------------
+
+LEGACY = "--ckpt-format torch"
+LEGACY_SOURCES = {  # saved layout, world size; {target name: (target layout, world size)}
+    "chimera-pp2-distopt": (
+        "--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
+        "--use-distributed-optimizer", 2,
+        {"1f1b-tp2": ("--tensor-model-parallel-size 2", 2),  # distributed optimizer off
+         "pp1xdp2-distopt": ("--use-distributed-optimizer", 2)}),  # shards recut
+    "1f1b-tp2xpp2": (  # replicated optimizer, tensor-parallel files
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+        "--pipeline-schedule 1f1b", 4,
+        {"chimera-pp2xdp2-distopt": ("--pipeline-model-parallel-size 2 --pipeline-schedule "
+                                     "chimera --use-distributed-optimizer", 4)}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LEGACY_SOURCES))
+def legacy_run(request, tmp_path_factory):
+    """(source name, legacy save dir with the tracker at 3, straight losses)."""
+    source, world_size, _ = LEGACY_SOURCES[request.param]
+    save_dir = str(tmp_path_factory.mktemp("legacy") / "ckpt")
+    losses = _save_straight_run(f"{source} {LEGACY}", world_size, save_dir)
+    iteration_dir = os.path.join(save_dir, "iter_0000003")
+    assert not os.path.exists(os.path.join(iteration_dir, ".metadata"))  # no DCP: the torch files
+    assert any(name.startswith("mp_rank_") for name in os.listdir(iteration_dir))
+    return request.param, save_dir, losses
+
+
+def _legacy_targets(legacy_run):
+    source, save_dir, straight = legacy_run
+    return [(target, *LEGACY_SOURCES[source][2][target], save_dir, straight)
+            for target in sorted(LEGACY_SOURCES[source][2])]
+
+
+def test_legacy_checkpoint_resumes_in_another_layout_with_its_optimizer_state(legacy_run):
+    for name, target, world_size, save_dir, straight in _legacy_targets(legacy_run):
+        resumed, lines = _resume_in(target, world_size, save_dir)
+        assert any("resharding from" in line and "optimizer state" in line
+                   for line in lines), lines
+        errors = _relative_errors(resumed, straight)
+        assert max(errors) < 1e-5, (legacy_run[0], name, resumed, straight)
+
+
+def test_legacy_checkpoint_without_its_optimizer_state_misses_the_straight_losses(legacy_run):
+    for name, target, world_size, save_dir, straight in _legacy_targets(legacy_run):
+        resumed, _ = _resume_in(target, world_size, save_dir, "--no-load-optim")
+        errors = _relative_errors(resumed, straight)
+        assert max(errors) > 1e-5, (legacy_run[0], name, resumed, straight)

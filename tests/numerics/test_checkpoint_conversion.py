@@ -162,17 +162,30 @@ def _assert_full_equal(merged, full):
 
 # ---- conversions ------------------------------------------------------------------------------
 
+def _written_format(root) -> str:
+    """The format of the tracker's iteration in ``root`` ("torch_dist" or "torch")."""
+    iteration_dir = os.path.join(str(root), iteration_dir_name(read_tracker(str(root))))
+    with open(os.path.join(iteration_dir, METADATA_FILENAME)) as handle:
+        return json.load(handle).get("ckpt_format", "torch")
+
+
+@pytest.mark.parametrize("ckpt_format", [None, "torch"], ids=["default", "torch"])
 @pytest.mark.parametrize("source", [(1, 2, "chimera"), (2, 2, "1f1b")],
                          ids=["chimera-pp2", "tp2-pp2-1f1b"])
-def test_pipeline_checkpoint_to_single_process(tmp_path, source):
+def test_pipeline_checkpoint_to_single_process(tmp_path, source, ckpt_format):
     config = _config(*source)
     full = _random_full_weights(config)
     _write_source(tmp_path / "src", config, full)
     _assert_full_equal(merge_full_state(read_checkpoint(str(tmp_path / "src"))), full)
 
-    convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"), TargetLayout(), log=print)
+    options = {"ckpt_format": ckpt_format} if ckpt_format else {}
+    convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"), TargetLayout(), log=print,
+                       **options)
     assert read_tracker(str(tmp_path / "dst")) == ITERATION
-    assert os.path.isfile(checkpoint_file(str(tmp_path / "dst"), ITERATION, 0, 0, 1))
+    # the default is the training default (torch_dist: whole tensors); torch: the layout's files
+    assert _written_format(tmp_path / "dst") == (ckpt_format or "torch_dist")
+    assert os.path.isfile(checkpoint_file(str(tmp_path / "dst"), ITERATION, 0, 0, 1)) == \
+        (ckpt_format == "torch")
     target = _config()
     modules, _, states, lines = _load_target(tmp_path / "dst", target, "--no-load-optim")
     assert states == [TrainingState(ITERATION, *CONSUMED)]
@@ -246,24 +259,33 @@ def test_cli_converts_interleaved_checkpoint(tmp_path):
     config = _config(1, 2, extra="--num-layers-per-virtual-pipeline-stage 1")
     full = _random_full_weights(config)
     _write_source(tmp_path / "src", config, full)
-    assert main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"),
-                 "--iteration", str(ITERATION), "--tensor-model-parallel-size", "2",
-                 "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]) == 0
+    target = ["--iteration", str(ITERATION), "--tensor-model-parallel-size", "2",
+              "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera"]
+    assert main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"), *target]) == 0
+    assert _written_format(tmp_path / "dst") == "torch_dist"  # the CLI's default too
     _assert_full_equal(merge_full_state(read_checkpoint(str(tmp_path / "dst"))), full)
     assert main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst")]) == 1  # exists
+    assert main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "files"), *target,
+                 "--ckpt-format", "torch"]) == 0
+    assert _written_format(tmp_path / "files") == "torch"
+    for tp_rank in range(2):  # TP 2 x Chimera PP 2: every position's file
+        for pp_rank in range(2):
+            assert os.path.isfile(checkpoint_file(str(tmp_path / "files"), ITERATION, tp_rank,
+                                                  pp_rank, 2))
+    _assert_full_equal(merge_full_state(read_checkpoint(str(tmp_path / "files"))), full)
 
 
-def test_uneven_stages_convert_and_a_different_split_is_refused(tmp_path):
+def test_uneven_stages_convert_and_load_in_another_split(tmp_path):
     """Chimera PP2 with stages [1, 3] converts (CLI, uneven target flags) to 1F1B PP2 with
     stages [3, 1]: every rank holds exactly its layers, with the source's weights and loss; the
-    source loaded with even stages is refused, naming the split."""
+    source loaded directly with even stages gets the same weights (through the global keys)."""
     from tools.convert_checkpoint import main
     config = _config(1, 2, "chimera", extra="--decoder-first-pipeline-num-layers 1")
     full = _random_full_weights(config)
     _write_source(tmp_path / "src", config, full)
     _assert_full_equal(merge_full_state(read_checkpoint(str(tmp_path / "src"))), full)
     assert main(["--load", str(tmp_path / "src"), "--save", str(tmp_path / "dst"),
-                 "--pipeline-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch",
                  "--decoder-last-pipeline-num-layers", "1"]) == 0
     last_one = "--decoder-last-pipeline-num-layers 1"
     target = _config(1, 2, extra=last_one)
@@ -276,8 +298,13 @@ def test_uneven_stages_convert_and_a_different_split_is_refused(tmp_path):
             assert torch.equal(value, full[name]), name
     assert torch.allclose(_loss([modules[(0, 0)], modules[(0, 1)]], target),
                           _reference_loss(_config(), full), rtol=1e-6)
-    with pytest.raises(RuntimeError, match=r"layers per stage \[1, 3\]\] but this run"):
-        _load_target(tmp_path / "src", _config(1, 2, "chimera"))
+    # loaded directly with even stages (another layout): read through the global keys
+    modules, _, _, lines = _load_target(tmp_path / "src", _config(1, 2, "chimera"))
+    assert any("resharding from [TP=1, PP=2, schedule=chimera (2 pipelines), 2 model chunks per "
+               "rank, layers per stage [1, 3]]" in line for line in lines), lines
+    for chunk in modules.values():
+        for name, value in chunk.state_dict().items():
+            assert torch.equal(value, full[name]), name
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -343,8 +370,11 @@ def test_invalid_target_layouts_are_refused(single_checkpoint, tmp_path):
                            TargetLayout(tensor_model_parallel_size=2), log=print)
 
 
-def test_weights_only_checkpoint_needs_finetune_or_no_load_optim(single_checkpoint, tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_weights_only_checkpoint_needs_finetune_or_no_load_optim(single_checkpoint, tmp_path,
+                                                                  ckpt_format):
     convert_checkpoint(str(single_checkpoint), str(tmp_path / "dst"),
-                       TargetLayout(pipeline_model_parallel_size=2), log=print)
+                       TargetLayout(pipeline_model_parallel_size=2), log=print,
+                       ckpt_format=ckpt_format)
     with pytest.raises(RuntimeError, match="weights only.*--finetune or --no-load-optim"):
         _load_target(tmp_path / "dst", _config(1, 2), flags="")

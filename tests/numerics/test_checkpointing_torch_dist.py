@@ -220,11 +220,12 @@ def test_convert_checkpoint_reads_and_writes_both_formats(saved_run, tmp_path):
     save_dir, result = saved_run
     reference = result.components.model_chunks[0].state_dict()
     pp2 = str(tmp_path / "pp2")
-    convert_checkpoint(save_dir, pp2, TargetLayout(pipeline_model_parallel_size=2), log=print)
+    convert_checkpoint(save_dir, pp2, TargetLayout(pipeline_model_parallel_size=2), log=print,
+                       ckpt_format="torch")
     assert os.path.isfile(os.path.join(pp2, "iter_0000003", "mp_rank_00_001",
                                        "model_optim_rng.pt"))
     back = str(tmp_path / "back")
-    assert main(["--load", pp2, "--save", back, "--ckpt-format", "torch_dist"]) == 0
+    assert main(["--load", pp2, "--save", back]) == 0  # torch_dist: the default
     assert sorted(os.listdir(os.path.join(back, "iter_0000003"))) == \
         [".metadata", "__0_0.distcp", "metadata.json"]
     merged = merge_full_state(read_checkpoint(back))

@@ -47,3 +47,46 @@ def test_tensor_parallel_shards_sit_at_their_rank_offset():
     replicated = torch.nn.Parameter(torch.zeros(4))
     assert placement(replicated, replicated, 2, 3).offsets == (0,)
     assert placement(replicated, replicated, 2, 3).global_shape == (4,)
+
+
+def _pieces_by_index(pieces) -> dict:
+    return {piece.index: (piece.global_shape, piece.tensor) for piece in pieces}
+
+
+def test_saved_state_keys_map_a_files_optimizer_state_to_the_live_optimizers_keys():
+    """A legacy file's optimizer state, read back through the ``state_keys`` saved next to it,
+    gives exactly the pieces (keys, global shapes, offsets, values) of the live optimizer: for a
+    whole tensor-parallel parameter and for a distributed-optimizer shard whose flat range starts
+    inside one parameter and ends inside the next."""
+    import types
+
+    from megatron.training.checkpointing.global_keys import (PieceSet, add_saved_optimizer_state,
+                                                            optimizer_pieces,
+                                                            optimizer_state_keys)
+
+    torch.manual_seed(0)
+    chunk = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    weight = chunk[0].weight  # column-parallel style: split along dim 0
+    weight.tensor_model_parallel, weight.partition_dim = True, 0
+    segment = [chunk[1].weight, chunk[1].bias]  # 8 + 2 elements, flat
+    shard = torch.nn.Parameter(torch.zeros(6))  # elements [3, 9) of the segment's 10
+    reducer = types.SimpleNamespace(segments=[types.SimpleNamespace(params=segment, shard=shard)],
+                                    shard_ranges=lambda: [(3, 6, 10)])
+    adam = torch.optim.Adam([weight, chunk[0].bias, shard])
+    for param in (weight, chunk[0].bias, shard):
+        param.grad = torch.randn(param.shape)
+    adam.step()
+    optimizer = types.SimpleNamespace(optimizer=adam, sharded_reducers=[reducer])
+    live = optimizer_pieces(optimizer, [chunk], tp_rank=1, tp_size=2)
+    state_keys = optimizer_state_keys(optimizer, [chunk])
+    assert state_keys[0] == ("whole", "0.weight", (4, 3), 0)
+    assert state_keys[2][:4] == ("flat", 3, 6, 10)
+    saved = PieceSet()
+    add_saved_optimizer_state(saved, adam.state_dict()["state"], state_keys, tp_rank=1, tp_size=2)
+    live_boxes, saved_boxes = _pieces_by_index(live), _pieces_by_index(saved)
+    assert live_boxes.keys() == saved_boxes.keys()
+    assert ("optimizer.state.exp_avg.0.weight", (4, 0)) in live_boxes  # TP rank 1 of 2 rows
+    assert ("optimizer.state.exp_avg.1.bias", (0,)) in live_boxes  # the range's tail
+    for index, (shape, tensor) in live_boxes.items():
+        assert saved_boxes[index][0] == shape, index
+        assert torch.equal(saved_boxes[index][1], tensor), index

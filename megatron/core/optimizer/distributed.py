@@ -121,21 +121,6 @@ class DistributedOptimizer(MegatronOptimizer):
         if grads:
             torch._foreach_zero_(grads)
 
-    def shard_layout(self) -> list[tuple]:
-        """What each parameter of the torch optimizer's state dict is, in its order: a shard
-        ``("shard", stage_id, segment, start, length, total)`` (elements ``[start, start + length)``
-        of the segment's unpadded ``total``), or ``("replicated", position)``. Checkpoints keep it
-        so that the state can be cut into shards for another number of replicas."""
-        described = {}
-        for reducer in self.sharded_reducers:
-            for segment, (shard, (start, length, total)) in enumerate(
-                    zip(reducer.shards, reducer.shard_ranges())):
-                described[id(shard)] = ("shard", reducer.stage_id, segment, start, length, total)
-        for position, param in enumerate(self.replicated):
-            described[id(param)] = ("replicated", position)
-        return [described[id(param)] for group in self.optimizer.param_groups
-                for param in group["params"]]
-
     def shard_nbytes(self) -> int:
         """Bytes of weights this rank steps (Adam keeps two more tensors of this size)."""
         return sum(p.numel() * p.element_size() for p in self.params)

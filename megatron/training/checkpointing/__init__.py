@@ -29,12 +29,14 @@ Collectives use the process group's timeout (``--distributed-timeout-minutes``),
 instead of hanging. Files are read with ``torch.load(weights_only=True)`` (no code execution).
 
 Loading restores everything, or honours ``--no-load-optim``, ``--no-load-rng`` and ``--finetune``.
-A checkpoint of a different parallel layout (TP, PP, schedule, chunks per rank) is rejected with a
-message naming both layouts: convert it first with ``tools/convert_checkpoint.py``
-(:mod:`megatron.training.checkpoint_conversion`), which writes a weights-only checkpoint
-(``"weights_only": True``) that loads with ``--finetune`` or ``--no-load-optim``. The
-data-parallel size may change (weights and optimizer state are replicated over data-parallel ranks); RNG states are then not
-restored, with a warning.
+A checkpoint of a different parallel layout (TP, PP, schedule, chunks per rank), or a
+distributed-optimizer one at another data-parallel size, is read through the global keys of
+:mod:`.global_keys`, optimizer state included (:mod:`.resharding`: the files record their optimizer
+state by parameter name); per-rank RNG and gradient-reducer states then start afresh, with a note.
+``tools/convert_checkpoint.py`` (:mod:`megatron.training.checkpoint_conversion`) writes a
+weights-only copy (``"weights_only": True``) that loads with ``--finetune`` or ``--no-load-optim``.
+The data-parallel size may change (weights and optimizer state are replicated over data-parallel
+ranks); RNG states are then not restored, with a warning.
 
 Before the first iteration :func:`check_checkpoint_directories` refuses to start afresh over
 existing checkpoints (``--allow-overwrite-checkpoints`` permits it) and checks that ``--save`` is

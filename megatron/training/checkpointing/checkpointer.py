@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from megatron.core.distributed.reduction import load_reducer_states, reducer_states
 from megatron.training.checkpointing import torch_dist
+from megatron.training.checkpointing.resharding import read_in_another_layout
 from megatron.training.checkpointing.retention import prune_checkpoints
 from megatron.training.checkpointing.collectives import (_all_gather,
                                                         _gather_rng_states_over_data_parallel,
@@ -33,7 +34,7 @@ from megatron.training.checkpointing.optimizer_shards import (is_sharded, optimi
 from megatron.training.training_state import TrainingState
 from megatron.training.checkpointing.state import (_check_model_flags, _check_model_state,
                                                   _check_optimizer_groups, _load_optimizer_state,
-                                                  capture_rng_state, describe_layout,
+                                                  capture_rng_state,
                                                   parallel_layout, restore_rng_state,
                                                   runtime_registry)
 
@@ -276,8 +277,7 @@ class Checkpointer:
         payload = {
             **_checkpoint_header(components, state),
             "config": dataclasses.asdict(components.config),
-            "optimizer": optimizer_state_entry(components.optimizer, parallel_state.dp_size)
-            if save_optimizer else None,
+            "optimizer": optimizer_state_entry(components) if save_optimizer else None,
             "opt_param_scheduler": components.lr_scheduler.state_dict() if save_optimizer else None,
             "rng_state": rng_states,
         }
@@ -402,14 +402,9 @@ class Checkpointer:
         metadata = _read_metadata(os.path.join(iteration_dir, METADATA_FILENAME))
         expected = parallel_layout(components.config, len(components.model_chunks),
                                    runtime_registry(components))
-        if metadata["layout"] != expected:
-            raise CheckpointError(
-                f"checkpoint {iteration_dir} was saved with parallel layout "
-                f"[{describe_layout(metadata['layout'])}] but this run uses "
-                f"[{describe_layout(expected)}]; loading another layout is not supported: resume "
-                f"with the saved layout's flags, or convert "
-                f"the weights with tools/convert_checkpoint.py and load them with --finetune or "
-                f"--no-load-optim")
+        if metadata["layout"] != expected:  # another layout: through the global keys
+            return read_in_another_layout(components, self.config.checkpoint, iteration_dir,
+                                          metadata, expected)
         path = checkpoint_file(root, iteration, parallel_state.tp_rank, parallel_state.pp_rank,
                                parallel_state.pp_size)
         relative = os.path.relpath(path, iteration_dir)
@@ -455,6 +450,8 @@ class Checkpointer:
         parallel_state = components.parallel_state
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             chunk.load_state_dict(payload[key], strict=True)
+        if payload.get("resharded") and parallel_state.rank == 0:  # from another layout
+            self.log(payload["resharded"])
         if checkpoint_config.finetune:
             return training_state_class()
         if not checkpoint_config.no_load_optim:
@@ -473,7 +470,7 @@ class Checkpointer:
                 self.log("  the checkpoint holds weights only (converted from "
                          f"[{payload.get('converted_from', 'another layout')}]): the optimizer, "
                          "LR schedule and RNG states start afresh")
-        elif not checkpoint_config.no_load_rng:
+        elif not checkpoint_config.no_load_rng and not payload.get("resharded"):
             rng_states = payload["rng_state"]
             if len(rng_states) == parallel_state.dp_size:
                 restore_rng_state(rng_states[parallel_state.dp_rank])

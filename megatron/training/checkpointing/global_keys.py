@@ -19,14 +19,16 @@ merged) shape. A :class:`Piece` is the box of such a global tensor that this ran
 
 So the same key and global shape describe a parameter's state in every layout (TP, PP, DP,
 schedule, distributed optimizer on or off) and loading is "read the boxes this rank needs", which
-torch.distributed.checkpoint does. No module here touches process groups.
+torch.distributed.checkpoint does. A legacy ``--ckpt-format torch`` file records
+:func:`optimizer_state_keys` next to its optimizer state, so that the same keys name it in another
+layout (:mod:`.resharding`). No module here touches process groups.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
@@ -104,17 +106,30 @@ class TensorPlacement:
         return tuple(base + extra for base, extra in zip(self.offsets, local_offsets))
 
 
+def partition_dim_of(param: Optional[torch.nn.Parameter]) -> Optional[int]:
+    """The dimension a tensor-parallel parameter is split along; None for a replicated one."""
+    if param is not None and getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim
+    return None
+
+
+def tp_placement(local_shape: tuple, dim: Optional[int], tp_rank: int,
+                 tp_size: int) -> TensorPlacement:
+    """Where tensor-parallel rank ``tp_rank``'s block of shape ``local_shape`` (split along
+    ``dim``; None: replicated, the whole tensor) sits in its global tensor."""
+    shape = list(local_shape)
+    offsets = [0] * len(shape)
+    if dim is not None:
+        offsets[dim] = tp_rank * shape[dim]
+        shape[dim] *= tp_size
+    return TensorPlacement(tuple(shape), tuple(offsets))
+
+
 def placement(tensor: torch.Tensor, param: Optional[torch.nn.Parameter], tp_rank: int,
               tp_size: int) -> TensorPlacement:
     """The global shape and offsets of ``tensor``, the local (TP shard) value of ``param`` or of a
     state tensor of ``param``'s shape; a replicated (non-TP) tensor is the whole global tensor."""
-    shape = list(tensor.shape)
-    offsets = [0] * len(shape)
-    if param is not None and getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-        dim = param.partition_dim
-        offsets[dim] = tp_rank * shape[dim]
-        shape[dim] *= tp_size
-    return TensorPlacement(tuple(shape), tuple(offsets))
+    return tp_placement(tuple(tensor.shape), partition_dim_of(param), tp_rank, tp_size)
 
 
 class PieceSet:
@@ -206,27 +221,101 @@ def optimizer_params(optimizer) -> list:
     return [param for group in optimizer.optimizer.param_groups for param in group["params"]]
 
 
-def add_flat_shard(pieces: PieceSet, names: dict, segment: tuple, state: dict, numel: int,
+class ParamInfo(NamedTuple):
+    """What the global keys need to know of a parameter: its full-model name, its local (this
+    tensor-parallel rank's) shape and the dimension it is split along (None: replicated)."""
+
+    name: str
+    shape: tuple
+    partition_dim: Optional[int]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_info(names: dict, param) -> ParamInfo:
+    """The :class:`ParamInfo` of a live parameter (``names``: :func:`named_parameters_by_id`)."""
+    if id(param) not in names:
+        raise ValueError("an optimizer parameter belongs to no model chunk; the checkpoint "
+                         "cannot name its state")
+    return ParamInfo(names[id(param)][0], tuple(param.shape), partition_dim_of(param))
+
+
+def add_flat_shard(pieces: PieceSet, owners: list, segment: tuple, state: dict, numel: int,
                    tp_rank: int, tp_size: int) -> None:
     """Add the optimizer ``state`` of one distributed-optimizer shard to ``pieces``.
 
-    ``segment`` is ``(segment parameters, shard start, shard length, unpadded total)``; each
-    per-element state tensor (``numel`` elements, the shard's flat range) is cut into boxes of the
-    parameters the range covers; a scalar is added whole under every covered parameter."""
-    params, start, length, total = segment
-    for owner, low, high, position in _shard_param_ranges(params, start, length, total):
-        name = names[id(owner)][0]
+    ``owners`` are the :class:`ParamInfo` of the segment's parameters, in flat order; ``segment``
+    is ``(shard start, shard length, unpadded total)``. Each per-element state tensor (``numel``
+    elements, the shard's flat range) is cut into boxes of the parameters the range covers; a
+    scalar is added whole under every covered parameter."""
+    start, length, total = segment
+    for owner, low, high, position in _shard_param_ranges(owners, start, length, total):
         for state_name, value in state.items():
-            key = optimizer_key(state_name, name)
+            key = optimizer_key(state_name, owner.name)
             if _is_per_element(value, numel):
                 flat = value.reshape(-1)
-                place = placement(owner, owner, tp_rank, tp_size)
+                place = tp_placement(owner.shape, owner.partition_dim, tp_rank, tp_size)
                 for flat_offset, offsets, sizes in flat_range_boxes(owner.shape, low, high):
                     begin = position + flat_offset - low
                     box = flat[begin:begin + math.prod(sizes)].view(sizes)
                     pieces.add(key, place, box, offsets)
             elif torch.is_tensor(value):
                 pieces.add(key, TensorPlacement(tuple(value.shape), (0,) * value.dim()), value)
+
+
+def add_whole_param_state(pieces: PieceSet, owner: ParamInfo, state: dict, tp_rank: int,
+                          tp_size: int) -> None:
+    """Add the optimizer ``state`` of one whole (local) parameter to ``pieces``: per-element
+    tensors placed like the parameter, scalars whole."""
+    for state_name, value in state.items():
+        if not torch.is_tensor(value):
+            continue
+        key = optimizer_key(state_name, owner.name)
+        if _is_per_element(value, owner.numel()):
+            pieces.add(key, tp_placement(tuple(value.shape), owner.partition_dim, tp_rank,
+                                         tp_size), value)
+        else:
+            pieces.add(key, TensorPlacement(tuple(value.shape), (0,) * value.dim()), value)
+
+
+def optimizer_state_keys(optimizer, model_chunks) -> list:
+    """What each parameter of the torch optimizer's state dict (in its order) is of the global
+    keys, as plain tuples (a legacy ``--ckpt-format torch`` file records it next to the state, so
+    that any layout can read that state by name): ``("whole", name, local shape, partition dim)``
+    or, for a distributed-optimizer shard, ``("flat", start, length, total, ((name, local shape,
+    partition dim), ...))`` with the segment's parameters in flat order."""
+    names = named_parameters_by_id(model_chunks)
+    shards = _flat_shard_segments(optimizer)
+    described = []
+    for param in optimizer_params(optimizer):
+        if id(param) in shards:
+            params, start, length, total = shards[id(param)]
+            described.append(("flat", start, length, total,
+                              tuple(tuple(param_info(names, p)) for p in params)))
+        else:
+            described.append(("whole", *param_info(names, param)))
+    return described
+
+
+def add_saved_optimizer_state(pieces: PieceSet, states: dict, state_keys: list, tp_rank: int,
+                              tp_size: int, wanted=None) -> None:
+    """Add a saved torch optimizer's ``states`` ({index: {state name: tensor}}), described by
+    :func:`optimizer_state_keys` and saved by tensor-parallel rank ``tp_rank`` of ``tp_size``, to
+    ``pieces``; ``wanted(name)`` (default: every name) selects the parameters to keep."""
+    for index, entry in enumerate(state_keys):
+        state = states.get(index)
+        if not state:
+            continue
+        if entry[0] == "flat":
+            _, start, length, total, owners = entry
+            owners = [ParamInfo(name, tuple(shape), dim) for name, shape, dim in owners]
+            if wanted is None or any(wanted(owner.name) for owner in owners):
+                add_flat_shard(pieces, owners, (start, length, total), state, length, tp_rank,
+                               tp_size)
+        elif wanted is None or wanted(entry[1]):
+            add_whole_param_state(pieces, ParamInfo(entry[1], tuple(entry[2]), entry[3]), state,
+                                  tp_rank, tp_size)
 
 
 def fill_from(targets, sources) -> list[str]:
@@ -277,21 +366,11 @@ def optimizer_pieces(optimizer, model_chunks, tp_rank: int, tp_size: int,
         if not state:
             continue
         if id(param) in shards:
-            add_flat_shard(pieces, names, shards[id(param)], state, param.numel(), tp_rank,
-                           tp_size)
-            continue
-        if id(param) not in names:
-            raise ValueError("an optimizer parameter belongs to no model chunk; the checkpoint "
-                             "cannot name its state")
-        name = names[id(param)][0]
-        for state_name, value in state.items():
-            if not torch.is_tensor(value):
-                continue
-            key = optimizer_key(state_name, name)
-            if _is_per_element(value, param.numel()):
-                pieces.add(key, placement(value, param, tp_rank, tp_size), value)
-            else:
-                pieces.add(key, TensorPlacement(tuple(value.shape), (0,) * value.dim()), value)
+            params, start, length, total = shards[id(param)]
+            add_flat_shard(pieces, [param_info(names, p) for p in params], (start, length, total),
+                           state, param.numel(), tp_rank, tp_size)
+        else:
+            add_whole_param_state(pieces, param_info(names, param), state, tp_rank, tp_size)
     return pieces
 
 

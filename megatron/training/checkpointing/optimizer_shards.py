@@ -1,11 +1,13 @@
-"""Sharded optimizer state (``--use-distributed-optimizer``) in a checkpoint.
+"""Optimizer state in a legacy (``--ckpt-format torch``) checkpoint.
 
-The rank file of a (tensor, pipeline) position records only a marker; every data-parallel rank writes
-its shard of the optimizer state to ``distrib_optim_dpNNN.pt`` next to it, with the shard layout
-that :mod:`.resharding` maps to global keys to fill another data-parallel size's shards. Loading
-needs the same ``--use-distributed-optimizer`` setting (the error says how to load the weights only instead);
-at the saved data-parallel size each rank reads its own shard file, at another size they are read
-through their global keys (:mod:`.resharding`).
+A replicated optimizer's state is in the rank file of its (tensor, pipeline) position; with
+``--use-distributed-optimizer`` the rank file records only a marker and every data-parallel rank
+writes its shard of the state to ``distrib_optim_dpNNN.pt`` next to it. Either records, next to
+the torch optimizer's state, its ``state_keys`` (:func:`.global_keys.optimizer_state_keys`: what
+each position of the state is, by parameter name), so that another layout or data-parallel size
+reads it through the global keys (:mod:`.resharding`). Loading needs the same
+``--use-distributed-optimizer`` setting (the error says how to load the weights only instead); at
+the saved data-parallel size each rank reads its own shard file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 from megatron.training.checkpointing.files import (METADATA_FILENAME, CheckpointError,
                                                   _verify_file, file_crc32, load_file,
                                                   rank_dir_name, save_file)
+from megatron.training.checkpointing.global_keys import optimizer_state_keys
 from megatron.training.checkpointing.resharding import resharded_optimizer_state
 
 
@@ -22,11 +25,20 @@ def is_sharded(optimizer) -> bool:
     return hasattr(optimizer, "shards")
 
 
-def optimizer_state_entry(optimizer, data_parallel_size: int) -> dict:
-    """What the rank file records as its optimizer state."""
-    if is_sharded(optimizer):
-        return {"sharded": True, "data_parallel_size": data_parallel_size}
-    return optimizer.state_dict()
+def optimizer_state_entry(components) -> dict:
+    """What the rank file records as its optimizer state: a marker (distributed optimizer), or
+    the state with its ``state_keys``."""
+    if is_sharded(components.optimizer):
+        return {"sharded": True, "data_parallel_size": components.parallel_state.dp_size}
+    return named_optimizer_state(components)
+
+
+def named_optimizer_state(components) -> dict:
+    """This rank's optimizer state dict with its ``state_keys`` (what each position is, by
+    parameter name)."""
+    optimizer = components.optimizer
+    return {**optimizer.state_dict(),
+            "state_keys": optimizer_state_keys(optimizer, components.model_chunks)}
 
 
 def optimizer_shard_name(dp_rank: int) -> str:
@@ -42,8 +54,7 @@ def write_optimizer_shard(components, header: dict, staging_dir: str) -> tuple[s
                             optimizer_shard_name(parallel_state.dp_rank))
     path = os.path.join(staging_dir, relative)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    save_file({**header, "optimizer": components.optimizer.state_dict(),
-               "shard_layout": components.optimizer.shard_layout()}, path)
+    save_file({**header, "optimizer": named_optimizer_state(components)}, path)
     return relative, {"size": os.path.getsize(path), "crc32": file_crc32(path)}
 
 
@@ -62,8 +73,7 @@ def optimizer_state_for_this_rank(path: str, saved: dict, components, iteration_
         return saved
     position_dir = os.path.relpath(os.path.dirname(path), iteration_dir)
     if saved["data_parallel_size"] != parallel_state.dp_size:
-        return resharded_optimizer_state(os.path.join(position_dir, optimizer_shard_name(0)),
-                                         iteration_dir, metadata, components)
+        return resharded_optimizer_state(components, iteration_dir, metadata)
     relative = os.path.join(position_dir, optimizer_shard_name(parallel_state.dp_rank))
     recorded = metadata["files"].get(relative)
     if recorded is None:

@@ -517,6 +517,10 @@ def load(components, checkpoint_config, iteration_dir: str, metadata: dict, log,
     except Exception as caught:
         error = _describe(caught)
     _raise_if_any_failed(parallel_state, error, f"restoring checkpoint {iteration_dir}")
+    if metadata.get("weights_only") and parallel_state.rank == 0:
+        log(f"  the checkpoint holds weights only (converted from "
+            f"[{metadata.get('converted_from') or 'another checkpoint'}]): the optimizer, LR "
+            f"schedule and RNG states start afresh")
     return result
 
 
