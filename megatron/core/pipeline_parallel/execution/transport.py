@@ -20,8 +20,9 @@ receive buffers are allocated before the data arrives.
 
 Posting is on the critical path of every pipeline hop (the sender posts right after its compute op,
 the receiver unpacks right before its own), so the per-message work is kept to what the message
-needs: peers' global ranks and packed sizes are computed once per transport, a group of one message
-is posted with a plain ``isend``/``irecv`` (``batch_isend_irecv`` only for several), and the
+needs: peers' global ranks and packed sizes are computed once per transport, on a backend that does
+not coalesce point-to-point ops (gloo) the messages are posted with plain ``isend``/``irecv`` (what
+``batch_isend_irecv`` does there, without its ``P2POp`` bookkeeping), and the
 receiver's header check compares the layout directly, building its error text only on a mismatch
 (docs/benchmarks.md §9, "Where a hop's time goes"). On each directed link the send order equals
 the receive order, so an in-order channel (NCCL ignores tags) cannot mix messages up.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,7 @@ class _PeerTransport:
     stats: TransportStats = field(default_factory=TransportStats)
     # pipeline rank -> global rank; the layout never changes during a run
     _global_ranks: dict = field(default_factory=dict, repr=False, compare=False)
+    _one_by_one: Optional[bool] = field(default=None, repr=False, compare=False)
 
     def start(self, sends: Sequence[OutgoingTensor],
               receives: Sequence[ExpectedTensor]) -> PendingExchange:
@@ -166,6 +168,20 @@ class _PeerTransport:
         return _Message(operation, tensor, self.global_rank(pipeline_rank),
                         self.parallel_state.pipeline_group)
 
+    def _posts_one_by_one(self) -> bool:
+        """Whether the pipeline group's backend does not coalesce point-to-point ops (gloo):
+        ``batch_isend_irecv`` then posts them one by one with ``isend``/``irecv``, so the
+        transport does that itself, without building ``P2POp`` lists. A coalescing backend (NCCL)
+        keeps ``batch_isend_irecv``: it may run a batch on another communicator than single ops."""
+        if self._one_by_one is None:
+            group = self.parallel_state.pipeline_group
+            try:
+                coalesces = group._get_backend(self.device).supports_coalescing
+            except (AttributeError, RuntimeError):  # unknown group object: keep the batch path
+                coalesces = True
+            self._one_by_one = type(group) is dist.ProcessGroup and not coalesces
+        return self._one_by_one
+
     def describe_wait(self, direction: str, items: Sequence) -> str:
         """What a wait on ``items`` (OutgoingTensor or ExpectedTensor) is for, naming the peers and
         the pipeline group; used only when the wait times out."""
@@ -187,9 +203,10 @@ class _PeerTransport:
         self.stats.messages += len(sends)
         self.stats.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in sends)
         messages = sends + receives
-        if len(messages) == 1:  # one message: a plain isend / irecv (no batch bookkeeping)
-            message = messages[0]
-            requests = [message.operation(message.tensor, message.peer, group=message.group)]
+        if not messages:
+            requests = []
+        elif self._posts_one_by_one():
+            requests = [m.operation(m.tensor, m.peer, group=m.group) for m in messages]
         else:
             requests = dist.batch_isend_irecv(
                 [dist.P2POp(m.operation, m.tensor, m.peer, group=m.group) for m in messages])
