@@ -107,7 +107,7 @@ def _measure_rank(rank: int, world: int, modes: list, laps: int, floats: int) ->
     return measured
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2, help="ranks in the ring (default 2)")
     parser.add_argument("--floats", type=int, default=1 << 14,
@@ -116,16 +116,29 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=2, help="process groups, one after another")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = parser.parse_args(argv)
-    if args.world < 2 or args.laps < 20 or args.runs < 1:
-        parser.error("--world must be >= 2, --laps >= 20 and --runs >= 1")
+    if args.world < 2 or args.laps < 20 or args.runs < 1 or args.floats < 1:
+        parser.error("--world must be >= 2, --laps >= 20, --runs >= 1 and --floats >= 1")
+    return args
+
+
+def measure(world: int, modes: list, laps: int, floats: int, runs: int,
+            timeout: float = 600.0) -> dict:
+    """{mode: [(wall seconds, rank 0 main-thread CPU seconds) per lap]}, the first 10 laps of
+    each run (connection warm-up) left out; a run past ``timeout`` seconds fails."""
     from dist_harness import run_distributed
     torch.set_num_threads(1)
-    laps: dict = {mode: [] for mode in args.modes}
-    for _ in range(args.runs):
-        per_rank = run_distributed(_measure_rank, args.world, args.modes, args.laps, args.floats,
-                                   timeout=600)
-        for mode in args.modes:
-            laps[mode] += per_rank[0][mode][10:]  # the first laps warm the connections up
+    measured: dict = {mode: [] for mode in modes}
+    for _ in range(runs):
+        per_rank = run_distributed(_measure_rank, world, list(modes), laps, floats,
+                                   timeout=timeout)
+        for mode in modes:
+            measured[mode] += per_rank[0][mode][10:]
+    return measured
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    laps = measure(args.world, args.modes, args.laps, args.floats, args.runs)
     print(f"{args.world} ranks, {args.floats * 4} B per message, {len(laps[args.modes[0]])} laps "
           f"per mode; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for mode in args.modes:
