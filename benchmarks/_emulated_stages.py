@@ -40,7 +40,15 @@ class _InputPath(torch.autograd.Function):
 
 
 class _WeightPath(torch.autograd.Function):
-    """Zeros shaped like the hidden state; backward sleeps W and fills the weight's gradient."""
+    """Zeros shaped like the hidden state; backward sleeps W and produces the weight's gradient.
+
+    W is the whole weight-gradient op, as a measured profile would time it: writing the gradient
+    and adding it to what ``weight.grad`` already holds count towards W's sleep. The backward
+    therefore accumulates itself (``weight.grad`` is taken, the sum returned), so the runtime that
+    called it (ours: split_backward.backward_weight or autograd's AccumulateGrad; PyTorch's
+    stage_backward_weight) finds ``weight.grad`` empty and stores the returned tensor without
+    another pass over the parameter's floats. The gradient values are the same either way.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, weight_seconds):
@@ -53,7 +61,10 @@ class _WeightPath(torch.autograd.Function):
         start = time.perf_counter()
         (weight,) = ctx.saved_tensors
         weight_grad = torch.full_like(weight, float(grad.mean()) * 1e-6)
-        # Writing a large gradient takes time of its own: it counts towards W.
+        accumulated, weight.grad = weight.grad, None
+        if accumulated is not None:
+            weight_grad = accumulated.add_(weight_grad)
+        # Writing (and accumulating) a large gradient takes time of its own: it counts towards W.
         time.sleep(max(0.0, ctx.weight_seconds - (time.perf_counter() - start)))
         return None, weight_grad, None
 

@@ -16,7 +16,15 @@ bound for one peer into one contiguous message (C++ extension or its Python twin
 what the schedule says it should get. :func:`make_transport` picks one from the packer.
 
 Shapes and dtypes of received tensors are known in advance (the stage contract declares them), so
-receive buffers are allocated before the data arrives. On each directed link the send order equals
+receive buffers are allocated before the data arrives.
+
+Posting is on the critical path of every pipeline hop (the sender posts right after its compute op,
+the receiver unpacks right before its own), so the per-message work is kept to what the message
+needs: peers' global ranks and packed sizes are computed once per transport, on a backend that does
+not coalesce point-to-point ops (gloo) the messages are posted with plain ``isend``/``irecv`` (what
+``batch_isend_irecv`` does there, without its ``P2POp`` bookkeeping), and the
+receiver's header check compares the layout directly, building its error text only on a mismatch
+(docs/benchmarks.md §9, "Where a hop's time goes"). On each directed link the send order equals
 the receive order, so an in-order channel (NCCL ignores tags) cannot mix messages up.
 """
 
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,6 +125,17 @@ class _Posted:
         self.stats.seconds += time.perf_counter() - started
 
 
+@dataclass(frozen=True)
+class _Message:
+    """One send or receive to post: ``operation`` is ``dist.isend`` or ``dist.irecv``, ``peer``
+    the global rank on ``group``."""
+
+    operation: Callable
+    tensor: torch.Tensor
+    peer: int
+    group: Any
+
+
 @dataclass
 class _PeerTransport:
     """Shared part: pipeline peer -> global rank, posting a list of P2P ops, statistics."""
@@ -124,6 +143,9 @@ class _PeerTransport:
     parallel_state: Any
     device: torch.device
     stats: TransportStats = field(default_factory=TransportStats)
+    # pipeline rank -> global rank; the layout never changes during a run
+    _global_ranks: dict = field(default_factory=dict, repr=False, compare=False)
+    _one_by_one: Optional[bool] = field(default=None, repr=False, compare=False)
 
     def start(self, sends: Sequence[OutgoingTensor],
               receives: Sequence[ExpectedTensor]) -> PendingExchange:
@@ -131,14 +153,34 @@ class _PeerTransport:
         raise NotImplementedError
 
     def global_rank(self, pipeline_rank: int) -> int:
-        coords = self.parallel_state.coords
-        return self.parallel_state.layout.rank(type(coords)(coords.tp, coords.dp, pipeline_rank))
+        known = self._global_ranks.get(pipeline_rank)
+        if known is None:
+            coords = self.parallel_state.coords
+            known = self.parallel_state.layout.rank(type(coords)(coords.tp, coords.dp,
+                                                                 pipeline_rank))
+            self._global_ranks[pipeline_rank] = known
+        return known
 
-    def p2p_op(self, operation, tensor: torch.Tensor, pipeline_rank: int) -> dist.P2POp:
-        """A send or receive with pipeline rank ``pipeline_rank`` on this rank's pipeline group
-        (its own communicator: another job's or another group's messages never mix with it)."""
-        return dist.P2POp(operation, tensor, self.global_rank(pipeline_rank),
-                          group=self.parallel_state.pipeline_group)
+    def p2p_op(self, operation, tensor: torch.Tensor, pipeline_rank: int) -> "_Message":
+        """A send (``operation`` = ``dist.isend``) or receive (``dist.irecv``) with pipeline rank
+        ``pipeline_rank`` on this rank's pipeline group (its own communicator: another job's or
+        another group's messages never mix with it); posted by :meth:`_post`."""
+        return _Message(operation, tensor, self.global_rank(pipeline_rank),
+                        self.parallel_state.pipeline_group)
+
+    def _posts_one_by_one(self) -> bool:
+        """Whether the pipeline group's backend does not coalesce point-to-point ops (gloo):
+        ``batch_isend_irecv`` then posts them one by one with ``isend``/``irecv``, so the
+        transport does that itself, without building ``P2POp`` lists. A coalescing backend (NCCL)
+        keeps ``batch_isend_irecv``: it may run a batch on another communicator than single ops."""
+        if self._one_by_one is None:
+            group = self.parallel_state.pipeline_group
+            try:
+                coalesces = group._get_backend(self.device).supports_coalescing
+            except (AttributeError, RuntimeError):  # unknown group object: keep the batch path
+                coalesces = True
+            self._one_by_one = type(group) is dist.ProcessGroup and not coalesces
+        return self._one_by_one
 
     def describe_wait(self, direction: str, items: Sequence) -> str:
         """What a wait on ``items`` (OutgoingTensor or ExpectedTensor) is for, naming the peers and
@@ -154,13 +196,20 @@ class _PeerTransport:
 
     def _post(self, sends: list, receives: list, finish: Callable[[], list],
               items: tuple[Sequence, Sequence]) -> _Posted:
-        """Issue ``sends`` then ``receives`` (``dist.P2POp`` lists) as one batch; ``items`` are
+        """Issue ``sends`` then ``receives`` (:class:`_Message` lists) as one batch; ``items`` are
         the (OutgoingTensor, ExpectedTensor) lists they carry, named if a wait times out."""
         posting = time.perf_counter()
         self.stats.exchanges += 1
         self.stats.messages += len(sends)
         self.stats.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in sends)
-        requests = dist.batch_isend_irecv(sends + receives) if sends or receives else []
+        messages = sends + receives
+        if not messages:
+            requests = []
+        elif self._posts_one_by_one():
+            requests = [m.operation(m.tensor, m.peer, group=m.group) for m in messages]
+        else:
+            requests = dist.batch_isend_irecv(
+                [dist.P2POp(m.operation, m.tensor, m.peer, group=m.group) for m in messages])
         if len(requests) == len(sends) + len(receives):
             send_requests, receive_requests = requests[:len(sends)], requests[len(sends):]
         else:  # a backend that coalesces the batch into fewer requests: wait for all of them
@@ -202,6 +251,14 @@ class PackedTransport(_PeerTransport):
     """Every tensor bound for one peer in one packed message (see the module docstring)."""
 
     packer: Any = None
+    # ((shape, dtype), ...) of one peer's tensors -> packed message size
+    _packed_sizes: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _packed_nbytes(self, specs: tuple) -> int:
+        nbytes = self._packed_sizes.get(specs)
+        if nbytes is None:
+            nbytes = self._packed_sizes[specs] = self.packer.packed_nbytes(specs)
+        return nbytes
 
     def start(self, sends: Sequence[OutgoingTensor],
               receives: Sequence[ExpectedTensor]) -> PendingExchange:
@@ -213,7 +270,8 @@ class PackedTransport(_PeerTransport):
         incoming = {}
         for peer in dict.fromkeys(item.peer for item in receives):
             expected = [item for item in receives if item.peer == peer]
-            nbytes = self.packer.packed_nbytes([(item.shape, item.dtype) for item in expected])
+            nbytes = self._packed_nbytes(tuple((tuple(item.shape), item.dtype)
+                                               for item in expected))
             incoming[peer] = (torch.empty(nbytes, dtype=torch.uint8, device=self.device), expected)
         receive_ops = [self.p2p_op(dist.irecv, buffer, peer)
                        for peer, (buffer, _) in incoming.items()]
@@ -223,11 +281,14 @@ class PackedTransport(_PeerTransport):
     def _unpack_all(self, incoming: dict, receives: Sequence[ExpectedTensor]) -> list:
         received = {}
         for peer, (buffer, expected) in incoming.items():
-            what = (f"message from pipeline rank {peer} carrying "
-                    f"{', '.join(item.what for item in expected)}")
-            tensors = self.packer.unpack(buffer, device=self.device,
-                                         expected=[(item.shape, item.dtype) for item in expected],
-                                         what=what)
+            tensors = self.packer.unpack(buffer, device=self.device)
+            specs = [(tuple(item.shape), item.dtype) for item in expected]
+            if [(tuple(tensor.shape), tensor.dtype) for tensor in tensors] != specs:
+                # the full check raises, naming the message and both layouts (its text is
+                # built only when the header disagrees)
+                self.packer.unpack(buffer, device=self.device, expected=specs,
+                                   what=f"message from pipeline rank {peer} carrying "
+                                        f"{', '.join(item.what for item in expected)}")
             for item, tensor in zip(expected, tensors):
                 received[id(item)] = tensor
         return [received[id(item)] for item in receives]
