@@ -347,7 +347,7 @@ def _torch_configuration(name, rank, depth, count, times, sizes):
 # ------------------------------------------------------------------------------ calibration
 
 CALIBRATION_LAPS = 3  # token laps around the ring of ranks
-CALIBRATION_OPS = 3  # timed F, I, W of the emulated module per rank
+CALIBRATION_OPS = 5  # timed F, I, W of the emulated module per rank (after one warm-up)
 
 
 def _message_hops(parallel_state, depth: int, activation_floats: int, hold: float) -> list:
@@ -396,7 +396,7 @@ def _op_overheads(times: StageTimes, depth: int, sizes) -> list:
                           param_floats, activation_floats)
     forward, input_half, weight_half = stage.seconds
     samples = []
-    for _ in range(CALIBRATION_OPS):
+    for repeat in range(CALIBRATION_OPS + 1):  # the first starts autograd's engine: not counted
         x = torch.ones(1, activation_floats, requires_grad=True)
         start = time.perf_counter()
         out = stage(x)
@@ -406,8 +406,10 @@ def _op_overheads(times: StageTimes, depth: int, sizes) -> list:
         after_input = time.perf_counter()
         torch.autograd.grad(out, [stage.weight], grad)
         after_weight = time.perf_counter()
-        samples.append((after_forward - start - forward, after_input - after_forward - input_half,
-                        after_weight - after_input - weight_half))
+        if repeat:
+            samples.append((after_forward - start - forward,
+                            after_input - after_forward - input_half,
+                            after_weight - after_input - weight_half))
     return samples
 
 

@@ -116,7 +116,7 @@ def split_backward_placement(schedule, num_stages: int, extra_activations: int =
 
 
 # Fill ratios a latency-tolerant placement tries (the wait a W may fill, in units of that W).
-LATENCY_FILL_RATIOS = (0.0, 0.25, 0.5, 1.0)
+LATENCY_FILL_RATIOS = (0.0, 0.1, 0.25, 0.5)
 
 
 def _place(schedule, num_stages: int, limit: int, charge, defer_first_stage: bool,
