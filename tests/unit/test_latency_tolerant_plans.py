@@ -126,3 +126,17 @@ def test_op_costs_file_carries_latency_and_overheads(tmp_path):
     path.write_text(json.dumps({"stages": [[1, 1, 1]] * 4, "op_overhead": [0.1]}))
     with pytest.raises(ValueError, match="op_overhead"):
         load_stage_costs(str(path), 4, 4)
+
+
+@pytest.mark.parametrize("variant", ["direct", "interleaved"])
+def test_planner_and_simulator_agree_with_latency_and_overheads(variant):
+    """With eager sends, the placement's own estimate is the simulated makespan."""
+    from megatron.core.pipeline_parallel.planning.schedules import build_schedule
+    from megatron.core.pipeline_parallel.planning.schedules.split_backward import (
+        split_backward_placement)
+    _, tolerant, free = _plans(variant, 8, 16)
+    costs = free.with_overheads(OVERHEAD, LATENCY)
+    _, planned = split_backward_placement(build_schedule("chimera", 8, 16, variant=variant),
+                                          tolerant.layout.num_stages, 0, costs)
+    simulated = simulate_plan(tolerant, stage_costs=costs, p2p_cost=LATENCY).makespan
+    assert simulated == pytest.approx(planned)
