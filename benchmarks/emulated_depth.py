@@ -4,6 +4,7 @@
     python benchmarks/emulated_depth.py                       # D = 4, 8, 16; N = D, 2D, 4D; 80 ms
     python benchmarks/emulated_depth.py --depths 4 --counts 1 --unit-ms 20 --rounds 1
     python benchmarks/emulated_depth.py --simulate-only       # the same table from the simulator
+    python benchmarks/emulated_depth.py --simulate-only --message-ms 4 --overhead-ms 1.2 1.2 2.3
     python benchmarks/emulated_depth.py --profile hardware_profile.json   # a measured profile
 
 Every stage is :class:`_emulated_stages.EmulatedStage`: its forward sleeps F, its backward sleeps I
@@ -22,11 +23,29 @@ op_costs.StageCosts`).
 
 Configurations run in interleaved rounds inside one process group per D (a slow phase of the
 machine hits all of them); per configuration the median over rounds and the min-max spread.
+Calibration (measured runs, per D, unless ``--message-ms`` / ``--overhead-ms`` are given): before
+the configurations, (1) a token carrying the sender's CLOCK_MONOTONIC is passed around the ring of
+ranks through our transport (one message per tensor, ``--activation-floats`` floats; each rank
+sleeps briefly before passing it on, as a stage computes between messages; the receiver is blocked
+waiting, as a stage waiting for its input is); the median one-way hop over every rank's hops after a
+warm-up lap is the message latency δ; (2) every rank times the emulated module of a middle stage for
+one F, its input gradient alone and its weight gradient alone (after one uncounted warm-up); the
+medians of time minus sleep are the per-op overheads oF, oI, oW. Every rank gets the same values.
+They are NOT the runtime's own per-op costs (its Python interpreter, packing, waits): those show up as
+measured / simulated below 1 against the calibrated plan.
+
+Configurations labelled "δ" (Chimera + split, direct and interleaved) are planned for the calibrated
+δ and overheads (``--pipeline-op-costs`` with ``message_latency`` / ``op_overhead``: the
+latency-tolerant plan, docs/schedules.md); the others are today's free-message plans.
+
 Printed: efficiency = ideal compute time (one rank's share of all F, I, W) / measured iteration
-time; simulated efficiency (ours: the lowered plan in our simulator; PyTorch: its schedule's action
-order under the same charges, messages free) and measured / simulated; peak stored activations per
-rank in micro-batches of one 1F1B stage (ours: counted by the interpreter; PyTorch: from its action
-order), next to the weight copies a rank holds (stages of 1/D of the model).
+time (the headline, against ideal compute); simulated efficiency and measured / simulated twice:
+"sim free" (messages and overheads free, as every plan but the δ ones assumes) and "sim calibrated"
+(the calibrated δ per message and overheads per op charged on both sides: ours, the lowered plan in
+our simulator; PyTorch, its schedule's action order through the same timeline, each message δ after
+its producer); peak stored activations per rank in micro-batches of one 1F1B stage (ours: counted
+by the interpreter; PyTorch: from its action order), next to the weight copies a rank holds (stages
+of 1/D of the model).
 """
 
 from __future__ import annotations
