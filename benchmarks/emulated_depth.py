@@ -23,16 +23,17 @@ op_costs.StageCosts`).
 
 Configurations run in interleaved rounds inside one process group per D (a slow phase of the
 machine hits all of them); per configuration the median over rounds and the min-max spread.
-Calibration (measured runs, per D, unless ``--message-ms`` / ``--overhead-ms`` are given): before
-the configurations, (1) a token carrying the sender's CLOCK_MONOTONIC is passed around the ring of
-ranks through our transport (one message per tensor, ``--activation-floats`` floats; each rank
-sleeps briefly before passing it on, as a stage computes between messages; the receiver is blocked
-waiting, as a stage waiting for its input is); the median one-way hop over every rank's hops after a
-warm-up lap is the message latency δ; (2) every rank times the emulated module of a middle stage for
-one F, its input gradient alone and its weight gradient alone (after one uncounted warm-up); the
-medians of time minus sleep are the per-op overheads oF, oI, oW. Every rank gets the same values.
-They are NOT the runtime's own per-op costs (its Python interpreter, packing, waits): those show up as
-measured / simulated below 1 against the calibrated plan.
+Calibration (measured runs, per D, at the first N, unless ``--message-ms`` / ``--overhead-ms`` are
+given): (1) op overheads: every rank times the emulated module of a middle stage for one F, its input
+gradient alone and its weight gradient alone (after one uncounted warm-up); the medians of time minus
+sleep are oF, oI, oW (sleep overrun and autograd; not our interpreter's own work per op); (2) ring
+hop: a token carrying the sender's CLOCK_MONOTONIC is passed around the ring of ranks through our
+transport (one message per tensor, ``--activation-floats`` floats; each rank sleeps briefly before
+passing it on, the receiver blocked waiting as a stage waiting for its input is); the median one-way
+hop after a warm-up lap; (3) ``--calibrate fit`` (default): the message latency δ with which our
+simulator's time of Chimera direct + split (its free-message plan, the overheads of (1) charged)
+equals its fastest of two measured iterations: our runtime's effective per-hop cost, everything it
+spends per message included; ``--calibrate ring`` uses (2) as δ. Every rank gets the same values.
 
 Configurations labelled "δ" (Chimera + split, direct and interleaved) are planned for the calibrated
 δ and overheads (``--pipeline-op-costs`` with ``message_latency`` / ``op_overhead``: the
@@ -87,6 +88,7 @@ class Calibration:
 
     message_seconds: float = 0.0
     overhead_seconds: tuple = (0.0, 0.0, 0.0)
+    ring_hop_seconds: float = 0.0  # the transport's raw hop (reported; 0 when not measured)
 
     @property
     def charged(self) -> bool:
@@ -94,8 +96,10 @@ class Calibration:
 
     def describe(self) -> str:
         over = ", ".join(f"{v * 1e3:.2f}" for v in self.overhead_seconds)
-        return (f"message hop {self.message_seconds * 1e3:.2f} ms, op overhead F, I, W = {over} "
-                f"ms")
+        ring = (f" (transport ring hop {self.ring_hop_seconds * 1e3:.2f} ms)"
+                if self.ring_hop_seconds else "")
+        return (f"message hop {self.message_seconds * 1e3:.2f} ms{ring}, op overhead F, I, W = "
+                f"{over} ms")
 
 
 FREE = Calibration()
@@ -432,9 +436,20 @@ def _op_overheads(times: StageTimes, depth: int, sizes) -> list:
     return samples
 
 
-def calibrate(parallel_state, depth: int, times: StageTimes, sizes) -> Calibration:
-    """The machine's message hop and op overheads as the emulated run meets them (medians over
-    every rank's samples; every rank gets the same values)."""
+CALIBRATION_MODES = ("fit", "ring")
+FIT_CONFIGURATION = "ours chimera split"  # the free-message plan the fit runs
+FIT_STEPS = 2  # timed iterations of it (after one warm-up); the fastest is fitted
+
+
+def calibrate(parallel_state, depth: int, count: int, times: StageTimes, sizes,
+              mode: str = "fit") -> Calibration:
+    """The message hop and op overheads as the emulated run meets them; every rank gets the same
+    values. Op overheads: medians of every rank's timed ops (:func:`_op_overheads`). Message hop:
+    ``ring``, the median one-way hop of a token passed through our transport
+    (:func:`_message_hops`); ``fit`` (default), the δ with which our simulator's time of
+    Chimera direct + split (free-message plan, the calibrated overheads charged) equals its
+    fastest measured iteration: the effective per-hop cost of our runtime, everything it spends
+    per message included (the ring hop is kept for the report)."""
     import torch.distributed as dist
     hold = min(times.per_stage(depth)[0][0], 0.02)
     sample = (_message_hops(parallel_state, depth, sizes[1], hold),
@@ -444,7 +459,39 @@ def calibrate(parallel_state, depth: int, times: StageTimes, sizes) -> Calibrati
     hops = [hop for rank_hops, _ in gathered for hop in rank_hops]
     ops = [op for _, rank_ops in gathered for op in rank_ops]
     overheads = tuple(max(0.0, statistics.median(op[i] for op in ops)) for i in range(3))
-    return Calibration(max(0.0, statistics.median(hops)), overheads)
+    ring = max(0.0, statistics.median(hops))
+    if mode == "ring":
+        return Calibration(ring, overheads, ring)
+    flags = dict(our_variants(depth))[FIT_CONFIGURATION]
+    _, step, _ = _our_configuration(FIT_CONFIGURATION, flags, parallel_state, depth, count, times,
+                                    sizes, FREE)
+    dist.barrier()
+    step()
+    measured = min(_timed(step, dist.barrier) for _ in range(FIT_STEPS))
+    fitted = [fit_message_seconds(flags, depth, count, times, overheads, measured)
+              if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(fitted, src=0)
+    return Calibration(fitted[0], overheads, ring)
+
+
+def fit_message_seconds(flags, depth: int, count: int, times: StageTimes, overheads,
+                        measured: float, upper: float = 0.05) -> float:
+    """The message latency (seconds, 0..``upper``, bisection to 0.05 ms) with which the simulated
+    time of configuration ``flags`` (its free-message plan, ``overheads`` charged) is
+    ``measured``."""
+    def simulated(message_seconds: float) -> float:
+        return simulate_ours(flags, depth, count, times,
+                             Calibration(message_seconds, tuple(overheads)))[0]
+
+    low, high = 0.0, upper
+    if simulated(low) >= measured:
+        return 0.0
+    if simulated(high) <= measured:
+        return high
+    while high - low > 5e-5:
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < measured else (low, middle)
+    return (low + high) / 2
 
 
 def _timed(step, barrier) -> float:
@@ -455,7 +502,7 @@ def _timed(step, barrier) -> float:
     return time.perf_counter() - start
 
 
-def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given):
+def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given, mode):
     import logging
 
     import torch.distributed as dist
@@ -472,7 +519,7 @@ def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given
         parallel_state = parallel_state_for(rank, depth, [_config_flags(depth, count) + flags
                                                           for _, flags in our_variants(depth)])
         if calibration is None:
-            calibration = calibrate(parallel_state, depth, times, sizes)
+            calibration = calibrate(parallel_state, depth, count, times, sizes, mode)
         results["calibration"] = calibration
         configurations, skipped = [], []
         for label, flags in variants:
@@ -498,13 +545,13 @@ def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given
     return results
 
 
-def measure(depth, multiples, times, sizes, rounds, only, timeout, given=None):
+def measure(depth, multiples, times, sizes, rounds, only, timeout, given=None, mode="fit"):
     """Per rank, {N: results} and "calibration"; ``given``: a Calibration to use instead of
-    calibrating at the start."""
+    calibrating at the start (``mode``: see :func:`calibrate`)."""
     from dist_harness import run_distributed
     torch.set_num_threads(1)
     return run_distributed(_measure_rank, depth, multiples, times, sizes, rounds, only, given,
-                           timeout=timeout)
+                           mode, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------ report
@@ -593,8 +640,14 @@ def parse_args(argv=None):
                         help="latency of every message hop between ranks (milliseconds), charged "
                              "on both sides and planned for by the 'δ' configurations. "
                              "--simulate-only: default 0 (messages free). Measured runs: default "
-                             "calibrated at the start (a token passed around the ranks through "
-                             "our transport); giving it skips the calibration")
+                             "calibrated at the start (see --calibrate); giving it skips the "
+                             "calibration")
+    parser.add_argument("--calibrate", choices=CALIBRATION_MODES, default="fit",
+                        help="how a measured run calibrates the message hop: fit (default) the "
+                             "latency with which our simulated Chimera direct + split matches its "
+                             "measured iteration (our runtime's effective per-hop cost); ring "
+                             "the one-way hop of a token passed around the ranks through our "
+                             "transport (reported either way)")
     parser.add_argument("--overhead-ms", type=float, nargs=3, default=None,
                         metavar=("F", "I", "W"),
                         help="per-op overheads beyond the sleeps (milliseconds), like "
@@ -639,7 +692,7 @@ def main(argv=None) -> int:
     for depth in args.depths:
         times = times_for(depth)
         per_rank = measure(depth, args.counts, times, sizes, args.rounds, args.only,
-                           args.timeout, given)
+                           args.timeout, given, args.calibrate)
         print(measured_report(depth, per_rank, times), flush=True)
         print(oversubscription_note(depth), flush=True)
     print(f"{args.rounds} interleaved round(s); medians with (min-max) over rounds. Efficiency = "

@@ -75,6 +75,17 @@ def test_latency_tolerant_plans_beat_the_free_message_plans_when_messages_cost()
     assert "ours chimera split δ" not in {label for _, _, label, _, _, _ in free}
 
 
+def test_fitted_message_latency_reproduces_a_measured_time():
+    times = uniform_times(4, 2, 0.08, 0.08, 0.08)
+    flags = dict(emulated_depth.our_variants(4))["ours chimera split"]
+    overheads = (0.001, 0.001, 0.002)
+    measured = emulated_depth.simulate_ours(flags, 4, 8, times, emulated_depth.Calibration(
+        0.003, overheads))[0]
+    fitted = emulated_depth.fit_message_seconds(flags, 4, 8, times, overheads, measured)
+    assert fitted == pytest.approx(0.003, abs=1e-4)
+    assert emulated_depth.fit_message_seconds(flags, 4, 8, times, overheads, 0.1) == 0.0
+
+
 def test_arguments():
     args = emulated_depth.parse_args([])
     assert (args.depths, args.counts, args.unit_ms, args.rounds) == ([4, 8, 16], [1, 2, 4], 80, 2)
@@ -93,7 +104,8 @@ def test_tiny_run_measures_every_configuration():
     labels = set(measured["times"])
     assert {label for label, _ in emulated_depth.our_variants(4, True)} <= labels
     calibration = per_rank[0]["calibration"]
-    assert 0 < calibration.message_seconds < 1 and min(calibration.overhead_seconds) >= 0
+    assert 0 <= calibration.message_seconds <= 0.05 and min(calibration.overhead_seconds) >= 0
+    assert calibration.ring_hop_seconds > 0
     assert all(rank["calibration"] == calibration for rank in per_rank)  # one plan everywhere
     assert "torch ScheduleZBVZeroBubble" in labels and "torch Schedule1F1B" in labels
     assert all(seconds[0] > 0 for seconds in measured["times"].values())
