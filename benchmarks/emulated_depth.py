@@ -32,8 +32,9 @@ transport (one message per tensor, ``--activation-floats`` floats; each rank sle
 passing it on, the receiver blocked waiting as a stage waiting for its input is); the median one-way
 hop after a warm-up lap; (3) ``--calibrate fit`` (default): the message latency δ with which our
 simulator's time of Chimera direct + split (its free-message plan, the overheads of (1) charged)
-equals its fastest of two measured iterations: our runtime's effective per-hop cost, everything it
-spends per message included; ``--calibrate ring`` uses (2) as δ. Every rank gets the same values.
+equals its fastest of three measured iterations (at most a quarter of a stage's forward): our
+runtime's effective per-hop cost, everything it spends per message included; ``--calibrate ring``
+uses (2) as δ. Every rank gets the same values.
 
 Configurations labelled "δ" (Chimera + split, direct and interleaved) are planned for the calibrated
 δ and overheads (``--pipeline-op-costs`` with ``message_latency`` / ``op_overhead``: the
@@ -438,7 +439,8 @@ def _op_overheads(times: StageTimes, depth: int, sizes) -> list:
 
 CALIBRATION_MODES = ("fit", "ring")
 FIT_CONFIGURATION = "ours chimera split"  # the free-message plan the fit runs
-FIT_STEPS = 2  # timed iterations of it (after one warm-up); the fastest is fitted
+FIT_STEPS = 3  # timed iterations of it (after one warm-up); the fastest is fitted
+FIT_BOUND = 0.25  # the fitted hop is at most this fraction of a stage's forward
 
 
 def calibrate(parallel_state, depth: int, count: int, times: StageTimes, sizes,
@@ -448,8 +450,9 @@ def calibrate(parallel_state, depth: int, count: int, times: StageTimes, sizes,
     ``ring``, the median one-way hop of a token passed through our transport
     (:func:`_message_hops`); ``fit`` (default), the δ with which our simulator's time of
     Chimera direct + split (free-message plan, the calibrated overheads charged) equals its
-    fastest measured iteration: the effective per-hop cost of our runtime, everything it spends
-    per message included (the ring hop is kept for the report)."""
+    fastest of ``FIT_STEPS`` measured iterations: the effective per-hop cost of our runtime,
+    everything it spends per message included, at most ``FIT_BOUND`` x a stage's forward (a slow
+    phase of a loaded machine is not a message cost); the ring hop is kept for the report."""
     import torch.distributed as dist
     hold = min(times.per_stage(depth)[0][0], 0.02)
     sample = (_message_hops(parallel_state, depth, sizes[1], hold),
@@ -468,7 +471,8 @@ def calibrate(parallel_state, depth: int, count: int, times: StageTimes, sizes,
     dist.barrier()
     step()
     measured = min(_timed(step, dist.barrier) for _ in range(FIT_STEPS))
-    fitted = [fit_message_seconds(flags, depth, count, times, overheads, measured)
+    bound = FIT_BOUND * min(stage[0] for stage in times.per_stage(depth))
+    fitted = [fit_message_seconds(flags, depth, count, times, overheads, measured, bound)
               if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(fitted, src=0)
     return Calibration(fitted[0], overheads, ring)
