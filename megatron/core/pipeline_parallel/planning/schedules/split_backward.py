@@ -18,6 +18,13 @@ by default both placements are tried and the shorter kept. Charged as the runtim
 stage I = 0, W = B = 2F), applied to 1F1B this gives ZB-H1 (Qi et al.: makespan 3N + D - 1 at
 1F1B's peak memory) and applied to Chimera direct with P pipelines 3N + D/P - 1 at N >= D, at
 Chimera's peak memory (docs/schedules.md).
+Latency-tolerant placement: when the stage table carries a message latency δ > 0
+(:class:`~..op_costs.StageCosts`), an input from another rank arrives δ after its producer ends, and
+a known wait is filled with the oldest W only when it is longer than ρ times that W (ρ = 0 fills any
+wait, the free-message rule; filling a δ-long wait with a whole W delays the next F or I by W - δ).
+The placement is tried with ρ in :data:`LATENCY_FILL_RATIOS` (and first stages deferred or not) and
+the shortest kept; its timeline equals the simulator's when the lowering sends eagerly (what
+:func:`~..plan.make_plan` does for δ > 0). With δ = 0 nothing changes.
 The result is an ordinary schedule of F, I and W (and whole first-stage B) instructions: the validator, lowering, simulator and
 runtime handle it like any other. No torch import.
 """
