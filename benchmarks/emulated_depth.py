@@ -4,6 +4,7 @@
     python benchmarks/emulated_depth.py                       # D = 4, 8, 16; N = D, 2D, 4D; 80 ms
     python benchmarks/emulated_depth.py --depths 4 --counts 1 --unit-ms 20 --rounds 1
     python benchmarks/emulated_depth.py --simulate-only       # the same table from the simulator
+    python benchmarks/emulated_depth.py --simulate-only --message-ms 4 --overhead-ms 1.2 1.2 2.3
     python benchmarks/emulated_depth.py --profile hardware_profile.json   # a measured profile
 
 Every stage is :class:`_emulated_stages.EmulatedStage`: its forward sleeps F, its backward sleeps I
@@ -22,11 +23,34 @@ op_costs.StageCosts`).
 
 Configurations run in interleaved rounds inside one process group per D (a slow phase of the
 machine hits all of them); per configuration the median over rounds and the min-max spread.
+Calibration (measured runs, per D, at the first N, unless ``--message-ms`` / ``--overhead-ms`` are
+given): (1) op overheads: every rank times the emulated module of a middle stage for one F, its input
+gradient alone and its weight gradient alone (after one uncounted warm-up); the medians of time minus
+sleep are oF, oI, oW (sleep overrun and autograd; not our interpreter's own work per op); (2) ring
+hop: a token carrying the sender's CLOCK_MONOTONIC is passed around the ring of ranks through our
+transport (one message per tensor, ``--activation-floats`` floats; each rank sleeps briefly before
+passing it on, the receiver blocked waiting as a stage waiting for its input is); the median one-way
+hop after a warm-up lap; (3) ``--calibrate fit`` (default): the message latency δ with which our
+simulator's time of Chimera direct + split (its free-message plan, the overheads of (1) charged)
+equals its fastest of three measured iterations (at most a quarter of a stage's forward): our
+runtime's effective per-hop cost, everything it spends per message included; ``--calibrate ring``
+uses (2) as δ. Every rank gets the same values. A fitted δ is fitted to a measured run, so
+"measured / sim calibrated" of Chimera direct + split is close to 1 by construction: it is a
+diagnostic and a planning input, not evidence; measured / simulated as issue 26 asks it is the
+"sim free" column.
+
+Configurations labelled "δ" (Chimera + split, direct and interleaved) are planned for the calibrated
+δ and overheads (``--pipeline-op-costs`` with ``message_latency`` / ``op_overhead``: the
+latency-tolerant plan, docs/schedules.md); the others are today's free-message plans.
+
 Printed: efficiency = ideal compute time (one rank's share of all F, I, W) / measured iteration
-time; simulated efficiency (ours: the lowered plan in our simulator; PyTorch: its schedule's action
-order under the same charges, messages free) and measured / simulated; peak stored activations per
-rank in micro-batches of one 1F1B stage (ours: counted by the interpreter; PyTorch: from its action
-order), next to the weight copies a rank holds (stages of 1/D of the model).
+time (the headline, against ideal compute); simulated efficiency and measured / simulated twice:
+"sim free" (messages and overheads free, as every plan but the δ ones assumes) and "sim calibrated"
+(the calibrated δ per message and overheads per op charged on both sides: ours, the lowered plan in
+our simulator; PyTorch, its schedule's action order through the same timeline, each message δ after
+its producer); peak stored activations per rank in micro-batches of one 1F1B stage (ours: counted
+by the interpreter; PyTorch: from its action order), next to the weight copies a rank holds (stages
+of 1/D of the model).
 """
 
 from __future__ import annotations
@@ -36,6 +60,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -55,8 +80,39 @@ TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
                    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
-def our_variants(depth: int) -> list:
-    """(label, extra flags) of our configurations at depth D."""
+# Marks a configuration planned for the calibrated message latency and op overheads (our_flags
+# replaces it by a --pipeline-op-costs file that carries them).
+LATENCY_TOLERANT = "<latency-tolerant plan>"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a run spends besides compute: seconds per message hop between ranks and per op
+    overheads (F, I, W). ``FREE``: the free-message plan's assumptions."""
+
+    message_seconds: float = 0.0
+    overhead_seconds: tuple = (0.0, 0.0, 0.0)
+    ring_hop_seconds: float = 0.0  # the transport's raw hop (reported; 0 when not measured)
+
+    @property
+    def charged(self) -> bool:
+        return self.message_seconds > 0 or any(v > 0 for v in self.overhead_seconds)
+
+    def describe(self) -> str:
+        over = ", ".join(f"{v * 1e3:.2f}" for v in self.overhead_seconds)
+        ring = (f" (transport ring hop {self.ring_hop_seconds * 1e3:.2f} ms)"
+                if self.ring_hop_seconds else "")
+        return (f"message hop {self.message_seconds * 1e3:.2f} ms{ring}, op overhead F, I, W = "
+                f"{over} ms")
+
+
+FREE = Calibration()
+
+
+def our_variants(depth: int, latency_tolerant: bool = False) -> list:
+    """(label, extra flags) of our configurations at depth D; ``latency_tolerant`` adds Chimera
+    + split (direct and interleaved) planned for the calibrated latency and overheads (labels
+    ending in "δ")."""
     variants = [("ours 1f1b", ["--pipeline-schedule", "1f1b"]),
                 ("ours 1f1b split", ["--pipeline-schedule", "1f1b", "--split-backward"]),
                 ("ours interleaved-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"]),
@@ -69,6 +125,12 @@ def our_variants(depth: int) -> list:
         variants.append(("ours chimera 4-pipe split", ["--pipeline-schedule", "chimera",
                                                        "--chimera-pipelines", "4",
                                                        "--split-backward"]))
+    if latency_tolerant:
+        variants += [("ours chimera split δ", ["--pipeline-schedule", "chimera",
+                                               "--split-backward", LATENCY_TOLERANT]),
+                     ("ours chimera interleaved split δ",
+                      ["--pipeline-schedule", "chimera", "--chimera-variant", "interleaved",
+                       "--split-backward", LATENCY_TOLERANT])]
     return variants
 
 
@@ -93,14 +155,19 @@ def ideal_seconds(times: StageTimes, depth: int, count: int) -> float:
 
 # ------------------------------------------------------------------------------ simulation
 
-def op_costs_file(times: StageTimes, depth: int) -> str:
+def op_costs_file(times: StageTimes, depth: int, calibration: Calibration = FREE) -> str:
     """A ``--pipeline-op-costs`` file of the emulated per-stage times (one [F, I, W] per stage of
-    D; interleaved schedules split each entry over their chunks), named by its content in the
-    temporary directory (every rank finds the same file; written atomically)."""
+    D; interleaved schedules split each entry over their chunks) and, when charged, the
+    calibration's message latency and op overheads, named by its content in the temporary
+    directory (every rank finds the same file; written atomically)."""
     import hashlib
     import json
     import tempfile
-    text = json.dumps({"stages": [list(stage) for stage in times.per_stage(depth)]})
+    content: dict = {"stages": [list(stage) for stage in times.per_stage(depth)]}
+    if calibration.charged:
+        content["message_latency"] = calibration.message_seconds
+        content["op_overhead"] = list(calibration.overhead_seconds)
+    text = json.dumps(content)
     path = os.path.join(tempfile.gettempdir(), f"emulated_op_costs_D{depth}_"
                         f"{hashlib.sha1(text.encode()).hexdigest()[:12]}.json")
     if not os.path.isfile(path):
@@ -111,31 +178,40 @@ def op_costs_file(times: StageTimes, depth: int) -> str:
     return path
 
 
-def our_flags(label_flags, depth: int, count: int, times: StageTimes) -> list:
+def our_flags(label_flags, depth: int, count: int, times: StageTimes,
+              calibration: Calibration = FREE) -> list:
     """All of one configuration's flags; split-backward plans are placed with the emulated
-    per-stage charges through ``--pipeline-op-costs`` (as a user passes a measured profile)."""
-    flags = _config_flags(depth, count) + list(label_flags)
+    per-stage charges through ``--pipeline-op-costs`` (as a user passes a measured profile), a
+    latency-tolerant configuration's with ``calibration`` too."""
+    flags = _config_flags(depth, count) + [flag for flag in label_flags
+                                           if flag != LATENCY_TOLERANT]
     if "--split-backward" in flags:
-        flags += ["--pipeline-op-costs", op_costs_file(times, depth)]
+        planned_for = calibration if LATENCY_TOLERANT in label_flags else FREE
+        flags += ["--pipeline-op-costs", op_costs_file(times, depth, planned_for)]
     return flags
 
 
-def our_plan(label_flags, depth: int, count: int, times: StageTimes):
+def our_plan(label_flags, depth: int, count: int, times: StageTimes,
+             calibration: Calibration = FREE):
     """Our plan of one configuration as the runtime makes it (plan_from_config), and the stage
-    table it is simulated with."""
+    table it is simulated with (compute only)."""
     from megatron.core.pipeline_parallel.planning.plan import plan_from_config
     from megatron.training.arguments import parse_args
-    config = parse_args(our_flags(label_flags, depth, count, times), world_size=depth)
+    config = parse_args(our_flags(label_flags, depth, count, times, calibration),
+                        world_size=depth)
     plan = plan_from_config(config)
     return plan, stage_costs_of(times, plan.layout.num_stages)
 
 
-def simulate_ours(flags, depth, count, times, message_seconds=0.0):
-    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies);
-    ``message_seconds``: latency of every message between ranks."""
+def simulate_ours(flags, depth, count, times, charged: Calibration = FREE,
+                  planned: Calibration = FREE):
+    """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies) of
+    the configuration planned with ``planned`` (used by latency-tolerant ones only), simulated
+    charging ``charged``'s message latency and op overheads."""
     from megatron.core.pipeline_parallel.planning.simulator import simulate_plan
-    plan, costs = our_plan(flags, depth, count, times)
-    result = simulate_plan(plan, stage_costs=costs, p2p_cost=message_seconds)
+    plan, costs = our_plan(flags, depth, count, times, planned)
+    result = simulate_plan(plan, stage_costs=costs.with_overheads(charged.overhead_seconds),
+                           p2p_cost=charged.message_seconds)
     scale = depth / plan.layout.num_stages  # a stage of 2D stages holds half a 1F1B stage
     copies = max(len(plan.layout.hosted(rank)) for rank in range(depth)) * scale
     return result.makespan, [p * scale for p in result.peak_activations], copies
@@ -186,35 +262,36 @@ def torch_orders(name: str, depth: int, count: int) -> tuple[list, int]:
     return orders, 2 * depth
 
 
-def simulate_torch(name, depth, count, times, message_seconds=0.0):
+def simulate_torch(name, depth, count, times, charged: Calibration = FREE):
     """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies);
-    ``message_seconds``: latency of every message between ranks."""
+    ``charged``: message latency between ranks and op overheads."""
     from megatron.core.pipeline_parallel.planning.lowering import reference_timeline
     from megatron.core.pipeline_parallel.planning.simulator import peak_activations
     orders, num_stages = torch_orders(name, depth, count)
-    timeline = reference_timeline(orders, num_stages,
-                                  stage_costs=stage_costs_of(times, num_stages),
-                                  message_latency=message_seconds)
+    costs = stage_costs_of(times, num_stages).with_overheads(charged.overhead_seconds)
+    timeline = reference_timeline(orders, num_stages, stage_costs=costs,
+                                  message_latency=charged.message_seconds)
     makespan = max(end for rank in timeline for _, end in rank)
     scale = depth / num_stages
     return makespan, [peak_activations(ops) * scale for ops in orders], 1.0
 
 
-def simulated_table(depths, multiples, times_for, message_seconds=0.0) -> list:
+def simulated_table(depths, multiples, times_for, charged: Calibration = FREE) -> list:
+    """Rows (D, N, label, simulated efficiency, peak stored, weight copies) with ``charged``
+    charged on both sides (and our latency-tolerant plans made for it when it is not free)."""
     rows = []
     for depth in depths:
         times = times_for(depth)
         for multiple in multiples:
             count = multiple * depth
             ideal = ideal_seconds(times, depth, count)
-            for label, flags in our_variants(depth):
-                seconds, peaks, copies = simulate_ours(flags, depth, count, times,
-                                                       message_seconds)
+            for label, flags in our_variants(depth, charged.charged):
+                seconds, peaks, copies = simulate_ours(flags, depth, count, times, charged,
+                                                       charged)
                 rows.append((depth, count, label, ideal / seconds, max(peaks), copies))
             for name in TORCH_SCHEDULES:
                 try:
-                    seconds, peaks, copies = simulate_torch(name, depth, count, times,
-                                                            message_seconds)
+                    seconds, peaks, copies = simulate_torch(name, depth, count, times, charged)
                 except ValueError as error:
                     rows.append((depth, count, f"torch {name}", None, str(error)[:60], None))
                     continue
@@ -224,10 +301,10 @@ def simulated_table(depths, multiples, times_for, message_seconds=0.0) -> list:
 
 # ------------------------------------------------------------------------------ measuring
 
-def _our_configuration(label, flags, parallel_state, depth, count, times, sizes):
+def _our_configuration(label, flags, parallel_state, depth, count, times, sizes, calibration):
     from megatron.core.runtimes.pipeline import PipelineRuntime
     from megatron.training.arguments import parse_args
-    config = parse_args(our_flags(flags, depth, count, times), world_size=depth)
+    config = parse_args(our_flags(flags, depth, count, times, calibration), world_size=depth)
     runtime = PipelineRuntime(config, parallel_state, torch.device("cpu"))
     plan = runtime.plan
     param_floats, activation_floats = sizes
@@ -294,6 +371,136 @@ def _torch_configuration(name, rank, depth, count, times, sizes):
     return f"torch {name}", step, lambda: None
 
 
+# ------------------------------------------------------------------------------ calibration
+
+CALIBRATION_LAPS = 3  # token laps around the ring of ranks
+CALIBRATION_OPS = 5  # timed F, I, W of the emulated module per rank (after one warm-up)
+
+
+def _message_hops(parallel_state, depth: int, activation_floats: int, hold: float) -> list:
+    """One-way seconds of each message hop of a token passed around the ring of pipeline ranks
+    through our transport (one message per tensor): the sender writes its clock into the
+    message, the receiver, blocked waiting as a stage waiting for its input is, subtracts it on
+    arrival (CLOCK_MONOTONIC is shared by the processes of one machine); every rank sleeps
+    ``hold`` before passing the token on, as a stage computes between messages."""
+    from megatron.core.pipeline_parallel.execution.transport import (ExpectedTensor,
+                                                                     OutgoingTensor,
+                                                                     make_transport)
+    transport = make_transport(parallel_state, None, torch.device("cpu"))
+    rank = parallel_state.coords.pp
+    token = torch.zeros(1, activation_floats, dtype=torch.float64)
+    expected = ExpectedTensor((rank - 1) % depth, tuple(token.shape), token.dtype, "token")
+    hops, pending = [], []
+
+    def pass_on():
+        time.sleep(hold)
+        token[0, 0] = time.monotonic()
+        pending.append(transport.start([OutgoingTensor((rank + 1) % depth, token.clone(),
+                                                       "token")], []))
+
+    def receive():
+        received = transport.start([], [expected]).wait_received()[0]
+        hops.append(time.monotonic() - float(received[0, 0]))
+
+    for _ in range(CALIBRATION_LAPS + 1):  # the first lap warms the connections up
+        if rank == 0:
+            pass_on()
+            receive()
+        else:
+            receive()
+            pass_on()
+    for exchange in pending:
+        exchange.wait_sent()
+    return hops[1:]
+
+
+def _op_overheads(times: StageTimes, depth: int, sizes) -> list:
+    """(oF, oI, oW) samples of this rank: the emulated module of a middle stage timed for one
+    forward, its input gradient alone and its weight gradient alone, minus their sleeps."""
+    param_floats, activation_floats = sizes
+    layer = (depth // 2) * LAYERS_PER_STAGE
+    stage = EmulatedStage(times, range(layer, layer + LAYERS_PER_STAGE), False, False,
+                          param_floats, activation_floats)
+    forward, input_half, weight_half = stage.seconds
+    samples = []
+    for repeat in range(CALIBRATION_OPS + 1):  # the first starts autograd's engine: not counted
+        x = torch.ones(1, activation_floats, requires_grad=True)
+        start = time.perf_counter()
+        out = stage(x)
+        after_forward = time.perf_counter()
+        grad = torch.ones_like(out)
+        torch.autograd.grad(out, [x], grad, retain_graph=True)
+        after_input = time.perf_counter()
+        torch.autograd.grad(out, [stage.weight], grad)
+        after_weight = time.perf_counter()
+        if repeat:
+            samples.append((after_forward - start - forward,
+                            after_input - after_forward - input_half,
+                            after_weight - after_input - weight_half))
+    return samples
+
+
+CALIBRATION_MODES = ("fit", "ring")
+FIT_CONFIGURATION = "ours chimera split"  # the free-message plan the fit runs
+FIT_STEPS = 3  # timed iterations of it (after one warm-up); the fastest is fitted
+FIT_BOUND = 0.25  # the fitted hop is at most this fraction of a stage's forward
+
+
+def calibrate(parallel_state, depth: int, count: int, times: StageTimes, sizes,
+              mode: str = "fit") -> Calibration:
+    """The message hop and op overheads as the emulated run meets them; every rank gets the same
+    values. Op overheads: medians of every rank's timed ops (:func:`_op_overheads`). Message hop:
+    ``ring``, the median one-way hop of a token passed through our transport
+    (:func:`_message_hops`); ``fit`` (default), the δ with which our simulator's time of
+    Chimera direct + split (free-message plan, the calibrated overheads charged) equals its
+    fastest of ``FIT_STEPS`` measured iterations: the effective per-hop cost of our runtime,
+    everything it spends per message included, at most ``FIT_BOUND`` x a stage's forward (a slow
+    phase of a loaded machine is not a message cost); the ring hop is kept for the report."""
+    import torch.distributed as dist
+    hold = min(times.per_stage(depth)[0][0], 0.02)
+    sample = (_message_hops(parallel_state, depth, sizes[1], hold),
+              _op_overheads(times, depth, sizes))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sample)
+    hops = [hop for rank_hops, _ in gathered for hop in rank_hops]
+    ops = [op for _, rank_ops in gathered for op in rank_ops]
+    overheads = tuple(max(0.0, statistics.median(op[i] for op in ops)) for i in range(3))
+    ring = max(0.0, statistics.median(hops))
+    if mode == "ring":
+        return Calibration(ring, overheads, ring)
+    flags = dict(our_variants(depth))[FIT_CONFIGURATION]
+    _, step, _ = _our_configuration(FIT_CONFIGURATION, flags, parallel_state, depth, count, times,
+                                    sizes, FREE)
+    dist.barrier()
+    step()
+    measured = min(_timed(step, dist.barrier) for _ in range(FIT_STEPS))
+    bound = FIT_BOUND * min(stage[0] for stage in times.per_stage(depth))
+    fitted = [fit_message_seconds(flags, depth, count, times, overheads, measured, bound)
+              if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(fitted, src=0)
+    return Calibration(fitted[0], overheads, ring)
+
+
+def fit_message_seconds(flags, depth: int, count: int, times: StageTimes, overheads,
+                        measured: float, upper: float = 0.05) -> float:
+    """The message latency (seconds, 0..``upper``, bisection to 0.05 ms) with which the simulated
+    time of configuration ``flags`` (its free-message plan, ``overheads`` charged) is
+    ``measured``."""
+    def simulated(message_seconds: float) -> float:
+        return simulate_ours(flags, depth, count, times,
+                             Calibration(message_seconds, tuple(overheads)))[0]
+
+    low, high = 0.0, upper
+    if simulated(low) >= measured:
+        return 0.0
+    if simulated(high) <= measured:
+        return high
+    while high - low > 5e-5:
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < measured else (low, middle)
+    return (low + high) / 2
+
+
 def _timed(step, barrier) -> float:
     barrier()
     start = time.perf_counter()
@@ -302,7 +509,7 @@ def _timed(step, barrier) -> float:
     return time.perf_counter() - start
 
 
-def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only):
+def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given, mode):
     import logging
 
     import torch.distributed as dist
@@ -310,17 +517,21 @@ def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only):
     logging.getLogger("megatron.training.config_validation").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     depth = world_size
-    results = {}
+    results: dict = {}
+    calibration = given
     for multiple in multiples:
         count = multiple * depth
-        variants = [(label, flags) for label, flags in our_variants(depth)
+        variants = [(label, flags) for label, flags in our_variants(depth, True)
                     if not only or any(word in label for word in only)]
         parallel_state = parallel_state_for(rank, depth, [_config_flags(depth, count) + flags
                                                           for _, flags in our_variants(depth)])
+        if calibration is None:
+            calibration = calibrate(parallel_state, depth, count, times, sizes, mode)
+        results["calibration"] = calibration
         configurations, skipped = [], []
         for label, flags in variants:
             configurations.append(_our_configuration(label, flags, parallel_state, depth, count,
-                                                     times, sizes))
+                                                     times, sizes, calibration))
         for name in TORCH_SCHEDULES:
             if only and not any(word in f"torch {name}" for word in only):
                 continue
@@ -341,11 +552,13 @@ def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only):
     return results
 
 
-def measure(depth, multiples, times, sizes, rounds, only, timeout):
+def measure(depth, multiples, times, sizes, rounds, only, timeout, given=None, mode="fit"):
+    """Per rank, {N: results} and "calibration"; ``given``: a Calibration to use instead of
+    calibrating at the start (``mode``: see :func:`calibrate`)."""
     from dist_harness import run_distributed
     torch.set_num_threads(1)
-    return run_distributed(_measure_rank, depth, multiples, times, sizes, rounds, only,
-                           timeout=timeout)
+    return run_distributed(_measure_rank, depth, multiples, times, sizes, rounds, only, given,
+                           mode, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------ report
@@ -355,8 +568,13 @@ def _fmt(value, digits=3):
 
 
 def measured_report(depth, per_rank, times) -> str:
-    lines = []
+    calibration = per_rank[0]["calibration"]
+    lines = [f"D = {depth}: calibrated {calibration.describe()}; 'δ' configurations are planned "
+             f"for it, 'sim free' charges messages and overheads nothing, 'sim calibrated' both "
+             f"sides the calibration"]
     for count, measured in per_rank[0].items():
+        if count == "calibration":
+            continue
         ideal = ideal_seconds(times, depth, count)
         rows, best = [], {}
         for label, seconds in measured["times"].items():
@@ -365,21 +583,28 @@ def measured_report(depth, per_rank, times) -> str:
             median = statistics.median(slowest)
             efficiency = ideal / median
             if label.startswith("ours"):
-                flags = dict(our_variants(depth))[label]
-                simulated, peaks, copies = simulate_ours(flags, depth, count, times)
+                flags = dict(our_variants(depth, True))[label]
+                simulated, peaks, copies = simulate_ours(flags, depth, count, times, FREE,
+                                                         calibration)
+                charged, _, _ = simulate_ours(flags, depth, count, times, calibration,
+                                              calibration)
                 stored = [rank[count]["peaks"][label] for rank in per_rank]
             else:
                 simulated, peaks, copies = simulate_torch(label.split()[1], depth, count, times)
+                charged, _, _ = simulate_torch(label.split()[1], depth, count, times,
+                                               calibration)
                 stored = peaks
             rows.append([label, f"{median:.3f} ({min(slowest):.3f}-{max(slowest):.3f})",
                          f"{efficiency:.3f} ({ideal / max(slowest):.3f}-{ideal / min(slowest):.3f})",
                          _fmt(ideal / simulated), _fmt(simulated / median),
+                         _fmt(ideal / charged), _fmt(charged / median),
                          f"{max(stored):g}", f"{copies:g}"])
             side = "ours" if label.startswith("ours") else "torch"
             best[side] = max(best.get(side, (0.0, "")), (efficiency, label))
         lines.append(f"== D = {depth}, N = {count} (ideal {ideal:.3f} s per iteration) ==")
         lines.append(format_table(["configuration", "seconds (min-max)", "efficiency (range)",
-                                   "simulated eff.", "measured/simulated",
+                                   "sim free eff.", "measured/sim free",
+                                   "sim calibrated eff.", "measured/sim calibrated",
                                    "peak stored (1F1B-stage mb)", "weight copies"], rows))
         for note in measured["skipped"]:
             lines.append(f"not run: {note}")
@@ -418,11 +643,24 @@ def parse_args(argv=None):
                         help="parameter floats per stage (all-reduced between replicas)")
     parser.add_argument("--activation-floats", type=int, default=1 << 14,
                         help="floats per activation message")
-    parser.add_argument("--message-ms", type=float, default=0.0,
-                        help="--simulate-only: charge every message between ranks this latency "
-                             "(milliseconds) on both sides (default 0: messages free). The "
-                             "measured runs lose about 4-5 ms per message hop at 80 ms units on a "
-                             "loaded 2-core machine (docs/benchmarks.md)")
+    parser.add_argument("--message-ms", type=float, default=None,
+                        help="latency of every message hop between ranks (milliseconds), charged "
+                             "on both sides and planned for by the 'δ' configurations. "
+                             "--simulate-only: default 0 (messages free). Measured runs: default "
+                             "calibrated at the start (see --calibrate); giving it skips the "
+                             "calibration")
+    parser.add_argument("--calibrate", choices=CALIBRATION_MODES, default="fit",
+                        help="how a measured run calibrates the message hop: fit (default) the "
+                             "latency with which our simulated Chimera direct + split matches its "
+                             "measured iteration (our runtime's effective per-hop cost); ring "
+                             "the one-way hop of a token passed around the ranks through our "
+                             "transport (reported either way). The fitted configuration's 'measured/sim "
+                             "calibrated' is about 1 by construction")
+    parser.add_argument("--overhead-ms", type=float, nargs=3, default=None,
+                        metavar=("F", "I", "W"),
+                        help="per-op overheads beyond the sleeps (milliseconds), like "
+                             "--message-ms: --simulate-only default 0; measured runs default "
+                             "calibrated (the emulated module's F, I and W timed on every rank)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only configurations whose label contains one of these words")
@@ -434,6 +672,8 @@ def parse_args(argv=None):
         parser.error("--depths must be even numbers >= 2 (Chimera needs an even D)")
     if min(args.counts) < 1 or args.rounds < 1:
         parser.error("--counts and --rounds must be >= 1")
+    if (args.message_ms or 0) < 0 or min(args.overhead_ms or [0]) < 0:
+        parser.error("--message-ms and --overhead-ms must be >= 0 (milliseconds)")
     return args
 
 
@@ -449,15 +689,18 @@ def main(argv=None) -> int:
                              (args.input_ms / 1e3) if args.input_ms is not None else unit,
                              (args.weight_ms / 1e3) if args.weight_ms is not None else unit)
 
+    given = None
+    if args.message_ms is not None or args.overhead_ms is not None or args.simulate_only:
+        given = Calibration((args.message_ms or 0.0) / 1e3,
+                            tuple(v / 1e3 for v in (args.overhead_ms or (0.0, 0.0, 0.0))))
     if args.simulate_only:
-        print(simulated_report(simulated_table(args.depths, args.counts, times_for,
-                                               args.message_ms / 1e3)))
+        print(simulated_report(simulated_table(args.depths, args.counts, times_for, given)))
         return 0
     sizes = (args.param_floats, args.activation_floats)
     for depth in args.depths:
         times = times_for(depth)
         per_rank = measure(depth, args.counts, times, sizes, args.rounds, args.only,
-                           args.timeout)
+                           args.timeout, given, args.calibrate)
         print(measured_report(depth, per_rank, times), flush=True)
         print(oversubscription_note(depth), flush=True)
     print(f"{args.rounds} interleaved round(s); medians with (min-max) over rounds. Efficiency = "

@@ -10,6 +10,7 @@ loss differs from the whole micro-batch's in the float32 rounding).
 """
 
 import functools
+import os
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ def reference(batch_flags: str) -> dict:
 
 
 BATCH_N4 = "--micro-batch-size 2 --global-batch-size 8"
+# Op costs with a 4 ms message latency and per-op overheads: the latency-tolerant plans.
+LATENCY_COSTS = "--pipeline-op-costs " + os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "data", "op_costs_latency.json")
 
 # (flags, world size, batch flags): PP = 2 and PP = 4, every schedule and Chimera variant.
 LAYOUTS = [
@@ -94,12 +98,21 @@ LAYOUTS = [
      "--split-backward", 4, "--micro-batch-size 4 --global-batch-size 12"),  # N = 3 < D
     ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera --chimera-variant interleaved "
      "--split-backward", 4, BATCH_N4),  # DP 2
+    # Latency-tolerant orders (planned for message latency > 0: W placement and eager sends).
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --split-backward "
+     + LATENCY_COSTS, 4, BATCH_N4),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --chimera-variant interleaved "
+     "--split-backward " + LATENCY_COSTS, 4, "--micro-batch-size 1 --global-batch-size 8"),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule chimera --chimera-variant interleaved "
+     "--split-backward " + LATENCY_COSTS, 4, "--micro-batch-size 4 --global-batch-size 12"),
+    ("--pipeline-model-parallel-size 2 --pipeline-schedule chimera --split-backward "
+     + LATENCY_COSTS, 4, BATCH_N4),  # DP 2
 ]
 
 
 @pytest.mark.parametrize("flags,world_size,batch", LAYOUTS,
-                         ids=[f"{w}ranks:{f.replace('--', '')}:{b.replace('--', '')}"
-                              for f, w, b in LAYOUTS])
+                         ids=[f"{w}ranks:{f.replace('--', '').replace(LATENCY_COSTS[2:], 'latency-costs')}:"
+                              f"{b.replace('--', '')}" for f, w, b in LAYOUTS])
 def test_layout_reproduces_single_process(flags, world_size, batch):
     results = run_distributed(train_one_step, world_size, (flags + " " + batch).split(),
                               timeout=240)

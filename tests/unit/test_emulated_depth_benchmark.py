@@ -59,11 +59,41 @@ def test_simulated_table_charges_both_sides_alike():
     assert by_label["torch ScheduleDualPipeV"][0] is None  # refuses N < 2D
 
 
+def test_latency_tolerant_plans_beat_the_free_message_plans_when_messages_cost():
+    unit = 1.0
+    charged = emulated_depth.Calibration(0.05, (0.015, 0.015, 0.03))
+    rows = emulated_depth.simulated_table([4], [2], lambda depth: uniform_times(
+        depth, 2, unit, unit, unit), charged)
+    by_label = {label: efficiency for _, _, label, efficiency, _, _ in rows}
+    assert by_label["ours chimera split δ"] > by_label["ours chimera split"]
+    assert by_label["ours chimera interleaved split δ"] > by_label["ours chimera interleaved split"]
+    best_torch = max(value for label, value in by_label.items()
+                     if label.startswith("torch") and value is not None)
+    assert by_label["ours chimera interleaved split δ"] > best_torch
+    free = emulated_depth.simulated_table([4], [2], lambda depth: uniform_times(
+        depth, 2, unit, unit, unit))
+    assert "ours chimera split δ" not in {label for _, _, label, _, _, _ in free}
+
+
+def test_fitted_message_latency_reproduces_a_measured_time():
+    times = uniform_times(4, 2, 0.08, 0.08, 0.08)
+    flags = dict(emulated_depth.our_variants(4))["ours chimera split"]
+    overheads = (0.001, 0.001, 0.002)
+    measured = emulated_depth.simulate_ours(flags, 4, 8, times, emulated_depth.Calibration(
+        0.003, overheads))[0]
+    fitted = emulated_depth.fit_message_seconds(flags, 4, 8, times, overheads, measured)
+    assert fitted == pytest.approx(0.003, abs=1e-4)
+    assert emulated_depth.fit_message_seconds(flags, 4, 8, times, overheads, 0.1) == 0.0
+
+
 def test_arguments():
     args = emulated_depth.parse_args([])
     assert (args.depths, args.counts, args.unit_ms, args.rounds) == ([4, 8, 16], [1, 2, 4], 80, 2)
     with pytest.raises(SystemExit):
         emulated_depth.parse_args(["--depths", "5"])
+    assert args.message_ms is None and args.overhead_ms is None  # measured runs calibrate
+    with pytest.raises(SystemExit):
+        emulated_depth.parse_args(["--message-ms", "-1"])
 
 
 @pytest.mark.distributed
@@ -72,12 +102,17 @@ def test_tiny_run_measures_every_configuration():
     per_rank = emulated_depth.measure(4, [1], times, (64, 16), 1, None, timeout=120)
     measured = per_rank[0][4]
     labels = set(measured["times"])
-    assert {label for label, _ in emulated_depth.our_variants(4)} <= labels
+    assert {label for label, _ in emulated_depth.our_variants(4, True)} <= labels
+    calibration = per_rank[0]["calibration"]
+    assert 0 <= calibration.message_seconds <= 0.05 and min(calibration.overhead_seconds) >= 0
+    assert calibration.ring_hop_seconds > 0
+    assert all(rank["calibration"] == calibration for rank in per_rank)  # one plan everywhere
     assert "torch ScheduleZBVZeroBubble" in labels and "torch Schedule1F1B" in labels
     assert all(seconds[0] > 0 for seconds in measured["times"].values())
     assert max(rank[4]["peaks"]["ours chimera split"] for rank in per_rank) <= 4
     report = emulated_depth.measured_report(4, per_rank, times)
-    assert "best ours" in report and "measured/simulated" in report
+    assert "best ours" in report and "measured/sim free" in report
+    assert "measured/sim calibrated" in report and "calibrated message hop" in report
 
 
 def test_profile_times_from_stage_list_or_measure_output(tmp_path):

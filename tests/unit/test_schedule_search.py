@@ -38,3 +38,18 @@ def test_search_uses_the_given_stage_costs_and_rejects_an_impossible_budget():
     assert best_schedule(4, 8, stage_costs=heavy_first).makespan > best_schedule(4, 8).makespan
     with pytest.raises(ValueError, match="no schedule variant fits"):
         best_schedule(4, 4, max_activations=1)
+
+
+def test_with_a_message_latency_every_candidate_is_planned_latency_tolerant():
+    from megatron.core.pipeline_parallel.planning.plan import make_plan
+    from megatron.core.pipeline_parallel.planning.simulator import simulate_plan
+    latency = 0.05
+    best = best_schedule(8, 16, p2p_cost=latency)
+    assert (best.name, best.options["variant"], best.split_backward) == (
+        "chimera", "interleaved", 0)
+    costs = StageCosts(16, 0.5, 1.0)
+    free_plan = make_plan("chimera", 8, 16, {"variant": "interleaved"}, split_backward=0,
+                          stage_costs=costs)
+    free_plan_with_latency = simulate_plan(free_plan, stage_costs=costs, p2p_cost=latency)
+    assert best.makespan < 0.97 * free_plan_with_latency.makespan
+    assert best.peak_activations <= 8

@@ -24,7 +24,12 @@ issues it at the last point in its list where all its ops ending by T are done, 
 just before its first op starting at or after T. All messages of one round that a rank sends or
 receives at one point form one group; a point can hold several groups, one per round, in round
 order. Hence on every link both sides have identical groups message for message, so packing the
-tensors bound for one peer into one message per group is safe. No rank can block forever:
+tensors bound for one peer into one message per group is safe. With ``eager_sends`` (plans made
+for a message latency δ > 0) a sender issues each message right after its producer instead,
+never later than the rule above and never before a message of an earlier round to the same peer
+(all messages of one round to one peer at the latest of their producers), so link order and
+group matching hold and a message gets the whole slack of its round to travel. No rank can
+block forever:
 every op before a round-T group starts before T and only needs messages of earlier rounds, so
 by induction over rounds every group is eventually posted by both sides. Within a group, ops
 are sorted by (peer, send before receive, message kind, pipeline, stage, micro-batch); on
@@ -251,7 +256,8 @@ def reference_timeline(schedule, num_stages: int, forward_cost: float = 1,
 
 def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
                    plan_forward_cost: float = 1, plan_backward_cost: float = 2,
-                   doubled_step_messages: bool = False, stage_costs=None) -> list[list]:
+                   doubled_step_messages: bool = False, stage_costs=None,
+                   eager_sends: bool = False) -> list[list]:
     """Per rank, the lowered op list (compute, P2PGroup, GradSyncStart, GradSyncWait).
 
     ``plan_forward_cost`` / ``plan_backward_cost`` only shape where communication is grouped
@@ -262,7 +268,8 @@ def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
     one forward per stage boundary while the pipeline fills (D=8, N=16, F=1, B=2: makespan 60
     instead of 57 without message latency), so it is only worth it with packing.
     ``stage_costs`` (optional :class:`~.op_costs.StageCosts`, per instruction micro-batch) replaces
-    the two plan costs, e.g. the table a split backward was placed with.
+    the two plan costs, e.g. the table a split backward was placed with. ``eager_sends``: issue
+    each message right after its producer (see the module docstring; for message latency > 0).
     """
     if grad_sync_policy not in GRAD_SYNC_POLICIES:
         raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
@@ -270,7 +277,7 @@ def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
     doubling_unit = layout.doubling_unit if doubled_step_messages else 0
     times = reference_timeline(schedule, layout.num_stages, plan_forward_cost, plan_backward_cost,
                                doubling_unit, stage_costs)
-    groups = _p2p_groups(schedule, layout, times, doubling_unit)
+    groups = _p2p_groups(schedule, layout, times, doubling_unit, eager_sends)
     lowered = []
     for rank, ops in enumerate(schedule):
         rank_ops = []
@@ -291,7 +298,8 @@ def _p2p_sort_key(op: P2POp):
             message.stage, message.microbatch)
 
 
-def _p2p_groups(schedule, layout, times, doubling_unit: int = 0) -> dict:
+def _p2p_groups(schedule, layout, times, doubling_unit: int = 0,
+                eager_sends: bool = False) -> dict:
     """{(rank, position): {round: [P2POp]}}: a group is issued before op ``position``."""
     where = {}  # op key -> (rank, index)
     for rank, ops in enumerate(schedule):
@@ -301,7 +309,8 @@ def _p2p_groups(schedule, layout, times, doubling_unit: int = 0) -> dict:
     ends = [[end for _, end in rank_times] for rank_times in times]
     keys = set(where)
     num_microbatches = count_microbatches(schedule)
-    groups = {}
+    groups: dict = {}
+    sends: list = []
     for consumer_rank, ops in enumerate(schedule):
         points = receive_points(ops, doubling_unit, num_microbatches)
         for consumer_index, op in enumerate(ops):
@@ -314,13 +323,36 @@ def _p2p_groups(schedule, layout, times, doubling_unit: int = 0) -> dict:
                 # step (the first op starting at round_time).
                 recv_position = points[consumer_index]
                 round_time = starts[consumer_rank][recv_position]
-                # Sender: after every op that ends by the round (includes the producer).
-                send_position = _count_at_most(ends[producer_rank], round_time)
+                # Sender: after every op that ends by the round (includes the producer), or
+                # eagerly right after the producer.
+                send_position = (where[producer][1] + 1 if eager_sends
+                                 else _count_at_most(ends[producer_rank], round_time))
                 groups.setdefault((consumer_rank, recv_position), {}).setdefault(
                     round_time, []).append(P2POp(RECV, producer_rank, message))
-                groups.setdefault((producer_rank, send_position), {}).setdefault(
-                    round_time, []).append(P2POp(SEND, consumer_rank, message))
+                sends.append((producer_rank, consumer_rank, round_time, send_position, message))
+    for producer_rank, send_position, round_time, p2p in _ordered_sends(sends):
+        groups.setdefault((producer_rank, send_position), {}).setdefault(
+            round_time, []).append(p2p)
     return groups
+
+
+def _ordered_sends(sends):
+    """(rank, position, round, P2POp) of every send, its position raised so that on every link
+    the rounds' positions never decrease and one round's messages share one position (a no-op
+    for the default rule, whose positions already are)."""
+    latest: dict = {}  # (sender, receiver) -> position of the latest round so far
+    by_round: dict = {}  # (sender, receiver, round) -> [position, messages]
+    for sender, receiver, round_time, position, message in sends:
+        entry = by_round.setdefault((sender, receiver, round_time), [0, []])
+        entry[0] = max(entry[0], position)
+        entry[1].append(message)
+    result = []
+    for (sender, receiver, round_time), (position, messages) in sorted(by_round.items()):
+        position = max(position, latest.get((sender, receiver), 0))
+        latest[(sender, receiver)] = position
+        result += [(sender, position, round_time, P2POp(SEND, receiver, message))
+                   for message in messages]
+    return result
 
 
 def _count_at_most(sorted_values, limit) -> int:

@@ -11,6 +11,11 @@ Two forms are read (JSON), both in seconds:
   micro-batch size with the most layers gives the per-layer forward and backward; every stage is
   charged its layer count times those, the backward split ``input_share`` : 1 - ``input_share``.
 
+Either form may also give what a run spends besides compute (seconds; default 0, the free-message
+plan): ``"op_overhead": [oF, oI, oW]`` per op and ``"message_latency": δ`` per message between ranks
+(e.g. as ``benchmarks/emulated_depth.py`` calibrates them). With δ > 0 a split-backward plan is
+placed latency-tolerant (:mod:`.schedules.split_backward`).
+
 Only the ratios matter to the planner (where split backward defers weight work, how the lowering
 groups messages), so the seconds need not match the run. No torch import.
 """
@@ -91,4 +96,21 @@ def load_stage_costs(path: str, num_stages: int, pipeline_size: int, *,
             raise ValueError(f"stage_layers gives {len(layers)} stages, the schedule has "
                              f"{num_stages}")
         per_stage = _from_measurements(path, data, layers, micro_batch_size, input_share)
-    return StageCosts(num_stages, per_stage=per_stage)
+    return StageCosts(num_stages, per_stage=per_stage).with_overheads(*_overheads(path, data))
+
+
+def _overheads(path: str, data: dict) -> tuple:
+    """(op_overhead, message_latency) of the file (zeros when absent)."""
+    overhead = data.get("op_overhead", [0.0, 0.0, 0.0])
+    latency = data.get("message_latency", 0.0)
+    try:
+        overhead = tuple(float(value) for value in overhead)
+        latency = float(latency)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--pipeline-op-costs: {path!r}: 'op_overhead' must be [oF, oI, oW] and "
+                         f"'message_latency' a number (seconds)") from error
+    if len(overhead) != 3 or min(overhead) < 0 or latency < 0:
+        raise ValueError(f"--pipeline-op-costs: {path!r}: 'op_overhead' must be three numbers "
+                         f">= 0 [oF, oI, oW] and 'message_latency' >= 0 (seconds); got "
+                         f"{list(overhead)} and {latency}")
+    return overhead, latency

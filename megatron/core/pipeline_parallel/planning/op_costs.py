@@ -14,12 +14,21 @@ instruction micro-batch is a fraction of --micro-batch-size (backward halving). 
 come from a measured profile (``per_stage``: stage -> (F, I, W), e.g. ``tools/performance_model.py
 --measure`` output); stage indices are those of the schedule (virtual stages for interleaved
 1F1B); all pipelines of a schedule hold the same stages, so pipelines share the entry.
+
+What a run spends besides compute, where known (both 0 by default: the free-message plan):
+
+* ``op_overhead`` (oF, oI, oW): added to every F, I and W op (a whole B: oI + oW; a first stage's
+  free I: nothing), e.g. the runtime's per-op Python work and a sleeping stage's wake-up;
+* ``message_latency`` δ: what a message between ranks costs on the critical path. The table only
+  carries it to the planner (a split-backward plan is then placed latency-tolerant, see
+  :mod:`.schedules.split_backward`); the simulator charges messages through its ``p2p_cost``.
+
 No torch import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from .instructions import Instruction, Kind
@@ -38,6 +47,8 @@ class StageCosts:
         per_stage: stage -> (F, I, W) where measured; a first stage's I is still charged as W.
         uniform_split: charge a first stage's halves like every other stage's (I = input_share * B):
             the planner's former model, kept only to compare with.
+        op_overhead: (oF, oI, oW) added per op (see the module docstring).
+        message_latency: δ per message between ranks, for the planner (module docstring).
     """
 
     num_stages: int
@@ -47,6 +58,8 @@ class StageCosts:
     loss_cost: float = 0.0
     per_stage: Mapping[int, tuple] = field(default_factory=dict)
     uniform_split: bool = False
+    op_overhead: tuple = (0.0, 0.0, 0.0)
+    message_latency: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -63,6 +76,16 @@ class StageCosts:
             negative += [value for value in values if value < 0]
         if negative:
             raise ValueError(f"compute costs must be >= 0, got {negative[0]}")
+        if len(self.op_overhead) != 3 or min(self.op_overhead) < 0:
+            raise ValueError(f"op_overhead must be three per-op overheads (F, I, W) >= 0, got "
+                             f"{self.op_overhead}")
+        if self.message_latency < 0:
+            raise ValueError(f"message_latency must be >= 0, got {self.message_latency}")
+
+    @property
+    def charges_overhead(self) -> bool:
+        """Whether anything besides compute is known (overhead or message latency)."""
+        return self.message_latency > 0 or any(value > 0 for value in self.op_overhead)
 
     def forward_input_weight(self, stage: int) -> tuple[float, float, float]:
         """(F, I, W) of ``stage`` as the runtime spends them (first stage: I = 0, W = B)."""
@@ -78,23 +101,33 @@ class StageCosts:
         return forward, input_half, weight_half
 
     def cost(self, op: Instruction) -> float:
-        """Charge of one compute instruction."""
+        """Charge of one compute instruction (its compute plus its op overhead)."""
         forward, input_half, weight_half = self.forward_input_weight(op.stage)
+        over_forward, over_input, over_weight = self.op_overhead
         if op.kind is Kind.FORWARD:
-            return forward
+            return forward + over_forward
         if op.kind is Kind.BACKWARD:
-            return input_half + weight_half
-        return input_half if op.kind is Kind.BACKWARD_INPUT else weight_half
+            return input_half + weight_half + over_input + over_weight
+        if op.kind is Kind.BACKWARD_INPUT:
+            return input_half + (over_input if input_half > 0 else 0.0)
+        return weight_half + over_weight
+
+    def with_overheads(self, op_overhead=(0.0, 0.0, 0.0),
+                       message_latency: float = 0.0) -> "StageCosts":
+        """The same compute charges with these per-op overheads and message latency."""
+        return replace(self, op_overhead=tuple(float(v) for v in op_overhead),
+                       message_latency=float(message_latency))
 
     def scaled(self, fraction: float) -> "StageCosts":
-        """The same table with every cost times ``fraction`` (instruction micro-batch size)."""
+        """The same table with every compute cost times ``fraction`` (instruction micro-batch
+        size); overheads and latency are per op and per message, unscaled."""
         if fraction == 1:
             return self
         per_stage = {stage: tuple(v * fraction for v in values)
                      for stage, values in self.per_stage.items()}
         return StageCosts(self.num_stages, self.forward * fraction, self.backward * fraction,
                           self.input_share, self.loss_cost * fraction, per_stage,
-                          self.uniform_split)
+                          self.uniform_split, self.op_overhead, self.message_latency)
 
     def ideal_compute(self, num_pipelines: int = 1, microbatches: Optional[int] = None) -> float:
         """Compute time of all stages for ``microbatches`` instruction micro-batches per pipeline

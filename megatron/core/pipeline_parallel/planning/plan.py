@@ -91,7 +91,10 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
     activations allowed, or None): split every backward and place the weight halves in idle slots
     (:mod:`.schedules.split_backward`), placed with ``stage_costs`` (per micro-batch of
     --micro-batch-size; default: ``forward_cost`` / ``backward_cost`` on every stage, the first
-    stage's whole backward in its weight half, see :mod:`.op_costs`).
+    stage's whole backward in its weight half, see :mod:`.op_costs`). A ``stage_costs`` with
+    message latency δ > 0 makes a latency-tolerant plan: split backward places the weight halves
+    knowing that a message arrives δ after its producer, and the lowering sends every message
+    right after its producer (with δ = 0 the plan is the free-message one, unchanged).
     """
     if grad_sync_policy not in GRAD_SYNC_POLICIES:
         raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
@@ -101,6 +104,8 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
     layout = family.layout(pipeline_size, **resolved)
     schedule = family.build(pipeline_size, num_microbatches, **resolved)
     fraction = float(layout.microbatch_fraction)
+    # A plan for message latency > 0 sends each message right after its producer.
+    eager_sends = stage_costs is not None and stage_costs.message_latency > 0
     if split_backward is not None:
         validate_schedule(schedule, layout, num_microbatches)
         if stage_costs is None:
@@ -113,7 +118,7 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
     lowered = lower_schedule(schedule, layout, grad_sync_policy, forward_cost * fraction,
                              backward_cost * fraction, doubled_step_messages=doubled_step_messages,
                              stage_costs=None if stage_costs is None
-                             else stage_costs.scaled(fraction))
+                             else stage_costs.scaled(fraction), eager_sends=eager_sends)
     return PipelinePlan(family, resolved, pipeline_size, num_microbatches, layout,
                         tuple(tuple(ops) for ops in schedule),
                         tuple(tuple(ops) for ops in lowered), grad_sync_policy, split_backward,

@@ -74,7 +74,9 @@ def search_schedules(pipeline_size: int, num_microbatches: int, *,
     """Every candidate of :func:`candidate_configurations`, simulated; fastest first.
 
     ``stage_costs(num_stages)`` gives the table for a schedule with that many stages per pipeline
-    (default: F = 1, B = 2 per 1F1B stage, split to the stage count).
+    (default: F = 1, B = 2 per 1F1B stage, split to the stage count). ``p2p_cost`` (message
+    latency δ) is charged by the simulator and, where the table gives none, planned for: every
+    candidate is then the latency-tolerant plan (:func:`~.plan.make_plan`).
     """
     from .plan import make_plan
     from .simulator import simulate_plan
@@ -86,12 +88,18 @@ def search_schedules(pipeline_size: int, num_microbatches: int, *,
         share = depth / num_stages
         return uniform_stage_costs(num_stages, share, 2 * share)
 
+    def planning_costs(num_stages: int) -> StageCosts:
+        table = (stage_costs or default_costs)(num_stages)
+        if p2p_cost > 0 and table.message_latency == 0:  # plan latency-tolerant
+            return table.with_overheads(table.op_overhead, p2p_cost)
+        return table
+
     table_for = stage_costs or default_costs
     results = []
     for name, options, split in candidate_configurations(depth, num_microbatches):
         try:
             plan = make_plan(name, depth, num_microbatches, options, split_backward=split,
-                             stage_costs=table_for(_num_stages(name, depth, options)))
+                             stage_costs=planning_costs(_num_stages(name, depth, options)))
         except ValueError:  # a variant this (D, N) does not allow
             continue
         costs = table_for(plan.layout.num_stages)

@@ -18,6 +18,13 @@ by default both placements are tried and the shorter kept. Charged as the runtim
 stage I = 0, W = B = 2F), applied to 1F1B this gives ZB-H1 (Qi et al.: makespan 3N + D - 1 at
 1F1B's peak memory) and applied to Chimera direct with P pipelines 3N + D/P - 1 at N >= D, at
 Chimera's peak memory (docs/schedules.md).
+Latency-tolerant placement: when the stage table carries a message latency δ > 0
+(:class:`~..op_costs.StageCosts`), an input from another rank arrives δ after its producer ends, and
+a known wait is filled with the oldest W only when it is longer than ρ times that W (ρ = 0 fills any
+wait, the free-message rule; filling a δ-long wait with a whole W delays the next F or I by W - δ).
+The placement is tried with ρ in :data:`LATENCY_FILL_RATIOS` (and first stages deferred or not) and
+the shortest kept; its timeline equals the simulator's when the lowering sends eagerly (what
+:func:`~..plan.make_plan` does for δ > 0). With δ = 0 nothing changes.
 The result is an ordinary schedule of F, I and W (and whole first-stage B) instructions: the validator, lowering, simulator and
 runtime handle it like any other. No torch import.
 """
@@ -59,8 +66,11 @@ class _Rank:
         return bool(self.pending) and op.kind is Kind.FORWARD and self.stored >= self.limit
 
 
-def _next_action(rank: _Rank, needs: dict, finish: dict):
-    """(start time, op) this rank would run next, or None while an input's producer has not run."""
+def _next_action(rank: _Rank, needs: dict, finish: dict, tolerance):
+    """(start time, op) this rank would run next, or None while an input's producer has not run.
+    ``tolerance`` = (message latency, fill ratio, charge): an input from another rank arrives the
+    latency after its producer ends; a known wait is filled with a W only when it is longer than
+    fill ratio x that W's charge (0: any wait)."""
     if rank.next == len(rank.main):
         return rank.clock, rank.pending[0]
     if rank.must_run_weight_first():
@@ -68,8 +78,9 @@ def _next_action(rank: _Rank, needs: dict, finish: dict):
     op = rank.main[rank.next]
     producers = needs[op_key(op)]
     if all(key in finish for key in producers):
-        ready = max([rank.clock] + [finish[key] for key in producers])
-        if ready <= rank.clock or not rank.pending:
+        latency, fill_ratio, charge = tolerance
+        ready = max([rank.clock] + [finish[key] + latency for key in producers])
+        if not rank.pending or ready - rank.clock <= fill_ratio * charge(rank.pending[0]):
             return ready, op
     if rank.pending:  # fill the wait with the oldest weight-gradient work
         return rank.clock, rank.pending[0]
@@ -102,22 +113,33 @@ def split_backward_placement(schedule, num_stages: int, extra_activations: int =
     if extra_activations < 0:
         raise ValueError(f"extra stored activations must be >= 0, got {extra_activations}")
     limit = max(peak_activations(ops) for ops in schedule) + extra_activations
-    charge = (stage_costs or uniform_stage_costs(num_stages)).cost
+    costs = stage_costs or uniform_stage_costs(num_stages)
     choices = (False, True) if defer_first_stage is None else (defer_first_stage,)
-    placed = [_place(schedule, num_stages, limit, charge, defer) for defer in choices]
+    latency = costs.message_latency
+    fill_ratios = LATENCY_FILL_RATIOS if latency > 0 else (0.0,)
+    placed = [_place(schedule, num_stages, limit, costs.cost, defer, (latency, ratio))
+              for defer in choices for ratio in fill_ratios]
     return min(placed, key=lambda result: result[1])
 
 
-def _place(schedule, num_stages: int, limit: int, charge, defer_first_stage: bool):
-    """(per-rank ops, makespan of the placement's list-scheduling simulation)."""
+# Fill ratios a latency-tolerant placement tries (the wait a W may fill, in units of that W).
+LATENCY_FILL_RATIOS = (0.0, 0.1, 0.25, 0.5)
+
+
+def _place(schedule, num_stages: int, limit: int, charge, defer_first_stage: bool,
+           latency_fill=(0.0, 0.0)):
+    """(per-rank ops, makespan of the placement's list-scheduling simulation);
+    ``latency_fill`` = (message latency, fill ratio), see :func:`_next_action`."""
     ranks = [_Rank(ops, limit, defer_first_stage) for ops in schedule]
     split_keys = {op_key(op) for rank in ranks for op in rank.main}
     needs = {op_key(op): [key for _, key in remote_inputs(op, num_stages, split_keys)]
              for rank in ranks for op in rank.main}
     finish: dict = {}
+    tolerance = (latency_fill[0], latency_fill[1], charge)
     while not all(rank.done for rank in ranks):
         candidates = [(action[0], index, action[1]) for index, rank in enumerate(ranks)
-                      if not rank.done and (action := _next_action(rank, needs, finish))]
+                      if not rank.done and (action := _next_action(rank, needs, finish,
+                                                                   tolerance))]
         if not candidates:
             raise ValueError("split_backward_schedule: the base schedule's dependencies cannot "
                              "be satisfied; validate it first")
