@@ -93,6 +93,9 @@ class Calibration:
     message_seconds: float = 0.0
     overhead_seconds: tuple = (0.0, 0.0, 0.0)
     ring_hop_seconds: float = 0.0  # the transport's raw hop (reported; 0 when not measured)
+    fitted_seconds: float = 0.0  # the fitted hop (reported; 0 when not measured)
+    # per recorded iteration: (median, p90) of the timeline's hop delays where the consumer waited
+    timeline_hops: tuple = ()
 
     @property
     def charged(self) -> bool:
@@ -100,8 +103,15 @@ class Calibration:
 
     def describe(self) -> str:
         over = ", ".join(f"{v * 1e3:.2f}" for v in self.overhead_seconds)
-        ring = (f" (transport ring hop {self.ring_hop_seconds * 1e3:.2f} ms)"
-                if self.ring_hop_seconds else "")
+        others = []
+        if self.timeline_hops:
+            others.append("timeline hop median (p90) per run " + ", ".join(
+                f"{m * 1e3:.2f} ({p * 1e3:.2f})" for m, p in self.timeline_hops) + " ms")
+        if self.ring_hop_seconds:
+            others.append(f"transport ring hop {self.ring_hop_seconds * 1e3:.2f} ms")
+        if self.fitted_seconds:
+            others.append(f"fitted hop {self.fitted_seconds * 1e3:.2f} ms")
+        ring = f" ({'; '.join(others)})" if others else ""
         return (f"message hop {self.message_seconds * 1e3:.2f} ms{ring}, op overhead F, I, W = "
                 f"{over} ms")
 
@@ -304,8 +314,12 @@ def simulated_table(depths, multiples, times_for, charged: Calibration = FREE) -
 def _our_configuration(label, flags, parallel_state, depth, count, times, sizes, calibration):
     from megatron.core.runtimes.pipeline import PipelineRuntime
     from megatron.training.arguments import parse_args
-    config = parse_args(our_flags(flags, depth, count, times, calibration), world_size=depth)
+    import tempfile
+    trace_directory = os.path.join(tempfile.gettempdir(), f"emulated_depth_timeline_D{depth}")
+    config = parse_args(our_flags(flags, depth, count, times, calibration)
+                        + ["--pipeline-timeline", trace_directory], world_size=depth)
     runtime = PipelineRuntime(config, parallel_state, torch.device("cpu"))
+    runtime.timeline_iteration = -1  # recorded only when step(record=True) asks
     plan = runtime.plan
     param_floats, activation_floats = sizes
 
@@ -323,7 +337,12 @@ def _our_configuration(label, flags, parallel_state, depth, count, times, sizes,
     def forward_step(microbatch, chunk):
         return chunk(microbatch["x"]), lambda out: (emulated_loss(out), {})
 
-    def step():
+    def step(record: bool = False):
+        """One iteration; ``record``: with the timeline (its trace written under the temporary
+        directory), returning the iteration's message hops (collective, every rank)."""
+        if record:
+            runtime.timeline_iteration = runtime.iterations + 1
+            runtime.log = lambda *args, **kwargs: None  # the trace file is enough
         for reducer in reducers:
             reducer.zero_grad()
         runtime.forward_backward(forward_step_func=forward_step, model_chunks=chunks,
@@ -332,6 +351,11 @@ def _our_configuration(label, flags, parallel_state, depth, count, times, sizes,
         for reducer in reducers:
             reducer.wait()
         optimizer.step()
+        if record:
+            from megatron.core.pipeline_parallel.execution.timeline import gather_message_hops
+            return gather_message_hops(runtime.last_interpreter.messages,
+                                       parallel_state.pipeline_group)
+        return None
 
     def peak():
         interpreter = runtime.last_interpreter
@@ -440,22 +464,37 @@ def _op_overheads(times: StageTimes, depth: int, sizes) -> list:
     return samples
 
 
-CALIBRATION_MODES = ("fit", "ring")
+CALIBRATION_MODES = ("timeline", "fit", "ring")
 FIT_CONFIGURATION = "ours chimera split"  # the free-message plan the fit runs
 FIT_STEPS = 3  # timed iterations of it (after one warm-up); the fastest is fitted
 FIT_BOUND = 0.25  # the fitted hop is at most this fraction of a stage's forward
+TIMELINE_RUNS = 2  # recorded iterations of it (after the timed ones); δ pools their hops
+
+
+def timeline_hop_seconds(hops_per_run) -> tuple:
+    """(δ, ((median, p90) per run)): δ is the median over every run's hops whose consumer waited
+    (:class:`~megatron.core.pipeline_parallel.execution.timeline.MessageHop`), 0 if none did."""
+    from megatron.core.pipeline_parallel.execution.timeline import hop_summary
+    summaries = [hop_summary(hops) for hops in hops_per_run]
+    pooled = [hop.delay for hops in hops_per_run for hop in hops if hop.waited]
+    delta = statistics.median(pooled) if pooled else 0.0
+    return delta, tuple((s["delay_median"], s["delay_p90"]) for s in summaries)
 
 
 def calibrate(parallel_state, depth: int, count: int, times: StageTimes, sizes,
-              mode: str = "fit") -> Calibration:
+              mode: str = "timeline") -> Calibration:
     """The message hop and op overheads as the emulated run meets them; every rank gets the same
     values. Op overheads: medians of every rank's timed ops (:func:`_op_overheads`). Message hop:
-    ``ring``, the median one-way hop of a token passed through our transport
-    (:func:`_message_hops`); ``fit`` (default), the δ with which our simulator's time of
+    ``timeline`` (default), the median delay from a send's post (the producer's clock) to the
+    consumer having the tensor, over the messages whose consumer waited, in ``TIMELINE_RUNS``
+    iterations of Chimera direct + split (free-message plan) recorded with the interpreter's
+    timeline (:func:`timeline_hop_seconds`); ``ring``, the median one-way hop of a token passed
+    through our transport (:func:`_message_hops`); ``fit``, the δ with which our simulator's time of
     Chimera direct + split (free-message plan, the calibrated overheads charged) equals its
     fastest of ``FIT_STEPS`` measured iterations: the effective per-hop cost of our runtime,
     everything it spends per message included, at most ``FIT_BOUND`` x a stage's forward (a slow
-    phase of a loaded machine is not a message cost); the ring hop is kept for the report."""
+    phase of a loaded machine is not a message cost). All three are measured and reported; ``mode``
+    picks the planned one."""
     import torch.distributed as dist
     hold = min(times.per_stage(depth)[0][0], 0.02)
     sample = (_message_hops(parallel_state, depth, sizes[1], hold),
@@ -466,8 +505,6 @@ def calibrate(parallel_state, depth: int, count: int, times: StageTimes, sizes,
     ops = [op for _, rank_ops in gathered for op in rank_ops]
     overheads = tuple(max(0.0, statistics.median(op[i] for op in ops)) for i in range(3))
     ring = max(0.0, statistics.median(hops))
-    if mode == "ring":
-        return Calibration(ring, overheads, ring)
     flags = dict(our_variants(depth))[FIT_CONFIGURATION]
     _, step, _ = _our_configuration(FIT_CONFIGURATION, flags, parallel_state, depth, count, times,
                                     sizes, FREE)
@@ -475,10 +512,13 @@ def calibrate(parallel_state, depth: int, count: int, times: StageTimes, sizes,
     step()
     measured = min(_timed(step, dist.barrier) for _ in range(FIT_STEPS))
     bound = FIT_BOUND * min(stage[0] for stage in times.per_stage(depth))
+    hops_per_run = [step(record=True) for _ in range(TIMELINE_RUNS)]
+    recorded, per_run = timeline_hop_seconds(hops_per_run)
     fitted = [fit_message_seconds(flags, depth, count, times, overheads, measured, bound)
               if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(fitted, src=0)
-    return Calibration(fitted[0], overheads, ring)
+    chosen = {"timeline": recorded, "fit": fitted[0], "ring": ring}[mode]
+    return Calibration(chosen, overheads, ring, fitted[0], per_run)
 
 
 def fit_message_seconds(flags, depth: int, count: int, times: StageTimes, overheads,
@@ -509,7 +549,8 @@ def _timed(step, barrier) -> float:
     return time.perf_counter() - start
 
 
-def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given, mode):
+def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given, mode,
+                  report_hops=False):
     import logging
 
     import torch.distributed as dist
@@ -547,18 +588,24 @@ def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given
         for _ in range(rounds):
             for label, step, _ in configurations:
                 times_by_label[label].append(_timed(step, dist.barrier))
-        results[count] = {"times": times_by_label, "skipped": skipped,
+        hops = {}
+        if report_hops:
+            from megatron.core.pipeline_parallel.execution.timeline import hop_summary
+            hops = {label: hop_summary(step(record=True))
+                    for label, step, _ in configurations if label.startswith("ours")}
+        results[count] = {"times": times_by_label, "skipped": skipped, "hops": hops,
                           "peaks": {label: peak() for label, _, peak in configurations}}
     return results
 
 
-def measure(depth, multiples, times, sizes, rounds, only, timeout, given=None, mode="fit"):
+def measure(depth, multiples, times, sizes, rounds, only, timeout, given=None, mode="timeline",
+            report_hops=False):
     """Per rank, {N: results} and "calibration"; ``given``: a Calibration to use instead of
     calibrating at the start (``mode``: see :func:`calibrate`)."""
     from dist_harness import run_distributed
     torch.set_num_threads(1)
     return run_distributed(_measure_rank, depth, multiples, times, sizes, rounds, only, given,
-                           mode, timeout=timeout)
+                           mode, report_hops, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------ report
@@ -606,6 +653,11 @@ def measured_report(depth, per_rank, times) -> str:
                                    "sim free eff.", "measured/sim free",
                                    "sim calibrated eff.", "measured/sim calibrated",
                                    "peak stored (1F1B-stage mb)", "weight copies"], rows))
+        if measured.get("hops"):
+            from megatron.core.pipeline_parallel.execution.timeline import describe_hops
+            lines.append("one more iteration of each, recorded with the timeline:")
+            lines += [f"  {label}: {describe_hops(summary)}"
+                      for label, summary in measured["hops"].items()]
         for note in measured["skipped"]:
             lines.append(f"not run: {note}")
         if "ours" in best and "torch" in best:
@@ -649,13 +701,19 @@ def parse_args(argv=None):
                              "--simulate-only: default 0 (messages free). Measured runs: default "
                              "calibrated at the start (see --calibrate); giving it skips the "
                              "calibration")
-    parser.add_argument("--calibrate", choices=CALIBRATION_MODES, default="fit",
-                        help="how a measured run calibrates the message hop: fit (default) the "
-                             "latency with which our simulated Chimera direct + split matches its "
-                             "measured iteration (our runtime's effective per-hop cost); ring "
-                             "the one-way hop of a token passed around the ranks through our "
-                             "transport (reported either way). The fitted configuration's 'measured/sim "
-                             "calibrated' is about 1 by construction")
+    parser.add_argument("--calibrate", choices=CALIBRATION_MODES, default="timeline",
+                        help="how a measured run calibrates the message hop: timeline (default) "
+                             "the median delay from send post to input ready over the messages "
+                             "a consumer waited for, recorded by our interpreter in Chimera "
+                             "direct + split; fit the latency with which our simulated Chimera "
+                             "direct + split matches its measured iteration (its 'measured/sim "
+                             "calibrated' is about 1 by construction); ring the one-way hop of a "
+                             "token passed around the ranks through our transport (all three "
+                             "reported)")
+    parser.add_argument("--report-hops", action="store_true",
+                        help="after the rounds, run each of our configurations once more with "
+                             "the interpreter's timeline and print its message hops (send post "
+                             "-> input ready, producing op end -> send post, posting time)")
     parser.add_argument("--overhead-ms", type=float, nargs=3, default=None,
                         metavar=("F", "I", "W"),
                         help="per-op overheads beyond the sleeps (milliseconds), like "
@@ -700,7 +758,7 @@ def main(argv=None) -> int:
     for depth in args.depths:
         times = times_for(depth)
         per_rank = measure(depth, args.counts, times, sizes, args.rounds, args.only,
-                           args.timeout, given, args.calibrate)
+                           args.timeout, given, args.calibrate, args.report_hops)
         print(measured_report(depth, per_rank, times), flush=True)
         print(oversubscription_note(depth), flush=True)
     print(f"{args.rounds} interleaved round(s); medians with (min-max) over rounds. Efficiency = "

@@ -106,6 +106,26 @@ class TimelineRecord:
     lane: str = "compute"
 
 
+@dataclass(frozen=True)
+class MessageRecord:
+    """One pipeline message as one rank saw it (recorded with the timeline only), in absolute
+    ``time.perf_counter()`` seconds: CLOCK_MONOTONIC on Linux, one clock for every process of a
+    host, so a sender's and a receiver's records compare. ``key`` is (kind, pipeline, stage,
+    micro-batch) of the message, unique in an iteration.
+
+    ``side == "send"`` (the producer): ``produced`` is when the op that produced the tensor ended
+    (None if no compute op of this list produced it), ``posted`` when its send was posted and
+    ``returned`` when posting returned. ``side == "receive"`` (the consumer): ``produced`` is None,
+    ``posted`` when the consuming op asked for the tensor and ``returned`` when it had it (equal
+    when the message had already arrived)."""
+
+    key: tuple
+    side: str
+    produced: Optional[float]
+    posted: float
+    returned: float
+
+
 class _PostedReceives:
     """The receives of one group, posted together; completed on first use."""
 
@@ -208,6 +228,8 @@ class Interpreter:
         self.deferred: dict = {}  # (pipeline, stage, microbatch) -> weight work of a split backward
         self.loss_dicts: list = []
         self.timeline: list[TimelineRecord] = []
+        self.messages: list[MessageRecord] = []  # with the timeline only
+        self._produced_at: dict = {}  # message key -> end of its producing op (timeline only)
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_stored = 0
@@ -241,6 +263,8 @@ class Interpreter:
                         title=f"lowered schedule (rank x step), failing step of rank {rank} "
                               f"marked")) from error
             self._record(op, self._op_start, handlers[index].lane, handlers[index].timer)
+            if self.context.record_timeline and handlers[index].computes:
+                self._note_produced(op)
         leftovers = [key for key in (*self.received, *self.produced, *self.stored,
                                      *self.deferred)]
         if leftovers:
@@ -267,6 +291,13 @@ class Interpreter:
                                                 end - self._origin, lane))
         if self.context.instruction_seconds is not None:
             self.context.instruction_seconds.add(timer, end - start)
+
+    def _note_produced(self, op) -> None:
+        """Timeline only: when the message ``op`` produces (if any) became ready to send."""
+        kind = {Kind.FORWARD: ACTIVATION, Kind.BACKWARD: GRADIENT,
+                Kind.BACKWARD_INPUT: GRADIENT}.get(getattr(op, "kind", None))
+        if kind is not None:
+            self._produced_at[(kind, op.pipeline, op.stage, op.microbatch)] = self._now()
 
     def _handler(self, op) -> OpHandler:
         handler = self.handlers.get(op_kind(op))
@@ -373,19 +404,25 @@ class Interpreter:
         """Post the group's sends (and its receives, unless prefetched); wait for nothing."""
         context = self.context
         self._post_receives(group)
-        sends, sent_outputs = [], []
+        sends, sent_outputs, keys = [], [], []
         for p2p in group.ops:
             if p2p.direction != SEND:
                 continue
             message = p2p.message
-            tensor = self.produced.pop((message.kind, message.pipeline, message.stage,
-                                        message.microbatch))
+            key = (message.kind, message.pipeline, message.stage, message.microbatch)
+            keys.append(key)
+            tensor = self.produced.pop(key)
             if message.kind == ACTIVATION and not context.forward_only:
                 sent_outputs.append(tensor)
             sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
                                         .contiguous(), describe_message(p2p)))
         if sends:
+            posted = self._now() if context.record_timeline else 0.0
             self.pending_sends.append(self._transport().start(sends, []))
+            if context.record_timeline:
+                returned = self._now()
+                self.messages.extend(MessageRecord(key, "send", self._produced_at.pop(key, None),
+                                                   posted, returned) for key in keys)
         for output in sent_outputs:
             # The send buffer keeps the storage alive until the send completes.
             free_tensor_data(output)
@@ -422,9 +459,14 @@ class Interpreter:
         """The received tensor for ``key``, waiting for its message if it is still in flight."""
         posted, index = self.received.pop(key)
         if posted.tensors is not None or not self._measuring:
+            if self.context.record_timeline:
+                asked = self._now()
+                self.messages.append(MessageRecord(key, "receive", None, asked, asked))
             return posted.tensor(index)
         start = self._now()
         tensor = posted.tensor(index)
+        if self.context.record_timeline:
+            self.messages.append(MessageRecord(key, "receive", None, start, self._now()))
         self._record(f"wait {key[0][0]}{key[1]}.{key[2]}.{key[3]}", start, "communication",
                      "p2p-wait")
         self._op_start = self._now()

@@ -7,14 +7,23 @@ then prints each rank's measured bubble ratio (1 - compute time / iteration span
 simulator's prediction for the same lowered schedule with the measured mean forward and backward
 times as costs. At the end of training the runtime reports each rank's peak stored-activation bytes
 (what autograd kept for the backward, counted by the interpreter) and, on GPUs, CUDA's peak memory.
+
+Message hops: with the timeline on, the interpreter also keeps a
+:class:`~.interpreter.MessageRecord` per message it sends or consumes (absolute CLOCK_MONOTONIC
+seconds, comparable between the processes of one host). :func:`message_hops` pairs each send with
+its receive: the delay from the producer's send post to the moment the consumer had the tensor,
+and on the producer's side the lag from the producing op's end to the post and how long posting
+took. Where the consumer actually waited (:data:`WAITED_SECONDS`), the delay is the message's
+real latency through our runtime; where it did not, it is only an upper bound.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from statistics import mean
-from typing import Sequence
+from dataclasses import dataclass
+from statistics import mean, median
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,6 +88,97 @@ def predicted_bubble_ratios(lowered, records_by_rank: Sequence[dict]) -> list[fl
                       p2p_semantics="async")
     return [1 - busy / result.makespan if result.makespan > 0 else 0.0
             for busy in result.compute_time]
+
+
+# A consumer "waited" for a message when its wait lasted longer than this (seconds); only then is
+# the moment it had the tensor the message's arrival.
+WAITED_SECONDS = 1e-4
+
+
+@dataclass(frozen=True)
+class MessageHop:
+    """One pipeline message, producer and consumer records paired (absolute seconds)."""
+
+    key: tuple  # (kind, pipeline, stage, micro-batch)
+    producer_rank: int
+    consumer_rank: int
+    produced: Optional[float]  # the producing op's end (None: not produced by a compute op)
+    posted: float  # the send was posted
+    post_returned: float  # posting returned
+    asked: float  # the consuming op asked for the tensor
+    ready: float  # ... and had it
+
+    @property
+    def delay(self) -> float:
+        """Send post (sender's clock) to the consumer having the tensor (receiver's clock)."""
+        return self.ready - self.posted
+
+    @property
+    def waited(self) -> bool:
+        return self.ready - self.asked > WAITED_SECONDS
+
+
+def message_hops(messages_by_rank: Sequence[Sequence]) -> list[MessageHop]:
+    """Pair every rank's send records with the consumer's receive records, by message key.
+
+    ``messages_by_rank[r]`` holds rank r's :class:`~.interpreter.MessageRecord` list; a key sent
+    or received twice, or a send without its receive, is an error (the records are of one
+    iteration of one lowered schedule)."""
+    sends, receives = {}, {}
+    for rank, records in enumerate(messages_by_rank):
+        for record in records:
+            table = sends if record.side == "send" else receives
+            if record.key in table:
+                raise ValueError(f"message {record.key} recorded twice as a {record.side}; pass "
+                                 f"the records of one iteration")
+            table[record.key] = (rank, record)
+    if set(sends) != set(receives):
+        missing = sorted(map(str, set(sends) ^ set(receives)))[:4]
+        raise ValueError(f"messages sent but not received or received but not sent: {missing}")
+    hops = []
+    for key, (producer, send) in sends.items():
+        consumer, receive = receives[key]
+        hops.append(MessageHop(key, producer, consumer, send.produced, send.posted,
+                               send.returned, receive.posted, receive.returned))
+    return hops
+
+
+def _quantile(values: Sequence[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else 0.0
+
+
+def hop_summary(hops: Sequence[MessageHop]) -> dict:
+    """Seconds: ``delay_median`` / ``delay_p90`` over the hops whose consumer waited (``waited``
+    of ``messages``), ``post_lag_median`` / ``post_lag_max`` (producing op's end to send post),
+    ``post_max`` (longest time posting a send took)."""
+    waited = [hop.delay for hop in hops if hop.waited]
+    lags = [hop.posted - hop.produced for hop in hops if hop.produced is not None]
+    return {"messages": len(hops), "waited": len(waited),
+            "delay_median": median(waited) if waited else 0.0,
+            "delay_p90": _quantile(waited, 0.9),
+            "post_lag_median": median(lags) if lags else 0.0,
+            "post_lag_max": max(lags, default=0.0),
+            "post_max": max((hop.post_returned - hop.posted for hop in hops), default=0.0)}
+
+
+def describe_hops(summary: dict) -> str:
+    return (f"message hops: {summary['waited']} of {summary['messages']} consumers waited, send "
+            f"post -> input ready median {summary['delay_median'] * 1e3:.2f} ms, p90 "
+            f"{summary['delay_p90'] * 1e3:.2f} ms; producing op end -> send post median "
+            f"{summary['post_lag_median'] * 1e3:.3f} ms, max "
+            f"{summary['post_lag_max'] * 1e3:.3f} ms; posting a send at most "
+            f"{summary['post_max'] * 1e3:.3f} ms")
+
+
+def gather_message_hops(messages, group=None) -> list[MessageHop]:
+    """Collective over ``group`` (default: the world; it must hold one pipeline, so that message
+    keys are unique): every rank's message records of one iteration, paired, on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return message_hops([messages])
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, list(messages), group=group)
+    return message_hops(gathered)
 
 
 def write_timeline(directory: str, iteration: int, records, parallel_state, lowered,
