@@ -115,9 +115,9 @@ class MessageRecord:
 
     ``side == "send"`` (the producer): ``produced`` is when the op that produced the tensor ended
     (None if no compute op of this list produced it), ``posted`` when its send was posted and
-    ``returned`` when posting returned. ``side == "receive"`` (the consumer): ``produced`` is None,
-    ``posted`` when the consuming op asked for the tensor and ``returned`` when it had it (equal
-    when the message had already arrived)."""
+    ``returned`` when posting returned. ``side == "receive"`` (the consumer): ``produced`` is when
+    its receive was posted, ``posted`` when the consuming op asked for the tensor and
+    ``returned`` when it had it (equal when the message had already arrived)."""
 
     key: tuple
     side: str
@@ -229,7 +229,8 @@ class Interpreter:
         self.loss_dicts: list = []
         self.timeline: list[TimelineRecord] = []
         self.messages: list[MessageRecord] = []  # with the timeline only
-        self._produced_at: dict = {}  # message key -> end of its producing op (timeline only)
+        # timeline only: message key -> end of its producing op (sends) or receive post (receives)
+        self._produced_at: dict = {}
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_stored = 0
@@ -446,6 +447,8 @@ class Interpreter:
             receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
                                            self.context.wire_dtype, describe_message(p2p)))
         if receives:
+            if self.context.record_timeline:
+                self._produced_at.update((key, self._now()) for key in keys)
             posted = _PostedReceives(self._transport().start([], receives))
             self.received.update((key, (posted, index)) for index, key in enumerate(keys))
 
@@ -461,12 +464,14 @@ class Interpreter:
         if posted.tensors is not None or not self._measuring:
             if self.context.record_timeline:
                 asked = self._now()
-                self.messages.append(MessageRecord(key, "receive", None, asked, asked))
+                self.messages.append(MessageRecord(key, "receive", self._produced_at.pop(key),
+                                                   asked, asked))
             return posted.tensor(index)
         start = self._now()
         tensor = posted.tensor(index)
         if self.context.record_timeline:
-            self.messages.append(MessageRecord(key, "receive", None, start, self._now()))
+            self.messages.append(MessageRecord(key, "receive", self._produced_at.pop(key), start,
+                                               self._now()))
         self._record(f"wait {key[0][0]}{key[1]}.{key[2]}.{key[3]}", start, "communication",
                      "p2p-wait")
         self._op_start = self._now()

@@ -107,6 +107,7 @@ class MessageHop:
     post_returned: float  # posting returned
     asked: float  # the consuming op asked for the tensor
     ready: float  # ... and had it
+    receive_posted: Optional[float] = None  # the consumer posted its receive
 
     @property
     def delay(self) -> float:
@@ -139,7 +140,7 @@ def message_hops(messages_by_rank: Sequence[Sequence]) -> list[MessageHop]:
     for key, (producer, send) in sends.items():
         consumer, receive = receives[key]
         hops.append(MessageHop(key, producer, consumer, send.produced, send.posted,
-                               send.returned, receive.posted, receive.returned))
+                               send.returned, receive.posted, receive.returned, receive.produced))
     return hops
 
 
@@ -151,15 +152,21 @@ def _quantile(values: Sequence[float], share: float) -> float:
 def hop_summary(hops: Sequence[MessageHop]) -> dict:
     """Seconds: ``delay_median`` / ``delay_p90`` over the hops whose consumer waited (``waited``
     of ``messages``), ``post_lag_median`` / ``post_lag_max`` (producing op's end to send post),
-    ``post_max`` (longest time posting a send took)."""
+    ``post_max`` (longest time posting a send took), ``late_receives`` (waited hops whose receive
+    was posted after the send) and ``transfer_median`` (waited hops: input ready minus the later
+    of the two posts, the time the transport took once both sides had posted)."""
     waited = [hop.delay for hop in hops if hop.waited]
+    both_posted = [hop for hop in hops if hop.waited and hop.receive_posted is not None]
+    transfers = [hop.ready - max(hop.posted, hop.receive_posted) for hop in both_posted]
     lags = [hop.posted - hop.produced for hop in hops if hop.produced is not None]
     return {"messages": len(hops), "waited": len(waited),
             "delay_median": median(waited) if waited else 0.0,
             "delay_p90": _quantile(waited, 0.9),
             "post_lag_median": median(lags) if lags else 0.0,
             "post_lag_max": max(lags, default=0.0),
-            "post_max": max((hop.post_returned - hop.posted for hop in hops), default=0.0)}
+            "post_max": max((hop.post_returned - hop.posted for hop in hops), default=0.0),
+            "late_receives": sum(hop.receive_posted > hop.posted for hop in both_posted),
+            "transfer_median": median(transfers) if transfers else 0.0}
 
 
 def describe_hops(summary: dict) -> str:
@@ -168,7 +175,9 @@ def describe_hops(summary: dict) -> str:
             f"{summary['delay_p90'] * 1e3:.2f} ms; producing op end -> send post median "
             f"{summary['post_lag_median'] * 1e3:.3f} ms, max "
             f"{summary['post_lag_max'] * 1e3:.3f} ms; posting a send at most "
-            f"{summary['post_max'] * 1e3:.3f} ms")
+            f"{summary['post_max'] * 1e3:.3f} ms; {summary['late_receives']} waited hops had "
+            f"their receive posted after the send, both posted -> input ready median "
+            f"{summary['transfer_median'] * 1e3:.2f} ms")
 
 
 def gather_message_hops(messages, group=None) -> list[MessageHop]:
