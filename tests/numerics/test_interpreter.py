@@ -98,6 +98,43 @@ def test_first_stage_frees_sent_activations_and_backpropagates_received_gradient
     assert chunk.embedding.word_embeddings.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("record", [False, True])
+def test_message_records_pair_each_message_with_its_post_and_ready_times(record):
+    """With the timeline, every activation sent and gradient consumed has a MessageRecord in
+    time order (producing op end <= send post <= post returned; receive post <= asked <= ready);
+    without it the interpreter keeps none (the instrumentation costs nothing)."""
+    config = _tiny_config()
+    chunk = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
+                     layer_range=range(0, 1), pre_process=True, post_process=False)
+    layout = schedule_layout("1f1b", 2)
+    lowered = lower_schedule(build_schedule("1f1b", 2, 2), layout)
+    tokens = torch.randint(0, 32, (BATCH, SEQ))
+    microbatches = [{"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(BATCH, SEQ),
+                     "sample_ids": torch.arange(BATCH) + 2 * k} for k in range(2)]
+    transport = RecordingTransport()
+    interpreter = Interpreter(ExecutionContext(
+        chunks={ModuleKey(0, 0): chunk}, layout=layout, transport=transport,
+        forward_step_func=pretrain_gpt.forward_step, microbatches=microbatches, loss_divisor=2,
+        activation_shape=(SEQ, BATCH, HIDDEN), wire_dtype=torch.float32,
+        reducers={ModuleKey(0, 0): CountingReducer()}, record_timeline=record))
+    transport.interpreter = interpreter
+    interpreter.run(lowered, rank=0)
+    if not record:
+        assert interpreter.messages == [] and interpreter.timeline == []
+        return
+    sends = {r.key: r for r in interpreter.messages if r.side == "send"}
+    receives = {r.key: r for r in interpreter.messages if r.side == "receive"}
+    assert sorted(sends) == [("activation", 0, 0, 0), ("activation", 0, 0, 1)]
+    assert sorted(receives) == [("gradient", 0, 1, 0), ("gradient", 0, 1, 1)]
+    forward_ends = [r.end + interpreter._origin for r in interpreter.timeline
+                    if r.op.startswith("F")]
+    for key, send in sends.items():
+        assert send.produced == pytest.approx(forward_ends[key[3]], abs=1e-3)
+        assert send.produced <= send.posted <= send.returned
+    for receive in receives.values():
+        assert receive.produced <= receive.posted <= receive.returned
+
+
 @dataclass(frozen=True)
 class OverlappedBackwardForward:
     """A new op kind: one backward and the next forward issued as one op (as DualPipe overlaps

@@ -92,6 +92,8 @@ def test_arguments():
     with pytest.raises(SystemExit):
         emulated_depth.parse_args(["--depths", "5"])
     assert args.message_ms is None and args.overhead_ms is None  # measured runs calibrate
+    assert args.calibrate == "timeline" and not args.report_hops
+    assert emulated_depth.parse_args(["--calibrate", "ring"]).calibrate == "ring"
     with pytest.raises(SystemExit):
         emulated_depth.parse_args(["--message-ms", "-1"])
 
@@ -99,13 +101,19 @@ def test_arguments():
 @pytest.mark.distributed
 def test_tiny_run_measures_every_configuration():
     times = uniform_times(4, 2, 0.002, 0.002, 0.002)
-    per_rank = emulated_depth.measure(4, [1], times, (64, 16), 1, None, timeout=120)
+    per_rank = emulated_depth.measure(4, [1], times, (64, 16), 1, None, timeout=120,
+                                      report_hops=True)
     measured = per_rank[0][4]
     labels = set(measured["times"])
     assert {label for label, _ in emulated_depth.our_variants(4, True)} <= labels
     calibration = per_rank[0]["calibration"]
     assert 0 <= calibration.message_seconds <= 0.05 and min(calibration.overhead_seconds) >= 0
     assert calibration.ring_hop_seconds > 0
+    # the default calibration is the timeline's: two recorded runs, their pooled median planned
+    assert len(calibration.timeline_hops) == emulated_depth.TIMELINE_RUNS
+    assert all(median <= p90 for median, p90 in calibration.timeline_hops)
+    assert 0 < calibration.message_seconds < 0.05
+    assert 0 <= calibration.fitted_seconds <= 0.05
     assert all(rank["calibration"] == calibration for rank in per_rank)  # one plan everywhere
     assert "torch ScheduleZBVZeroBubble" in labels and "torch Schedule1F1B" in labels
     assert all(seconds[0] > 0 for seconds in measured["times"].values())
@@ -113,6 +121,24 @@ def test_tiny_run_measures_every_configuration():
     report = emulated_depth.measured_report(4, per_rank, times)
     assert "best ours" in report and "measured/sim free" in report
     assert "measured/sim calibrated" in report and "calibrated message hop" in report
+    assert "timeline hop median" in report and "fitted hop" in report
+    hops = measured["hops"]["ours chimera split δ"]
+    assert hops["messages"] > 0 and 0 <= hops["post_lag_median"] < 0.05
+    assert "consumers waited" in report
+
+
+def test_timeline_hop_seconds_pools_the_waited_hops_of_every_run():
+    from megatron.core.pipeline_parallel.execution.timeline import MessageHop
+
+    def hop(delay, waited=True):  # posted at 0; the consumer asked at 0 (waited) or at the end
+        return MessageHop(("activation", 0, 0, 0), 0, 1, 0.0, 0.0, 0.0,
+                          0.0 if waited else delay, delay)
+
+    delta, per_run = emulated_depth.timeline_hop_seconds(
+        [[hop(0.001), hop(0.002), hop(0.5, waited=False)], [hop(0.003), hop(0.004)]])
+    assert delta == pytest.approx(0.0025)  # median of 1, 2, 3, 4 ms; the unwaited hop left out
+    assert per_run[0][0] == pytest.approx(0.0015) and per_run[1][1] == pytest.approx(0.004)
+    assert emulated_depth.timeline_hop_seconds([[hop(0.5, waited=False)]])[0] == 0.0
 
 
 def test_profile_times_from_stage_list_or_measure_output(tmp_path):
