@@ -6,6 +6,7 @@
     python benchmarks/emulated_depth.py --simulate-only       # the same table from the simulator
     python benchmarks/emulated_depth.py --simulate-only --message-ms 4 --overhead-ms 1.2 1.2 2.3
     python benchmarks/emulated_depth.py --profile hardware_profile.json   # a measured profile
+    python benchmarks/emulated_depth.py --depths 4 --counts 2 --only "chimera split" --report-hops
 
 Every stage is :class:`_emulated_stages.EmulatedStage`: its forward sleeps F, its backward sleeps I
 (input gradient) and W (weight gradient) in two separate autograd nodes, so split-backward schedules
@@ -30,14 +31,22 @@ sleep are oF, oI, oW (sleep overrun and autograd; not our interpreter's own work
 hop: a token carrying the sender's CLOCK_MONOTONIC is passed around the ring of ranks through our
 transport (one message per tensor, ``--activation-floats`` floats; each rank sleeps briefly before
 passing it on, the receiver blocked waiting as a stage waiting for its input is); the median one-way
-hop after a warm-up lap; (3) ``--calibrate fit`` (default): the message latency δ with which our
-simulator's time of Chimera direct + split (its free-message plan, the overheads of (1) charged)
-equals its fastest of three measured iterations (at most a quarter of a stage's forward): our
-runtime's effective per-hop cost, everything it spends per message included; ``--calibrate ring``
-uses (2) as δ. Every rank gets the same values. A fitted δ is fitted to a measured run, so
-"measured / sim calibrated" of Chimera direct + split is close to 1 by construction: it is a
-diagnostic and a planning input, not evidence; measured / simulated as issue 26 asks it is the
-"sim free" column.
+hop after a warm-up lap; (3) fit: the message latency δ with which our simulator's time of Chimera
+direct + split (its free-message plan, the overheads of (1) charged) equals its fastest of three
+measured iterations (at most a quarter of a stage's forward): our runtime's effective per-hop cost,
+everything it spends per message included; (4) timeline: two more iterations of it recorded with
+the interpreter's timeline, which keeps for every message the sender's send post and the moment
+the consuming op had the tensor (both CLOCK_MONOTONIC, one clock on one host); over the messages
+whose consumer actually waited (longer than 0.1 ms), the median delay from send post to input
+ready, and its p90. ``--calibrate timeline`` (default) plans for (4)'s median, ``fit`` for (3),
+``ring`` for (2); all are printed. Every rank gets the same values. A fitted δ is fitted to a
+measured run, so "measured / sim calibrated" of Chimera direct + split is close to 1 by
+construction: it is a diagnostic and a planning input, not evidence; measured / simulated as issue
+26 asks it is the "sim free" column. ``--report-hops``: after the rounds each of our
+configurations runs once more with the timeline and its message hops are printed (consumers that
+waited, send post -> input ready median and p90, producing op end -> send post, the longest send
+post, receives posted after their send); the Chrome traces of recorded iterations are left in the
+temporary directory (``emulated_depth_timeline_D<D>``).
 
 Configurations labelled "δ" (Chimera + split, direct and interleaved) are planned for the calibrated
 δ and overheads (``--pipeline-op-costs`` with ``message_latency`` / ``op_overhead``: the
