@@ -295,8 +295,10 @@ class Interpreter:
 
     def _note_produced(self, op) -> None:
         """Timeline only: when the message ``op`` produces (if any) became ready to send."""
+        if not isinstance(op, Instruction):
+            return
         kind = {Kind.FORWARD: ACTIVATION, Kind.BACKWARD: GRADIENT,
-                Kind.BACKWARD_INPUT: GRADIENT}.get(getattr(op, "kind", None))
+                Kind.BACKWARD_INPUT: GRADIENT}.get(op.kind)
         if kind is not None:
             self._produced_at[(kind, op.pipeline, op.stage, op.microbatch)] = self._now()
 

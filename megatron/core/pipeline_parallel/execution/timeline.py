@@ -156,8 +156,9 @@ def hop_summary(hops: Sequence[MessageHop]) -> dict:
     was posted after the send) and ``transfer_median`` (waited hops: input ready minus the later
     of the two posts, the time the transport took once both sides had posted)."""
     waited = [hop.delay for hop in hops if hop.waited]
-    both_posted = [hop for hop in hops if hop.waited and hop.receive_posted is not None]
-    transfers = [hop.ready - max(hop.posted, hop.receive_posted) for hop in both_posted]
+    both_posted = [(hop, hop.receive_posted) for hop in hops
+                   if hop.waited and hop.receive_posted is not None]
+    transfers = [hop.ready - max(hop.posted, received) for hop, received in both_posted]
     lags = [hop.posted - hop.produced for hop in hops if hop.produced is not None]
     return {"messages": len(hops), "waited": len(waited),
             "delay_median": median(waited) if waited else 0.0,
@@ -165,7 +166,7 @@ def hop_summary(hops: Sequence[MessageHop]) -> dict:
             "post_lag_median": median(lags) if lags else 0.0,
             "post_lag_max": max(lags, default=0.0),
             "post_max": max((hop.post_returned - hop.posted for hop in hops), default=0.0),
-            "late_receives": sum(hop.receive_posted > hop.posted for hop in both_posted),
+            "late_receives": sum(received > hop.posted for hop, received in both_posted),
             "transfer_median": median(transfers) if transfers else 0.0}
 
 
@@ -185,7 +186,7 @@ def gather_message_hops(messages, group=None) -> list[MessageHop]:
     keys are unique): every rank's message records of one iteration, paired, on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return message_hops([messages])
-    gathered = [None] * dist.get_world_size(group)
+    gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, list(messages), group=group)
     return message_hops(gathered)
 
