@@ -90,9 +90,10 @@ def predicted_bubble_ratios(lowered, records_by_rank: Sequence[dict]) -> list[fl
             for busy in result.compute_time]
 
 
-# A consumer "waited" for a message when its wait lasted longer than this (seconds); only then is
+# A consumer "waited" for a message when its wait lasted longer than this (seconds; shorter waits
+# are the wait call and unpacking, not the message arriving); only then is
 # the moment it had the tensor the message's arrival.
-WAITED_SECONDS = 1e-4
+WAITED_SECONDS = 1e-3
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,19 @@ def hop_summary(hops: Sequence[MessageHop]) -> dict:
             "post_lag_max": max(lags, default=0.0),
             "post_max": max((hop.post_returned - hop.posted for hop in hops), default=0.0),
             "late_receives": sum(received > hop.posted for hop, received in both_posted),
-            "transfer_median": median(transfers) if transfers else 0.0}
+            "transfer_median": median(transfers) if transfers else 0.0,
+            "slowest": [_describe_hop(hop) for hop in sorted(
+                (hop for hop in hops if hop.waited), key=lambda hop: -hop.delay)[:3]]}
+
+
+def _describe_hop(hop: MessageHop) -> str:
+    """One waited hop in words, times in ms after the send post."""
+    def since_post(moment: Optional[float]) -> str:
+        return "?" if moment is None else f"{(moment - hop.posted) * 1e3:+.1f}"
+    kind, pipeline, stage, microbatch = hop.key
+    return (f"{kind[0]}{pipeline}.{stage}.{microbatch} rank {hop.producer_rank}->"
+            f"{hop.consumer_rank}: receive posted {since_post(hop.receive_posted)}, asked "
+            f"{since_post(hop.asked)}, ready {since_post(hop.ready)} ms")
 
 
 def describe_hops(summary: dict) -> str:
@@ -178,7 +191,8 @@ def describe_hops(summary: dict) -> str:
             f"{summary['post_lag_max'] * 1e3:.3f} ms; posting a send at most "
             f"{summary['post_max'] * 1e3:.3f} ms; {summary['late_receives']} waited hops had "
             f"their receive posted after the send, both posted -> input ready median "
-            f"{summary['transfer_median'] * 1e3:.2f} ms")
+            f"{summary['transfer_median'] * 1e3:.2f} ms; slowest: "
+            + ("; ".join(summary["slowest"]) or "-"))
 
 
 def gather_message_hops(messages, group=None) -> list[MessageHop]:
