@@ -37,8 +37,8 @@ measured iterations (at most a quarter of a stage's forward): our runtime's effe
 everything it spends per message included; (4) timeline: two more iterations of it recorded with
 the interpreter's timeline, which keeps for every message the sender's send post and the moment
 the consuming op had the tensor (both CLOCK_MONOTONIC, one clock on one host); over the messages
-whose consumer actually waited (longer than 1 ms: a shorter wait is the wait call and unpacking), the median delay from send post to input
-ready, and its p90. ``--calibrate timeline`` (default) plans for (4)'s median, ``fit`` for (3),
+whose consumer actually waited (longer than 1 ms: a shorter wait is the wait call and unpacking),
+the median delay from send post to input ready, and its p90. ``--calibrate timeline`` (default) plans for (4)'s median, ``fit`` for (3),
 ``ring`` for (2); all are printed. Every rank gets the same values. A fitted δ is fitted to a
 measured run, so "measured / sim calibrated" of Chimera direct + split is close to 1 by
 construction: it is a diagnostic and a planning input, not evidence; measured / simulated as issue
