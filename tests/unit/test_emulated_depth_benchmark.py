@@ -135,9 +135,9 @@ def test_timeline_hop_seconds_pools_the_waited_hops_of_every_run():
                           0.0 if waited else delay, delay)
 
     delta, per_run = emulated_depth.timeline_hop_seconds(
-        [[hop(0.001), hop(0.002), hop(0.5, waited=False)], [hop(0.003), hop(0.004)]])
-    assert delta == pytest.approx(0.0025)  # median of 1, 2, 3, 4 ms; the unwaited hop left out
-    assert per_run[0][0] == pytest.approx(0.0015) and per_run[1][1] == pytest.approx(0.004)
+        [[hop(0.002), hop(0.003), hop(0.5, waited=False)], [hop(0.004), hop(0.005)]])
+    assert delta == pytest.approx(0.0035)  # median of 2, 3, 4, 5 ms; the unwaited hop left out
+    assert per_run[0][0] == pytest.approx(0.0025) and per_run[1][1] == pytest.approx(0.005)
     assert emulated_depth.timeline_hop_seconds([[hop(0.5, waited=False)]])[0] == 0.0
 
 
