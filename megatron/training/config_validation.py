@@ -284,6 +284,8 @@ def _resolve_pipeline_schedule(config: MegatronConfig,
         raise ValueError(f"--pipeline-op-costs {parallel.pipeline_op_costs!r} is not a file; give "
                          f"a JSON file ('stages' [[F, I, W], ...] or tools/performance_model.py "
                          f"--measure output)")
+    if parallel.pipeline_op_costs:
+        _refuse_latency_plans_off_gloo(parallel)
     if parallel.split_backward_extra_activations < 0:
         raise ValueError(f"--split-backward-extra-activations "
                          f"{parallel.split_backward_extra_activations} must be >= 0")
@@ -612,3 +614,24 @@ GPT_VALIDATION_STEPS: tuple = (
     ("vocabulary", lambda config, *_: _resolve_gpt_vocabulary(config),
      ("model", "parallel", "data")),
 )
+
+
+def _refuse_latency_plans_off_gloo(parallel) -> None:
+    """A ``message_latency`` in --pipeline-op-costs makes a latency-tolerant plan whose eager sends
+    are deadlock-free only when sends complete in the background (gloo); under a blocking exchange
+    they deadlock (the simulator's ``rendezvous`` semantics), and NCCL's ordering of p2p work was
+    not checked on a GPU. Refuse the combination instead of risking a hang."""
+    import json
+
+    import torch
+    backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        with open(parallel.pipeline_op_costs) as handle:
+            latency = json.load(handle).get("message_latency", 0)
+    except (OSError, ValueError, AttributeError):
+        return  # the op-cost reader names what is wrong with the file
+    if backend != "gloo" and latency:
+        raise ValueError(f"--pipeline-op-costs {parallel.pipeline_op_costs!r} gives "
+                         f"message_latency {latency}: latency-tolerant plans send eagerly, which "
+                         f"is verified deadlock-free only on gloo; drop message_latency from the "
+                         f"file or use --distributed-backend gloo")

@@ -75,3 +75,18 @@ def test_flag_refused_without_split_backward_or_file(tmp_path):
     with pytest.raises(ValueError, match="is not a file"):
         parse_args(_flags(4, 8, "--split-backward", "--pipeline-op-costs",
                           str(tmp_path / "nope.json")), world_size=4)
+
+
+def test_latency_plan_refused_off_gloo(tmp_path):
+    """Eager sends deadlock under a blocking exchange (simulated below); a file with
+    message_latency is therefore refused with NCCL and accepted with gloo."""
+    from megatron.core.pipeline_parallel.planning.simulator import DeadlockError, simulate
+    path = _write(tmp_path / "c.json", {"stages": [[1, 1, 1]] * 4, "message_latency": 0.004})
+    flags = ("--pipeline-schedule", "chimera", "--split-backward", "--pipeline-op-costs", path,
+             "--distributed-backend")
+    with pytest.raises(ValueError, match="message_latency .* only on gloo"):
+        parse_args(_flags(4, 8, *flags, "nccl"), world_size=4)
+    plan = plan_from_config(parse_args(_flags(4, 8, *flags, "gloo"), world_size=4))
+    with pytest.raises(DeadlockError):
+        simulate(plan.lowered, p2p_semantics="rendezvous", stage_costs=plan.stage_costs)
+    simulate(plan.lowered, p2p_semantics="async", stage_costs=plan.stage_costs)
