@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from megatron.training.checkpointing import torch_dist
 from megatron.training.checkpointing.files import _describe
+from megatron.training.checkpointing.staging import StagingBuffers
 
 
 @dataclasses.dataclass
@@ -118,6 +119,8 @@ class BackgroundSaver:
         self._group = None
         self._group_ready = False
         self._jobs: Optional[ThreadPoolExecutor] = None
+        self._staging = StagingBuffers()
+        self._config_dict: Optional[dict] = None  # the run's config, as every save records it
 
     def start(self, components, state, checkpoint_config, root: str, staging_dir: str,
               publish: Callable[[dict], list]) -> None:
@@ -131,8 +134,11 @@ class BackgroundSaver:
         error = _fresh_staging_dir(root, staging_dir) if parallel_state.rank == 0 else None
         pieces, objects = [], {}
         if error is None:
-            pieces, objects, error = torch_dist.collect(components, state, checkpoint_config,
-                                                        copy=True)
+            if self._config_dict is None:
+                self._config_dict = dataclasses.asdict(components.config)
+            pieces, objects, error = torch_dist.collect(
+                components, state, checkpoint_config, copy=True, staging=self._staging,
+                config_dict=self._config_dict)
         if not self._group_ready:
             self._group = background_group(parallel_state)
             self._group_ready = True

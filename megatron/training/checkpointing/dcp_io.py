@@ -85,37 +85,47 @@ class PieceSavePlanner(DefaultSavePlanner):
         if self.packed:
             items.append(WriteItem(index=MetadataIndex(self.packed_key),
                                    type=WriteItemType.BYTE_IO))
-            packing = (self.packed_key, list(self.packed))
+            packing = (self.packed_key,
+                       [(index, piece.tensor.numel() * piece.tensor.element_size())
+                        for index, piece in self.packed.items()])
         self.plan = SavePlan(items, planner_data=packing)
         return self.plan
 
     def create_global_plan(self, all_plans: list):
-        """Assign each packed box to the lowest rank holding it (a rank that packs nothing
-        writes no packed object), then DCP's own global planning."""
-        owner: dict = {}
+        """Assign each packed box to one rank holding it: the one packing the fewest bytes so far
+        (ties: the lowest rank), so that Chimera's two replicas of a stage share its writing; a
+        rank that packs nothing writes no packed object. Then DCP's own global planning."""
+        holders: dict = {}
         for rank, plan in enumerate(all_plans):
-            for index in (plan.planner_data or (None, ()))[1]:
-                owner.setdefault(index, rank)
+            for index, size in (plan.planner_data or (None, ()))[1]:
+                holders.setdefault(index, (size, []))[1].append(rank)
+        load = [0] * len(all_plans)
+        owner = {}
+        for index, (size, ranks) in holders.items():
+            owner[index] = min(ranks, key=lambda rank: (load[rank], rank))
+            load[owner[index]] += size
         assigned = []
         for rank, plan in enumerate(all_plans):
             if plan.planner_data is None:
                 assigned.append(plan)
                 continue
-            key, indices = plan.planner_data
-            mine = [index for index in indices if owner[index] == rank]
+            key, boxes = plan.planner_data
+            mine = [index for index, _ in boxes if owner[index] == rank]
             items = plan.items if mine else \
                 [item for item in plan.items if item.index.fqn != key]
             assigned.append(dataclasses.replace(plan, items=items, planner_data=(key, mine)))
         return super().create_global_plan(assigned)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        """This rank's packed object: the boxes the global plan assigned to it."""
+        """This rank's packed object: the boxes the global plan assigned to it, their tensors
+        views of one buffer per dtype (``torch.save`` then writes one storage per dtype)."""
         if new_plan.planner_data is not None and new_plan.planner_data[1]:
             key, mine = new_plan.planner_data
+            pieces = [self.packed[tuple(index)] for index in mine]
+            tensors = _one_storage_per_dtype([piece.tensor.detach() for piece in pieces])
             self.objects[key] = [
-                (piece.key, list(piece.global_shape), list(piece.offsets),
-                 _compact(piece.tensor)) for piece in (self.packed[tuple(index)]
-                                                       for index in mine)]
+                (piece.key, list(piece.global_shape), list(piece.offsets), tensor)
+                for piece, tensor in zip(pieces, tensors)]
         return super().finish_plan(new_plan)
 
     def lookup_object(self, index: MetadataIndex):
@@ -123,6 +133,41 @@ class PieceSavePlanner(DefaultSavePlanner):
             return self.objects[index.fqn]
         # torch.save of a view writes its whole storage (a flat buffer): save a compact copy
         return _compact(self.pieces[(index.fqn, tuple(index.offset))].tensor)
+
+
+def _one_storage_per_dtype(tensors: list) -> list:
+    """``tensors`` as views of one buffer per dtype holding exactly them: as they are when they
+    already are (:class:`.staging.StagingBuffers`' flat buffers, every piece packed here), else
+    concatenated (one copy) into a new buffer."""
+    by_dtype: dict = {}
+    for position, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(position)
+    result = list(tensors)
+    for positions in by_dtype.values():
+        group = [tensors[position] for position in positions]
+        if _exactly_one_storage(group):
+            continue
+        flat = torch.cat([tensor.reshape(-1) for tensor in group])
+        start = 0
+        for position, tensor in zip(positions, group):
+            result[position] = flat[start:start + tensor.numel()].view(tensor.shape)
+            start += tensor.numel()
+    return result
+
+
+def _exactly_one_storage(tensors: list) -> bool:
+    """Whether ``tensors`` are contiguous views that together fill one storage, each byte once."""
+    storage = tensors[0].untyped_storage()
+    spans = sorted((tensor.storage_offset(), tensor.numel()) for tensor in tensors)
+    if any(not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() !=
+           storage.data_ptr() for tensor in tensors):
+        return False
+    end = 0
+    for offset, numel in spans:
+        if offset != end:
+            return False
+        end = offset + numel
+    return end * tensors[0].element_size() == storage.nbytes()
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:

@@ -103,9 +103,12 @@ def metadata_fields(components, checkpoint_config) -> dict:
 # Save
 # ----------------------------------------------------------------------------------------------
 
-def snapshot(components, state, checkpoint_config, *, copy: bool):
+def snapshot(components, state, checkpoint_config, *, copy: bool, staging=None,
+             config_dict=None):
     """(pieces, objects) of this rank; ``copy`` clones every tensor (for a background save, so
-    training may change the weights meanwhile)."""
+    training may change the weights meanwhile), into ``staging``'s reused buffers when given
+    (:class:`.staging.StagingBuffers`). ``config_dict``: ``dataclasses.asdict`` of the config,
+    when the caller keeps it from save to save."""
     parallel_state = components.parallel_state
     tp_rank, tp_size = parallel_state.tp_rank, parallel_state.tp_size
     chunks = components.model_chunks
@@ -114,7 +117,8 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
     objects = {"progress": {"iteration": int(state.iteration),
                             "consumed_train_samples": int(state.consumed_train_samples),
                             "consumed_valid_samples": int(state.consumed_valid_samples)},
-               "config": dataclasses.asdict(components.config)}
+               "config": config_dict if config_dict is not None
+               else dataclasses.asdict(components.config)}
     if not checkpoint_config.no_save_optim:
         pieces += list(optimizer_pieces(components.optimizer, chunks, tp_rank, tp_size))
         objects["opt_param_scheduler"] = components.lr_scheduler.state_dict()
@@ -125,7 +129,9 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
             objects[rank_key("gradient_reducer_state", parallel_state.rank)] = reducer_state
     if not checkpoint_config.no_save_rng:
         objects[rank_key("rng_state", parallel_state.rank)] = capture_rng_state()
-    if copy:
+    if copy and staging is not None:
+        staging.stage(pieces, lambda piece: is_packed(piece.global_shape, piece.tensor.dtype))
+    elif copy:
         for piece in pieces:
             piece.tensor = piece.tensor.detach().to("cpu", copy=True)
     else:
@@ -135,11 +141,12 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
     return pieces, objects
 
 
-def collect(components, state, checkpoint_config, copy: bool) -> tuple:
+def collect(components, state, checkpoint_config, copy: bool, **snapshot_options) -> tuple:
     """(pieces, objects, error) of this rank: its :func:`snapshot`, or why it could not take it
     (then every rank's DCP save fails with it: :func:`planner_for`)."""
     try:
-        pieces, objects = snapshot(components, state, checkpoint_config, copy=copy)
+        pieces, objects = snapshot(components, state, checkpoint_config, copy=copy,
+                                   **snapshot_options)
     except Exception as caught:
         return [], {}, f"collecting its checkpoint state: {_describe(caught)}"
     return pieces, objects, None
