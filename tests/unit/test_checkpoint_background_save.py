@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from megatron.training.checkpointing.dcp_io import PieceSavePlanner
+from megatron.training.checkpointing.dcp_io import PieceSavePlanner, pack_boxes, unpack_boxes
 from megatron.training.checkpointing.files import CheckpointError
 from megatron.training.checkpointing.global_keys import Piece
 from megatron.training.checkpointing.staging import StagingBuffers
@@ -81,7 +81,7 @@ def test_each_packed_box_is_written_once_by_one_of_its_holders_balanced():
     for rank, plan in enumerate(central):
         plans.planners[rank].finish_plan(plan)
         key = f"packed_tensors.rank_{rank:05d}"
-        boxes = plans.planners[rank].objects.get(key, [])
+        boxes = unpack_boxes(plans.planners[rank].objects.get(key, []))
         for name, shape, offsets, tensor in boxes:
             assert name not in packed_by, f"{name} packed by ranks {packed_by[name]}, {rank}"
             packed_by[name] = rank
@@ -94,21 +94,25 @@ def test_each_packed_box_is_written_once_by_one_of_its_holders_balanced():
     assert max(written) - min(written) <= 6  # each replica pair shares its stages' writing
 
 
-def test_the_packed_object_is_one_storage_and_round_trips():
-    plans = _Plans()
-    central, _ = plans.planners[0].create_global_plan(plans.local)
-    planner = plans.planners[0]
-    planner.finish_plan(central[0])
-    boxes = planner.objects["packed_tensors.rank_00000"]
-    assert len({tensor.untyped_storage().data_ptr() for *_, tensor in boxes}) == 1
-    assert boxes[0][3].untyped_storage().nbytes() == sum(t.numel() for *_, t in boxes) * 4
+def test_the_packed_object_is_one_buffer_per_dtype_and_round_trips():
+    pieces = [_piece("w", torch.randn(3, 2)), _piece("step", torch.tensor(5.0)),
+              _piece("count", torch.tensor([4, 2], dtype=torch.int64)),
+              Piece("b", (8,), (4,), torch.arange(4.0))]
+    packed = pack_boxes(pieces)
+    assert [buffer.dtype for buffer in packed["buffers"]] == [torch.float32, torch.int64]
+    assert [buffer.numel() for buffer in packed["buffers"]] == [6 + 1 + 4, 2]
     buffer = io.BytesIO()
-    torch.save(boxes, buffer)
+    torch.save(packed, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
-    for (name, _, _, tensor), (name_back, _, _, back) in zip(boxes, loaded):
-        assert name == name_back and torch.equal(tensor, back)
-        assert torch.equal(back, torch.full_like(back, float(name[7])))
+    loaded = unpack_boxes(torch.load(buffer, weights_only=True))
+    assert [(key, shape, offsets) for key, shape, offsets, _ in loaded] == \
+        [("w", [3, 2], [0, 0]), ("step", [], []), ("b", [8], [4]), ("count", [2], [0])]
+    by_key = {key: tensor for key, _, _, tensor in loaded}
+    for piece in pieces:
+        assert torch.equal(by_key[piece.key], piece.tensor) and \
+            by_key[piece.key].dtype == piece.tensor.dtype
+    old_form = [("w", [3, 2], [0, 0], pieces[0].tensor)]  # checkpoints written before
+    assert unpack_boxes(old_form) is old_form
 
 
 def test_a_planner_with_an_error_fails_its_local_plan_naming_it():

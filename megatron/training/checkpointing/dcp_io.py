@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 from typing import Optional
 
@@ -117,15 +118,11 @@ class PieceSavePlanner(DefaultSavePlanner):
         return super().create_global_plan(assigned)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        """This rank's packed object: the boxes the global plan assigned to it, their tensors
-        views of one buffer per dtype (``torch.save`` then writes one storage per dtype)."""
+        """This rank's packed object: the boxes the global plan assigned to it
+        (:func:`pack_boxes`)."""
         if new_plan.planner_data is not None and new_plan.planner_data[1]:
             key, mine = new_plan.planner_data
-            pieces = [self.packed[tuple(index)] for index in mine]
-            tensors = _one_storage_per_dtype([piece.tensor.detach() for piece in pieces])
-            self.objects[key] = [
-                (piece.key, list(piece.global_shape), list(piece.offsets), tensor)
-                for piece, tensor in zip(pieces, tensors)]
+            self.objects[key] = pack_boxes([self.packed[tuple(index)] for index in mine])
         return super().finish_plan(new_plan)
 
     def lookup_object(self, index: MetadataIndex):
@@ -135,39 +132,33 @@ class PieceSavePlanner(DefaultSavePlanner):
         return _compact(self.pieces[(index.fqn, tuple(index.offset))].tensor)
 
 
-def _one_storage_per_dtype(tensors: list) -> list:
-    """``tensors`` as views of one buffer per dtype holding exactly them: as they are when they
-    already are (:class:`.staging.StagingBuffers`' flat buffers, every piece packed here), else
-    concatenated (one copy) into a new buffer."""
-    by_dtype: dict = {}
-    for position, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(position)
-    result = list(tensors)
-    for positions in by_dtype.values():
-        group = [tensors[position] for position in positions]
-        if _exactly_one_storage(group):
-            continue
-        flat = torch.cat([tensor.reshape(-1) for tensor in group])
+def pack_boxes(pieces) -> dict:
+    """A packed object: ``{"buffers": [one flat tensor per dtype], "boxes": [(key, global shape,
+    offsets, sizes, buffer number, start), ...]}``. ``torch.save`` pays per tensor it pickles
+    (tens of microseconds each: most of a small model's save), so the boxes travel as one
+    buffer per dtype and an index."""
+    groups: dict = {}
+    for piece in pieces:
+        groups.setdefault(piece.tensor.dtype, []).append(piece)
+    buffers, boxes = [], []
+    for number, group in enumerate(groups.values()):
         start = 0
-        for position, tensor in zip(positions, group):
-            result[position] = flat[start:start + tensor.numel()].view(tensor.shape)
-            start += tensor.numel()
-    return result
+        for piece in group:
+            boxes.append((piece.key, list(piece.global_shape), list(piece.offsets),
+                          list(piece.tensor.shape), number, start))
+            start += piece.tensor.numel()
+        buffers.append(torch.cat([piece.tensor.detach().reshape(-1) for piece in group]))
+    return {"buffers": buffers, "boxes": boxes}
 
 
-def _exactly_one_storage(tensors: list) -> bool:
-    """Whether ``tensors`` are contiguous views that together fill one storage, each byte once."""
-    storage = tensors[0].untyped_storage()
-    spans = sorted((tensor.storage_offset(), tensor.numel()) for tensor in tensors)
-    if any(not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() !=
-           storage.data_ptr() for tensor in tensors):
-        return False
-    end = 0
-    for offset, numel in spans:
-        if offset != end:
-            return False
-        end = offset + numel
-    return end * tensors[0].element_size() == storage.nbytes()
+def unpack_boxes(packed) -> list:
+    """``[(key, global shape, offsets, tensor), ...]`` of a packed object: :func:`pack_boxes`'s
+    form, or the list of one tensor per box that checkpoints written before it hold."""
+    if isinstance(packed, list):
+        return packed
+    buffers = packed["buffers"]
+    return [(key, shape, offsets, buffers[number][start:start + math.prod(sizes)].view(sizes))
+            for key, shape, offsets, sizes, number, start in packed["boxes"]]
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ from megatron.core.distributed.reduction import load_reducer_states, reducer_sta
 from megatron.training.checkpointing.collectives import (_all_gather, _raise_for_failures,
                                                         _raise_if_any_failed)
 from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME, PieceLoadPlanner,
-                                                   PieceSavePlanner, VerifyingReader)
+                                                   PieceSavePlanner, VerifyingReader,
+                                                   unpack_boxes)
 from megatron.training.checkpointing.files import CheckpointError, _describe, file_crc32
 from megatron.training.checkpointing.global_keys import (MODEL_PREFIX, OPTIMIZER_PREFIX,
                                                         PieceSet, TensorPlacement,
@@ -244,7 +245,7 @@ def read_packed(iteration_dir: str, files: dict, dcp_metadata) -> PieceSet:
     except CheckpointException as caught:  # not an Exception: named here, raised as ours
         raise CheckpointError(describe_failure(caught)) from None
     for key in keys:
-        for name, shape, offsets, tensor in planner.objects[key]:
+        for name, shape, offsets, tensor in unpack_boxes(planner.objects[key]):
             pieces.add(name, TensorPlacement(tuple(shape), tuple(offsets)), tensor)
     return pieces
 
