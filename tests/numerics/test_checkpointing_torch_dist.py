@@ -217,10 +217,13 @@ def test_a_background_save_that_never_finishes_leaves_the_previous_checkpoint(tm
     assert (save_dir / "iter_0000004.tmp").is_dir()  # written, never published (the "kill")
     _, loaded, _ = _load(save_dir)
     assert loaded.iteration == 3
+    state.iteration = 5  # training goes on meanwhile: the save still publishes iteration 4
     release.set()
     checkpointer.finish(components)  # had it lived: published by now
     assert read_tracker(str(save_dir)) == 4
     assert not (save_dir / "iter_0000004.tmp").exists()
+    _, loaded, _ = _load(save_dir)
+    assert loaded.iteration == 4
 
 
 def test_convert_checkpoint_reads_and_writes_both_formats(saved_run, tmp_path):

@@ -160,13 +160,14 @@ class Checkpointer:
                   **torch_dist.metadata_fields(components, self.config.checkpoint)}
         retain = self.config.checkpoint.save_retain_interval
         started = time.perf_counter()
+        iteration = state.iteration  # training advances ``state`` while this is written
 
         def publish(files: dict) -> list:  # rank 0, in the background
-            publish_checkpoint(root, staging_dir, final_dir, header, files, state.iteration)
-            lines = [f"  successfully saved checkpoint at iteration {state.iteration:7d} to "
+            publish_checkpoint(root, staging_dir, final_dir, header, files, iteration)
+            lines = [f"  successfully saved checkpoint at iteration {iteration:7d} to "
                      f"{root} ({time.perf_counter() - started:.2f} s, in the background)"]
             if retain is not None:
-                prune_checkpoints(root, state.iteration, retain, lines.append)
+                prune_checkpoints(root, iteration, retain, lines.append)
             return lines
 
         self._background.start(components, state, self.config.checkpoint, root, staging_dir,
