@@ -93,11 +93,11 @@ def stop_writer_process() -> None:
 def _fresh_staging_dir(root: str, staging_dir: str) -> Optional[str]:
     """Rank 0: an empty staging directory (removing what a crashed save left); None or why not.
     No rank writes into it before rank 0's DCP save has started (DCP's global planning, on rank
-    0, comes first)."""
+    0, comes first), but another rank's DCP thread may already have created it (empty)."""
     try:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging_dir, ignore_errors=True)
-        os.makedirs(staging_dir)
+        os.makedirs(staging_dir, exist_ok=True)
     except OSError as caught:
         return f"preparing checkpoint directory {staging_dir}: {_describe(caught)}"
     return None
