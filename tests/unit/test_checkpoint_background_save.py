@@ -82,7 +82,7 @@ def test_each_packed_box_is_written_once_by_one_of_its_holders_balanced():
         plans.planners[rank].finish_plan(plan)
         key = f"packed_tensors.rank_{rank:05d}"
         boxes = unpack_boxes(plans.planners[rank].objects.get(key, []))
-        for name, shape, offsets, tensor in boxes:
+        for name, _, _, tensor in boxes:
             assert name not in packed_by, f"{name} packed by ranks {packed_by[name]}, {rank}"
             packed_by[name] = rank
             written[rank] += tensor.numel()
