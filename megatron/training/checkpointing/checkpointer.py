@@ -99,7 +99,10 @@ class Checkpointer:
 
         Collective: every rank must call it. Raises RuntimeError on every rank if any rank failed;
         the previous checkpoint and the tracker are then unchanged. Three agreed steps: prepare
-        the staging directory, write every (tensor, pipeline) position's file, publish.
+        the staging directory, write every (tensor, pipeline) position's file, publish. With
+        ``--async-save`` (torch_dist) the writing, the agreement and the publishing happen in
+        the background (:mod:`.background`); a failure raises at the next save or at
+        :meth:`finish`.
         """
         components.optimizer.finish_parameter_gather()  # --overlap-param-gather: weights settled
         root = self.config.checkpoint.save

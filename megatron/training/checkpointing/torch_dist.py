@@ -58,9 +58,10 @@ TORCH_DIST = "torch_dist"
 
 #: Global tensors of at most this many bytes (biases, norms, Adam's step counts: most keys of a
 #: model, few of its bytes) are not written as DCP items of their own: each rank saves its boxes of
-#: them as ONE object, ``packed_tensors.rank_NNNNN`` (a list of (key, global shape, offsets,
-#: tensor)); DCP pays about a millisecond per item it writes. Loading reads every rank's packed
-#: object and fills this rank's boxes from them (:func:`.global_keys.fill_from`).
+#: them as ONE object, ``packed_tensors.rank_NNNNN`` (one buffer per dtype and an index,
+#: :func:`.dcp_io.pack_boxes`); DCP pays about a millisecond per item it writes. Loading reads
+#: every rank's packed object and fills this rank's boxes from them
+#: (:func:`.global_keys.fill_from`).
 PACK_LIMIT_BYTES = 1 << 20
 PACKED = "packed_tensors"
 
