@@ -13,7 +13,8 @@ rounds (the order alternates from round to round, so a slow phase of a shared ma
   torch_dist``): every iteration copies the state and starts a background write; each save first
   waits for and publishes the previous one.
 
-``--sync`` adds a third configuration, the same saves in the foreground. The time of an iteration
+``--sync`` adds the same saves in the foreground, ``--worker`` the background saves written by a
+persistent writer process per rank (``--use-persistent-ckpt-worker``). The time of an iteration
 is the log line's ``elapsed time per iteration`` at ``--log-interval 1``, which includes the save
 that followed the previous iteration; warm-up iterations (process groups, the first save's
 set-up) are dropped. Per round and configuration the mean over the timed iterations; printed: each
@@ -54,9 +55,11 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def configurations(save_dir: str, with_sync: bool) -> dict:
+def configurations(save_dir: str, with_sync: bool, with_worker: bool = False) -> dict:
     configs = {"no-save": [],
                "async-save": ["--save", save_dir, "--save-interval", "1", "--async-save"]}
+    if with_worker:
+        configs["async-save-worker"] = configs["async-save"] + ["--use-persistent-ckpt-worker"]
     if with_sync:
         configs["sync-save"] = ["--save", save_dir, "--save-interval", "1"]
     return configs
@@ -86,19 +89,23 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=20, help="timed iterations per run")
     parser.add_argument("--warmup", type=int, default=3, help="iterations dropped per run")
     parser.add_argument("--sync", action="store_true", help="also time foreground saves")
+    parser.add_argument("--worker", action="store_true",
+                        help="also time background saves by a persistent writer process")
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="async_save_bench_")
     try:
         means: dict = {}
         for round_index in range(args.rounds):
-            configs = list(configurations(os.path.join(work, "ckpt"), args.sync).items())
+            configs = list(configurations(os.path.join(work, "ckpt"), args.sync,
+                                          args.worker).items())
             if round_index % 2:
                 configs.reverse()
             for name, flags in configs:
                 shutil.rmtree(os.path.join(work, "ckpt"), ignore_errors=True)
                 means.setdefault(name, []).append(run_once(flags, args.warmup, args.iterations))
             line = ", ".join(f"{name} {values[-1]:.1f} ms" for name, values in means.items())
-            print(f"round {round_index + 1}/{args.rounds}: {line}", flush=True)
+            print(f"round {round_index + 1}/{args.rounds}: {line} (load average "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n{NUM_PROCESSES} processes on {os.cpu_count()} core(s); mean ms per iteration per "

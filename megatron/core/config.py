@@ -486,8 +486,8 @@ class CheckpointConfig:
         choices=("torch", "torch_dist"))
     async_save: bool = option(
         False, "With --ckpt-format torch_dist: write checkpoint files in the background while "
-               "training goes on; the tracker is written once every rank finished, at the next "
-               "save or the end of training.")
+               "training goes on; the tracker is written, in the background, once every rank's "
+               "write finished; the next save and the end of training wait for it.")
     use_persistent_ckpt_worker: bool = option(
         False, "With --async-save: write in a persistent background process (DCP's process "
                "executor) instead of a thread of the training process, so that writing does not "

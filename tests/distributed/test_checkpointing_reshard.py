@@ -140,7 +140,7 @@ def test_the_checkpoint_holds_global_keys_once(saved_run):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron.training.checkpointing.dcp_io import PieceLoadPlanner
+    from megatron.training.checkpointing.dcp_io import PieceLoadPlanner, unpack_boxes
 
     _, save_dir, _ = saved_run
     iteration_dir = os.path.join(save_dir, "iter_0000003")
@@ -153,7 +153,7 @@ def test_the_checkpoint_holds_global_keys_once(saved_run):
     planner = PieceLoadPlanner([], packs)
     dcp.load({}, storage_reader=FileSystemReader(iteration_dir), planner=planner, no_dist=True)
     for pack in packs:
-        for key, shape, _, tensor in planner.objects[pack]:
+        for key, shape, _, tensor in unpack_boxes(planner.objects[pack]):
             assert key not in boxes or boxes[key][0] == tuple(shape), key
             boxes.setdefault(key, (tuple(shape), []))[1].append(tuple(tensor.shape))
     # one key per parameter of the whole model, with its global shape

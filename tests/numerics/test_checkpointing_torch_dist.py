@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -148,7 +149,7 @@ def test_failing_save_raises_and_keeps_the_older_checkpoint(tmp_path, monkeypatc
     save_dir = tmp_path / "ckpt"
     _run(f"{DIST} --save {save_dir} --exit-interval 3")
 
-    def disk_full(components, pieces, objects, staging_dir):
+    def disk_full(components, pieces, objects, staging_dir, error=None):
         with open(os.path.join(staging_dir, "__0_0.distcp"), "wb") as handle:
             handle.write(b"half a file")
         raise OSError(28, "No space left on device")
@@ -188,9 +189,11 @@ def test_async_save_every_iteration_resumes_bitwise(tmp_path):
     assert read_tracker(str(save_dir)) == 6
 
 
-def test_a_background_save_that_never_finishes_leaves_the_previous_checkpoint(tmp_path):
+def test_a_background_save_that_never_finishes_leaves_the_previous_checkpoint(tmp_path,
+                                                                            monkeypatch):
     """What a kill during a background write leaves: the tracker names the previous iteration,
-    whose files are untouched, and it loads."""
+    whose files are untouched, and it loads. The background job is held after DCP's write, before
+    it records its files and publishes (the kill), while training goes on."""
     save_dir = tmp_path / "ckpt"
     _run(f"{DIST} --save {save_dir} --exit-interval 3")
     config = _config(f"{DIST} --async-save --load {save_dir} --save {save_dir}")
@@ -198,16 +201,29 @@ def test_a_background_save_that_never_finishes_leaves_the_previous_checkpoint(tm
     checkpointer = Checkpointer(config, log=lambda _: None)
     state = checkpointer.load(components)
     state.iteration = 4
+    written, release = threading.Event(), threading.Event()
+    record_files = torch_dist.own_files
+
+    def held_after_writing(staging_dir, rank):
+        written.set()
+        assert release.wait(60)
+        return record_files(staging_dir, rank)
+
+    monkeypatch.setattr(torch_dist, "own_files", held_after_writing)
     checkpointer.save(components, state)
     assert checkpointer.pending is not None
+    assert written.wait(60)
     assert read_tracker(str(save_dir)) == 3  # not before every rank's write finished
-    checkpointer.pending.future.result()
     assert (save_dir / "iter_0000004.tmp").is_dir()  # written, never published (the "kill")
     _, loaded, _ = _load(save_dir)
     assert loaded.iteration == 3
-    checkpointer.finish(components)  # had it lived: published now
+    state.iteration = 5  # training goes on meanwhile: the save still publishes iteration 4
+    release.set()
+    checkpointer.finish(components)  # had it lived: published by now
     assert read_tracker(str(save_dir)) == 4
     assert not (save_dir / "iter_0000004.tmp").exists()
+    _, loaded, _ = _load(save_dir)
+    assert loaded.iteration == 4
 
 
 def test_convert_checkpoint_reads_and_writes_both_formats(saved_run, tmp_path):

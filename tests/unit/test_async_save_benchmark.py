@@ -27,6 +27,8 @@ def test_configurations_save_every_iteration_in_the_background():
     assert configs == {"no-save": [], "async-save": ["--save", "/tmp/ck", "--save-interval", "1",
                                                      "--async-save"]}
     assert "--async-save" not in async_save.configurations("/tmp/ck", True)["sync-save"]
+    worker = async_save.configurations("/tmp/ck", False, with_worker=True)["async-save-worker"]
+    assert worker == configs["async-save"] + ["--use-persistent-ckpt-worker"]
 
 
 def test_iteration_times_are_read_from_the_log_line():

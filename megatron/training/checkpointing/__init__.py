@@ -44,7 +44,8 @@ writable.
 
 Modules: :mod:`.files` (paths, tracker, file I/O), :mod:`.state` (layout, RNG, compatibility
 checks), :mod:`.collectives` (agreement between ranks), :mod:`.checkpointer` (the hook),
-:mod:`.guard` (checks before training). The public names are re-exported here.
+:mod:`.guard` (checks before training), :mod:`.background` and :mod:`.staging`
+(``--async-save``). The public names are re-exported here.
 """
 
 from megatron.training.checkpointing.checkpointer import Checkpointer

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 from megatron.core.distributed.reduction import load_reducer_states, reducer_states
 from megatron.training.checkpointing import torch_dist
 from megatron.training.checkpointing.resharding import read_in_another_layout
+from megatron.training.checkpointing.background import BackgroundSaver
 from megatron.training.checkpointing.retention import prune_checkpoints
 from megatron.training.checkpointing.collectives import (_all_gather,
                                                         _gather_rng_states_over_data_parallel,
@@ -71,9 +72,13 @@ class Checkpointer:
     def __init__(self, config, *, log: Callable[[str], None] = print):
         self.config = config
         self.log = log
-        self.pending = None           # the background save in flight (--async-save)
-        self._background_group = None
+        self._background: Optional[BackgroundSaver] = None  # --async-save, at the first save
         self._noted_sync = False
+
+    @property
+    def pending(self):
+        """The background save in flight (``--async-save``), or None."""
+        return None if self._background is None else self._background.pending
 
     @property
     def saves_in_background(self) -> bool:
@@ -95,13 +100,15 @@ class Checkpointer:
 
         Collective: every rank must call it. Raises RuntimeError on every rank if any rank failed;
         the previous checkpoint and the tracker are then unchanged. Three agreed steps: prepare
-        the staging directory, write every (tensor, pipeline) position's file, publish.
+        the staging directory, write every (tensor, pipeline) position's file, publish. With
+        ``--async-save`` (torch_dist) the writing, the agreement and the publishing happen in
+        the background (:mod:`.background`); a failure raises at the next save or at
+        :meth:`finish`.
         """
         components.optimizer.finish_parameter_gather()  # --overlap-param-gather: weights settled
         root = self.config.checkpoint.save
         if not root:
             raise ValueError("Checkpointer.save needs --save DIR; pass --save")
-        self.finish(components)  # the previous background save is published first
         is_first = components.parallel_state.rank == 0
         if is_first and getattr(self.config.checkpoint, "async_save", False) and \
                 not self.saves_in_background and not self._noted_sync:
@@ -119,11 +126,11 @@ class Checkpointer:
             if omitted:
                 self.log(f"  without {' and '.join(omitted)} (--no-save-optim / --no-save-rng)")
         started = time.perf_counter()
+        if self.saves_in_background:
+            self._save_in_background(components, state, root, staging_dir, final_dir)
+            return final_dir
         self._prepare_staging(components, root, staging_dir)
         extra = None
-        if self.saves_in_background:
-            return self._start_background_save(components, state, root, staging_dir, final_dir,
-                                               started)
         if self.ckpt_format == torch_dist.TORCH_DIST:
             try:
                 files = torch_dist.save_files(components, state, self.config.checkpoint, root,
@@ -144,53 +151,39 @@ class Checkpointer:
                                   self.config.checkpoint.save_retain_interval, self.log)
         return final_dir
 
-    def _start_background_save(self, components, state, root: str, staging_dir: str,
-                               final_dir: str, started: float) -> str:
-        """--async-save: copy the state, start DCP's background write and return; the tracker is
-        written by :meth:`finish` once every rank's write finished."""
-        import copy as copy_module
+    def _save_in_background(self, components, state, root: str, staging_dir: str,
+                            final_dir: str) -> None:
+        """--async-save: wait for and agree on the previous background save, copy the state and
+        start writing it; rank 0 publishes it in the background once every rank's write finished
+        (:mod:`.background`)."""
+        if self._background is None:
+            self._background = BackgroundSaver(
+                self.log, bool(getattr(self.config.checkpoint, "use_persistent_ckpt_worker",
+                                       False)))
+        header = {**_checkpoint_header(components, state),
+                  **torch_dist.metadata_fields(components, self.config.checkpoint)}
+        retain = self.config.checkpoint.save_retain_interval
+        started = time.perf_counter()
+        iteration = state.iteration  # training advances ``state`` while this is written
 
-        if self._background_group is None:
-            self._background_group = torch_dist.background_group(components.parallel_state)
-        try:
-            future = torch_dist.start_background_save(components, state, self.config.checkpoint,
-                                                      root, staging_dir, self._background_group)
-        except BaseException:
-            if components.parallel_state.rank == 0:
-                shutil.rmtree(staging_dir, ignore_errors=True)
-            raise
-        self.pending = torch_dist.PendingSave(
-            future, state.iteration, root, staging_dir, final_dir,
-            torch_dist.metadata_fields(components, self.config.checkpoint),
-            copy_module.copy(state), started)
-        if components.parallel_state.rank == 0:
-            self.log(f"  writing checkpoint of iteration {state.iteration:7d} in the background "
-                     f"(copied in {time.perf_counter() - started:.2f} s)")
-        return final_dir
+        def publish(files: dict) -> list:  # rank 0, in the background
+            publish_checkpoint(root, staging_dir, final_dir, header, files, iteration)
+            lines = [f"  successfully saved checkpoint at iteration {iteration:7d} to "
+                     f"{root} ({time.perf_counter() - started:.2f} s, in the background)"]
+            if retain is not None:
+                prune_checkpoints(root, iteration, retain, lines.append)
+            return lines
+
+        self._background.start(components, state, self.config.checkpoint, root, staging_dir,
+                               publish)
 
     def finish(self, components, last: bool = False) -> None:
-        """Wait for the background save in flight (if any), then publish it: metadata, rename,
-        tracker. Collective; the training loop calls it at the end of training (``last``: then
-        the persistent writer process, if any, is stopped too), and every save calls it first. A failed background write raises on every rank and publishes nothing."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            if last and getattr(self.config.checkpoint, "use_persistent_ckpt_worker", False):
-                torch_dist.stop_writer_process()
-            return
-        try:
-            files = torch_dist.wait_for_background_save(components, pending)
-        except BaseException:
-            if components.parallel_state.rank == 0:
-                shutil.rmtree(pending.staging_dir, ignore_errors=True)
-            raise
-        self._publish_agreed(components, pending.state, pending.root, pending.staging_dir,
-                             pending.final_dir, files, pending.extra)
-        if components.parallel_state.rank == 0:
-            self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to "
-                     f"{pending.root} ({time.perf_counter() - pending.started:.2f} s, in the "
-                     f"background)")
-        if last and getattr(self.config.checkpoint, "use_persistent_ckpt_worker", False):
-            torch_dist.stop_writer_process()
+        """Wait for the background save in flight (if any), published by then on success, and
+        agree on its outcome (collective): raises on every rank if any rank's part failed. The
+        training loop calls it at the end of training (``last``: the persistent writer process,
+        if any, is stopped too)."""
+        if self._background is not None:
+            self._background.finish(components.parallel_state, stop_writer=last)
 
     def _prepare_staging(self, components, root: str, staging_dir: str) -> None:
         """Rank 0 creates an empty staging directory (removing what a crashed save left)."""
@@ -293,23 +286,9 @@ class Checkpointer:
     def _publish(self, components, state, root: str, staging_dir: str, final_dir: str,
                  files: dict, extra: Optional[dict] = None) -> None:
         """Rank 0, after every rank wrote: metadata, rename into place, then the tracker."""
-        metadata = {
-            **_checkpoint_header(components, state),
-            **(extra or {}),
-            "files": dict(sorted(files.items())),
-        }
-        metadata_path = os.path.join(staging_dir, METADATA_FILENAME)
-        with open(metadata_path, "w") as handle:
-            json.dump(metadata, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        for directory in {os.path.dirname(os.path.join(staging_dir, name)) for name in files}:
-            _fsync_directory(directory)
-        _fsync_directory(staging_dir)
-        _move_into_place(staging_dir, final_dir)
-        _fsync_directory(root)
-        write_tracker(root, state.iteration)
-        shutil.rmtree(final_dir + REPLACED_SUFFIX, ignore_errors=True)
+        publish_checkpoint(root, staging_dir, final_dir,
+                           {**_checkpoint_header(components, state), **(extra or {})}, files,
+                           state.iteration)
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -500,6 +479,25 @@ def _check_saved_states_are_present(path: str, payload: dict, checkpoint_config)
         raise CheckpointError(f"checkpoint file {path} holds no RNG state (it was saved with "
                               f"--no-save-rng); pass --no-load-rng to continue with the random "
                               f"generators as seeded by --seed")
+
+
+def publish_checkpoint(root: str, staging_dir: str, final_dir: str, header: dict, files: dict,
+                       iteration: int) -> None:
+    """After every rank wrote: ``metadata.json`` (``header`` and every file's size and CRC-32),
+    fsyncs, the staging directory renamed into place, then the tracker. One rank calls it."""
+    metadata = {**header, "files": dict(sorted(files.items()))}
+    metadata_path = os.path.join(staging_dir, METADATA_FILENAME)
+    with open(metadata_path, "w") as handle:
+        json.dump(metadata, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+    for directory in {os.path.dirname(os.path.join(staging_dir, name)) for name in files}:
+        _fsync_directory(directory)
+    _fsync_directory(staging_dir)
+    _move_into_place(staging_dir, final_dir)
+    _fsync_directory(root)
+    write_tracker(root, iteration)
+    shutil.rmtree(final_dir + REPLACED_SUFFIX, ignore_errors=True)
 
 
 def _move_into_place(staging_dir: str, final_dir: str) -> None:

@@ -14,8 +14,11 @@ size and CRC-32 before DCP reads from it.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import math
 import os
+from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -40,18 +43,34 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
 
 class PieceSavePlanner(DefaultSavePlanner):
     """Write ``pieces`` (a :class:`~.global_keys.PieceSet` or list of pieces) and ``objects``
-    (``{key: picklable value}``, saved with ``torch.save``)."""
+    (``{key: picklable value}``, saved with ``torch.save``).
 
-    def __init__(self, pieces, objects: dict):
+    ``packed`` (small pieces) travel as ONE object of this rank, ``packed_key``: a list of (key,
+    global shape, offsets, tensor) (DCP pays about a millisecond per item it writes). Which rank
+    packs a box several ranks hold (Chimera's stage replicas, tensor- or data-parallel replicas)
+    is decided in DCP's global planning, which already gathers every rank's plan: the lowest rank
+    holding it, so each box is saved once, as DCP does for the large ones. ``error`` (a message)
+    makes this rank's local planning fail, so every rank's save fails with it inside DCP's own
+    agreement instead of this rank leaving its peers waiting in DCP's collectives."""
+
+    def __init__(self, pieces, objects: dict, *, packed=(), packed_key: Optional[str] = None,
+                 error: Optional[str] = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {piece.index: piece for piece in pieces}
         self.objects = dict(objects)
+        self.packed = {piece.index: piece for piece in packed}
+        self.packed_key = packed_key
+        self.error = error
+        if self.packed and not packed_key:
+            raise ValueError("PieceSavePlanner: packed pieces need a packed_key")
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False):
         self.state_dict = {}
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        if self.error is not None:
+            raise CheckpointError(self.error)
         items = []
         for (key, offsets), piece in self.pieces.items():
             items.append(WriteItem(
@@ -63,15 +82,89 @@ class PieceSavePlanner(DefaultSavePlanner):
                     size=torch.Size(piece.global_shape))))
         for key in self.objects:
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
-        self.plan = SavePlan(items)
+        packing = None
+        if self.packed:
+            items.append(WriteItem(index=MetadataIndex(self.packed_key),
+                                   type=WriteItemType.BYTE_IO))
+            packing = (self.packed_key,
+                       [(index, piece.tensor.numel() * piece.tensor.element_size())
+                        for index, piece in self.packed.items()])
+        self.plan = SavePlan(items, planner_data=packing)
         return self.plan
+
+    def create_global_plan(self, all_plans: list):
+        """Assign each packed box to one rank holding it: the one packing the fewest bytes so far
+        (ties: the lowest rank), so that Chimera's two replicas of a stage share its writing; a
+        rank that packs nothing writes no packed object. Then DCP's own global planning."""
+        holders: dict = {}
+        for rank, plan in enumerate(all_plans):
+            for index, size in (plan.planner_data or (None, ()))[1]:
+                holders.setdefault(index, (size, []))[1].append(rank)
+        load = [0] * len(all_plans)
+        owner = {}
+        for index, (size, ranks) in holders.items():
+            owner[index] = min(ranks, key=lambda rank: (load[rank], rank))
+            load[owner[index]] += size
+        assigned = []
+        for rank, plan in enumerate(all_plans):
+            if plan.planner_data is None:
+                assigned.append(plan)
+                continue
+            key, boxes = plan.planner_data
+            mine = [index for index, _ in boxes if owner[index] == rank]
+            items = plan.items if mine else \
+                [item for item in plan.items if item.index.fqn != key]
+            assigned.append(dataclasses.replace(plan, items=items, planner_data=(key, mine)))
+        return super().create_global_plan(assigned)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """This rank's packed object: the boxes the global plan assigned to it
+        (:func:`pack_boxes`)."""
+        if new_plan.planner_data is not None and new_plan.planner_data[1]:
+            key, mine = new_plan.planner_data
+            self.objects[key] = pack_boxes([self.packed[tuple(index)] for index in mine])
+        return super().finish_plan(new_plan)
 
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self.objects and index.offset is None:
             return self.objects[index.fqn]
-        tensor = self.pieces[(index.fqn, tuple(index.offset))].tensor.detach()
         # torch.save of a view writes its whole storage (a flat buffer): save a compact copy
-        return tensor if _owns_storage(tensor) else tensor.clone()
+        return _compact(self.pieces[(index.fqn, tuple(index.offset))].tensor)
+
+
+def pack_boxes(pieces) -> dict:
+    """A packed object: ``{"buffers": [one flat tensor per dtype], "boxes": [(key, global shape,
+    offsets, sizes, buffer number, start), ...]}``. ``torch.save`` pays per tensor it pickles
+    (tens of microseconds each: most of a small model's save), so the boxes travel as one
+    buffer per dtype and an index."""
+    groups: dict = {}
+    for piece in pieces:
+        groups.setdefault(piece.tensor.dtype, []).append(piece)
+    buffers, boxes = [], []
+    for number, group in enumerate(groups.values()):
+        start = 0
+        for piece in group:
+            boxes.append((piece.key, list(piece.global_shape), list(piece.offsets),
+                          list(piece.tensor.shape), number, start))
+            start += piece.tensor.numel()
+        buffers.append(torch.cat([piece.tensor.detach().reshape(-1) for piece in group]))
+    return {"buffers": buffers, "boxes": boxes}
+
+
+def unpack_boxes(packed) -> list:
+    """``[(key, global shape, offsets, tensor), ...]`` of a packed object: :func:`pack_boxes`'s
+    form, or the list of one tensor per box that checkpoints written before it hold."""
+    if isinstance(packed, list):
+        return packed
+    buffers = packed["buffers"]
+    return [(key, shape, offsets, buffers[number][start:start + math.prod(sizes)].view(sizes))
+            for key, shape, offsets, sizes, number, start in packed["boxes"]]
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with storage of its own (torch.save of a view writes the whole storage)."""
+    tensor = tensor.detach()
+    return tensor if _owns_storage(tensor) else tensor.clone()
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):

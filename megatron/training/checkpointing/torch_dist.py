@@ -33,13 +33,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from megatron.core.distributed.reduction import load_reducer_states, reducer_states
 from megatron.training.checkpointing.collectives import (_all_gather, _raise_for_failures,
                                                         _raise_if_any_failed)
 from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME, PieceLoadPlanner,
-                                                   PieceSavePlanner, VerifyingReader)
+                                                   PieceSavePlanner, VerifyingReader,
+                                                   unpack_boxes)
 from megatron.training.checkpointing.files import CheckpointError, _describe, file_crc32
 from megatron.training.checkpointing.global_keys import (MODEL_PREFIX, OPTIMIZER_PREFIX,
                                                         PieceSet, TensorPlacement,
@@ -58,9 +58,10 @@ TORCH_DIST = "torch_dist"
 
 #: Global tensors of at most this many bytes (biases, norms, Adam's step counts: most keys of a
 #: model, few of its bytes) are not written as DCP items of their own: each rank saves its boxes of
-#: them as ONE object, ``packed_tensors.rank_NNNNN`` (a list of (key, global shape, offsets,
-#: tensor)); DCP pays about a millisecond per item it writes. Loading reads every rank's packed
-#: object and fills this rank's boxes from them (:func:`.global_keys.fill_from`).
+#: them as ONE object, ``packed_tensors.rank_NNNNN`` (one buffer per dtype and an index,
+#: :func:`.dcp_io.pack_boxes`); DCP pays about a millisecond per item it writes. Loading reads
+#: every rank's packed object and fills this rank's boxes from them
+#: (:func:`.global_keys.fill_from`).
 PACK_LIMIT_BYTES = 1 << 20
 PACKED = "packed_tensors"
 
@@ -104,9 +105,12 @@ def metadata_fields(components, checkpoint_config) -> dict:
 # Save
 # ----------------------------------------------------------------------------------------------
 
-def snapshot(components, state, checkpoint_config, *, copy: bool):
+def snapshot(components, state, checkpoint_config, *, copy: bool, staging=None,
+             config_dict=None):
     """(pieces, objects) of this rank; ``copy`` clones every tensor (for a background save, so
-    training may change the weights meanwhile)."""
+    training may change the weights meanwhile), into ``staging``'s reused buffers when given
+    (:class:`.staging.StagingBuffers`). ``config_dict``: ``dataclasses.asdict`` of the config,
+    when the caller keeps it from save to save."""
     parallel_state = components.parallel_state
     tp_rank, tp_size = parallel_state.tp_rank, parallel_state.tp_size
     chunks = components.model_chunks
@@ -115,7 +119,8 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
     objects = {"progress": {"iteration": int(state.iteration),
                             "consumed_train_samples": int(state.consumed_train_samples),
                             "consumed_valid_samples": int(state.consumed_valid_samples)},
-               "config": dataclasses.asdict(components.config)}
+               "config": config_dict if config_dict is not None
+               else dataclasses.asdict(components.config)}
     if not checkpoint_config.no_save_optim:
         pieces += list(optimizer_pieces(components.optimizer, chunks, tp_rank, tp_size))
         objects["opt_param_scheduler"] = components.lr_scheduler.state_dict()
@@ -126,7 +131,9 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
             objects[rank_key("gradient_reducer_state", parallel_state.rank)] = reducer_state
     if not checkpoint_config.no_save_rng:
         objects[rank_key("rng_state", parallel_state.rank)] = capture_rng_state()
-    if copy:
+    if copy and staging is not None:
+        staging.stage(pieces, lambda piece: is_packed(piece.global_shape, piece.tensor.dtype))
+    elif copy:
         for piece in pieces:
             piece.tensor = piece.tensor.detach().to("cpu", copy=True)
     else:
@@ -136,51 +143,30 @@ def snapshot(components, state, checkpoint_config, *, copy: bool):
     return pieces, objects
 
 
-def agreed_snapshot(components, state, checkpoint_config, copy: bool) -> tuple[list, dict]:
-    """This rank's pieces and objects to save, once every rank agreed it could collect its own
-    (raises on every rank if one could not), small tensors packed into ``objects``."""
-    pieces, objects, error = None, None, None
+def collect(components, state, checkpoint_config, copy: bool, **snapshot_options) -> tuple:
+    """(pieces, objects, error) of this rank: its :func:`snapshot`, or why it could not take it
+    (then every rank's DCP save fails with it: :func:`planner_for`)."""
     try:
-        pieces, objects = snapshot(components, state, checkpoint_config, copy=copy)
+        pieces, objects = snapshot(components, state, checkpoint_config, copy=copy,
+                                   **snapshot_options)
     except Exception as caught:
-        error = _describe(caught)
-    pieces = agree_and_pack(components.parallel_state, pieces, objects, error, state.iteration)
-    return pieces, objects
+        return [], {}, f"collecting its checkpoint state: {_describe(caught)}"
+    return pieces, objects, None
 
 
-def agree_and_pack(parallel_state, pieces, objects: dict, error, iteration: int) -> list:
-    """Every rank learns whether every rank could collect its state (raises everywhere if not) and
-    which boxes of small tensors every rank holds; the lowest rank holding a box packs it (so a
-    box of Chimera's stage replicas, of tensor- or data-parallel replicas is saved once, as DCP
-    does for the large ones) into ``objects``. Returns the pieces DCP writes itself."""
-    small = [piece for piece in pieces or ()
-             if is_packed(piece.global_shape, piece.tensor.dtype)]
-    gathered = _all_gather(parallel_state, (error, [piece.index for piece in small]))
-    _raise_for_failures([message for message, _ in gathered],
-                        f"collecting the checkpoint state of iteration {iteration}")
-    owner: dict = {}
-    for rank, (_, indices) in enumerate(gathered):
-        for index in indices:
-            owner.setdefault(index, rank)
-    mine = [piece for piece in small if owner[piece.index] == parallel_state.rank]
-    if mine:
-        objects[rank_key(PACKED, parallel_state.rank)] = [
-            (piece.key, list(piece.global_shape), list(piece.offsets), _compact(piece.tensor))
-            for piece in mine]
-    return [piece for piece in pieces if not is_packed(piece.global_shape, piece.tensor.dtype)]
+def planner_for(parallel_state, pieces, objects: dict, error=None) -> PieceSavePlanner:
+    """The DCP planner of this rank's save: small tensors packed (see :data:`PACK_LIMIT_BYTES`;
+    DCP's global planning picks the rank that packs a box several ranks hold), the others DCP
+    items. ``error``: this rank cannot save, and every rank's DCP save fails naming it."""
+    packed = [piece for piece in pieces if is_packed(piece.global_shape, piece.tensor.dtype)]
+    return PieceSavePlanner(
+        [piece for piece in pieces if not is_packed(piece.global_shape, piece.tensor.dtype)],
+        objects, packed=packed, packed_key=rank_key(PACKED, parallel_state.rank), error=error)
 
 
 def is_packed(global_shape, dtype) -> bool:
     """Whether a global tensor is small enough to travel in its ranks' packed object."""
     return math.prod(global_shape) * dtype.itemsize <= PACK_LIMIT_BYTES
-
-
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with storage of its own (torch.save of a view writes the whole storage)."""
-    tensor = tensor.detach()
-    owns = tensor.is_contiguous() and tensor.storage_offset() == 0 and \
-        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-    return tensor if owns else tensor.clone()
 
 
 def writer_for(staging_dir: str) -> FileSystemWriter:
@@ -199,24 +185,26 @@ def own_files(staging_dir: str, rank: int) -> dict:
                                                  "crc32": file_crc32(path)} for path in found}
 
 
-def write_pieces(components, pieces, objects, staging_dir: str) -> None:
-    """The collective DCP save of every rank's pieces (raises on every rank if one failed)."""
+def write_pieces(components, pieces, objects, staging_dir: str, error=None) -> None:
+    """The collective DCP save of every rank's pieces (raises on every rank if one failed, or
+    if one arrived with an ``error``)."""
     dcp.save({}, storage_writer=writer_for(staging_dir),
-             planner=PieceSavePlanner(pieces, objects),
+             planner=planner_for(components.parallel_state, pieces, objects, error),
              no_dist=_no_dist(components.parallel_state))
 
 
 def save_files(components, state, checkpoint_config, root: str, staging_dir: str) -> dict:
     """Write this checkpoint into ``staging_dir`` on every rank; returns every rank's files.
 
-    Every rank first agrees that it could collect its state (so no rank enters DCP's collectives
-    alone), then DCP writes, then every rank records its files' CRC-32s; a failure anywhere
-    raises on every rank, the caller removes the staging directory."""
+    Every rank enters DCP's save, also one that could not collect its state (its planning fails,
+    so DCP's own agreement fails the save on every rank instead of leaving its peers waiting);
+    then every rank records its files' CRC-32s; a failure anywhere raises on every rank, the
+    caller removes the staging directory."""
     parallel_state = components.parallel_state
-    pieces, objects = agreed_snapshot(components, state, checkpoint_config, copy=False)
-    error, files = None, {}
+    pieces, objects, error = collect(components, state, checkpoint_config, copy=False)
+    files = {}
     try:
-        write_pieces(components, pieces, objects, staging_dir)
+        write_pieces(components, pieces, objects, staging_dir, error)
         files = own_files(staging_dir, parallel_state.rank)
     except (Exception, CheckpointException) as caught:
         error = describe_failure(caught)
@@ -230,74 +218,6 @@ def collect_files(parallel_state, error, files: dict, iteration: int, root: str)
                         f"saving checkpoint at iteration {iteration} to {root} (the previous "
                         f"checkpoint and the tracker are unchanged)")
     return {name: record for _, entries in gathered for name, record in entries.items()}
-
-
-# ----------------------------------------------------------------------------------------------
-# Background save (--async-save)
-# ----------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class PendingSave:
-    """A save whose files are being written in the background; published by the next save, or at
-    the end of training, once every rank's write finished."""
-
-    future: object
-    iteration: int
-    root: str
-    staging_dir: str
-    final_dir: str
-    extra: dict
-    state: object
-    started: float
-
-
-def background_group(parallel_state):
-    """A gloo group of every rank for DCP's collectives in the background thread, so they never
-    interleave with training's collectives on the default group (None in one process). With
-    ``--use-persistent-ckpt-worker`` DCP starts one writer process per rank (at the first save,
-    kept for the run), which forms its own group; this group only sets it up."""
-    if _no_dist(parallel_state):
-        return None
-    return dist.new_group(backend="gloo")
-
-
-def start_background_save(components, state, checkpoint_config, root: str, staging_dir: str,
-                          group):
-    """Copy this rank's state (every rank agrees it could), then start DCP's asynchronous save
-    into ``staging_dir``; returns the future. Training may change the weights right away."""
-    parallel_state = components.parallel_state
-    pieces, objects = agreed_snapshot(components, state, checkpoint_config, copy=True)
-    worker = getattr(checkpoint_config, "use_persistent_ckpt_worker", False)
-    # DCP's writer process joins its peers through a process group: one process uses the thread
-    executor = AsyncCheckpointerType.PROCESS if worker and not _no_dist(parallel_state) \
-        else AsyncCheckpointerType.THREAD
-    return dcp.async_save({}, storage_writer=writer_for(staging_dir),
-                          planner=PieceSavePlanner(pieces, objects), process_group=group,
-                          no_dist=_no_dist(parallel_state), async_checkpointer_type=executor)
-
-
-def stop_writer_process() -> None:
-    """End DCP's persistent writer process (``--use-persistent-ckpt-worker``) at the end of
-    training, so it leaves cleanly instead of finding its pipe closed when this process exits.
-    DCP keeps the process in a private module attribute; nothing happens if it has none."""
-    from torch.distributed.checkpoint import _async_process_executor as executor_module
-
-    process = getattr(executor_module, "_CHECKPOINT_PROCESS", None)
-    if process is not None:
-        executor_module._CHECKPOINT_PROCESS = None
-        process.__del__()  # sends TERMINATE and joins it (a no-op when collected later)
-
-
-def wait_for_background_save(components, pending: PendingSave) -> dict:
-    """Wait for this rank's background write, then agree with every rank; returns every rank's
-    files (raises on every rank if any rank's write failed)."""
-    error, files = None, {}
-    try:
-        pending.future.result()
-        files = own_files(pending.staging_dir, components.parallel_state.rank)
-    except (Exception, CheckpointException) as caught:
-        error = describe_failure(caught)
-    return collect_files(components.parallel_state, error, files, pending.iteration, pending.root)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,7 +246,7 @@ def read_packed(iteration_dir: str, files: dict, dcp_metadata) -> PieceSet:
     except CheckpointException as caught:  # not an Exception: named here, raised as ours
         raise CheckpointError(describe_failure(caught)) from None
     for key in keys:
-        for name, shape, offsets, tensor in planner.objects[key]:
+        for name, shape, offsets, tensor in unpack_boxes(planner.objects[key]):
             pieces.add(name, TensorPlacement(tuple(shape), tuple(offsets)), tensor)
     return pieces
 
