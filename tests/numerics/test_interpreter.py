@@ -69,7 +69,9 @@ def _tiny_config() -> ModelConfig:
                        attention_dropout=0.0)
 
 
-def test_first_stage_frees_sent_activations_and_backpropagates_received_gradients():
+def _first_stage_of_1f1b_pp2(reducer, record_timeline: bool = False):
+    """Stage 0 of 1F1B at PP 2 with two micro-batches, on a recording transport: (chunk,
+    transport, interpreter, lowered plan)."""
     config = _tiny_config()
     chunk = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
                      layer_range=range(0, 1), pre_process=True, post_process=False)
@@ -78,13 +80,19 @@ def test_first_stage_frees_sent_activations_and_backpropagates_received_gradient
     tokens = torch.randint(0, 32, (BATCH, SEQ))
     microbatches = [{"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(BATCH, SEQ),
                      "sample_ids": torch.arange(BATCH) + 2 * k} for k in range(2)]
-    transport, reducer = RecordingTransport(), CountingReducer()
+    transport = RecordingTransport()
     interpreter = Interpreter(ExecutionContext(
         chunks={ModuleKey(0, 0): chunk}, layout=layout, transport=transport,
         forward_step_func=pretrain_gpt.forward_step, microbatches=microbatches, loss_divisor=2,
         activation_shape=(SEQ, BATCH, HIDDEN), wire_dtype=torch.float32,
-        reducers={ModuleKey(0, 0): reducer}))
+        reducers={ModuleKey(0, 0): reducer}, record_timeline=record_timeline))
     transport.interpreter = interpreter
+    return chunk, transport, interpreter, lowered
+
+
+def test_first_stage_frees_sent_activations_and_backpropagates_received_gradients():
+    reducer = CountingReducer()
+    chunk, transport, interpreter, lowered = _first_stage_of_1f1b_pp2(reducer)
     assert interpreter.run(lowered, rank=0) == []  # stage 0 computes no loss
 
     # Both activations went out whole, and once sent the stored outputs hold one element only.
@@ -103,21 +111,7 @@ def test_message_records_pair_each_message_with_its_post_and_ready_times(record)
     """With the timeline, every activation sent and gradient consumed has a MessageRecord in
     time order (producing op end <= send post <= post returned; receive post <= asked <= ready);
     without it the interpreter keeps none (the instrumentation costs nothing)."""
-    config = _tiny_config()
-    chunk = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
-                     layer_range=range(0, 1), pre_process=True, post_process=False)
-    layout = schedule_layout("1f1b", 2)
-    lowered = lower_schedule(build_schedule("1f1b", 2, 2), layout)
-    tokens = torch.randint(0, 32, (BATCH, SEQ))
-    microbatches = [{"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(BATCH, SEQ),
-                     "sample_ids": torch.arange(BATCH) + 2 * k} for k in range(2)]
-    transport = RecordingTransport()
-    interpreter = Interpreter(ExecutionContext(
-        chunks={ModuleKey(0, 0): chunk}, layout=layout, transport=transport,
-        forward_step_func=pretrain_gpt.forward_step, microbatches=microbatches, loss_divisor=2,
-        activation_shape=(SEQ, BATCH, HIDDEN), wire_dtype=torch.float32,
-        reducers={ModuleKey(0, 0): CountingReducer()}, record_timeline=record))
-    transport.interpreter = interpreter
+    _, _, interpreter, lowered = _first_stage_of_1f1b_pp2(CountingReducer(), record)
     interpreter.run(lowered, rank=0)
     if not record:
         assert interpreter.messages == [] and interpreter.timeline == []
