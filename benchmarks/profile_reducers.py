@@ -38,11 +38,22 @@ from dist_harness import run_distributed  # noqa: E402  (tests/ helper, shared o
 STEPS = 4
 
 
+def _reduce_step(reducer, model, index: int) -> None:
+    """One emulated step (no sleep) through ``reducer``'s whole lifecycle."""
+    from _emulated_compute import ComputeTime
+    reducer.zero_grad()
+    reducer.start_when_ready()
+    model.forward_backward(ComputeTime(0.0), index)
+    reducer.start()
+    reducer.wait()
+    reducer.after_step(True)
+
+
 def _rank_profile(rank: int, world_size: int, numel: int, names: list, rows: int) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from _emulated_compute import ComputeTime, EmulatedModel
+    from _emulated_compute import EmulatedModel
     from _reducer_sweep import build_reducer
     group = dist.new_group(list(range(world_size)))
     model = EmulatedModel(numel, tensors=8, seed=1000 + rank)
@@ -51,22 +62,15 @@ def _rank_profile(rank: int, world_size: int, numel: int, names: list, rows: int
     for name in names:
         reducer = build_reducer(name, params, group, world_size)
 
-        def step(index):
-            reducer.zero_grad()
-            reducer.start_when_ready()
-            model.forward_backward(ComputeTime(0.0), index)
-            reducer.start()
-            reducer.wait()
-            reducer.after_step(True)
         times = []
         for index in range(STEPS):
             dist.barrier()
             started = time.perf_counter()
-            step(index)
+            _reduce_step(reducer, model, index)
             times.append(time.perf_counter() - started)
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            step(STEPS)
+            _reduce_step(reducer, model, STEPS)
         out[name] = (times, profiler.key_averages().table(sort_by="self_cpu_time_total",
                                                           row_limit=rows))
     return out
@@ -88,13 +92,6 @@ def _rank_cpu_time(rank: int, world_size: int, numel: int, names: list, steps: i
         reducers[names[0]].zero_grad()
         model.forward_backward(ComputeTime(0.0), index)
 
-    def reduce_step(reducer, index):
-        reducer.zero_grad()
-        reducer.start_when_ready()
-        model.forward_backward(ComputeTime(0.0), index)
-        reducer.start()
-        reducer.wait()
-        reducer.after_step(True)
     times: dict = {name: [] for name in ["backward only"] + names}
     for index in range(steps + 1):  # the first round warms up
         for name in ["backward only"] + names:
@@ -102,7 +99,7 @@ def _rank_cpu_time(rank: int, world_size: int, numel: int, names: list, steps: i
             if name == "backward only":
                 backward_only(index)
             else:
-                reduce_step(reducers[name], index)
+                _reduce_step(reducers[name], model, index)
             if index:
                 times[name].append(time.process_time() - started)
     return times
