@@ -32,7 +32,6 @@ four collectives and the publishing on the critical path of every save (docs/che
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from megatron.training.checkpointing import torch_dist
-from megatron.training.checkpointing.files import _describe
+from megatron.training.checkpointing.files import _describe, empty_staging_dir
 from megatron.training.checkpointing.staging import StagingBuffers
 
 
@@ -95,9 +94,7 @@ def _fresh_staging_dir(root: str, staging_dir: str) -> Optional[str]:
     No rank writes into it before rank 0's DCP save has started (DCP's global planning, on rank
     0, comes first), but another rank's DCP thread may already have created it (empty)."""
     try:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging_dir, ignore_errors=True)
-        os.makedirs(staging_dir, exist_ok=True)
+        empty_staging_dir(root, staging_dir)
     except OSError as caught:
         return f"preparing checkpoint directory {staging_dir}: {_describe(caught)}"
     return None

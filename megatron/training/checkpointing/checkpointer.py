@@ -25,6 +25,7 @@ from megatron.training.checkpointing.files import (CHECKPOINT_FILENAME, CHECKPOI
                                                   NO_CHECKPOINT_MESSAGE, REPLACED_SUFFIX,
                                                   STAGING_SUFFIX, TRACKER_FILENAME,
                                                   CheckpointError, _describe, _fsync_directory,
+                                                  empty_staging_dir, weights_only_note,
                                                   _read_metadata, _verify_file, checkpoint_file,
                                                   file_crc32, iteration_dir_name, load_file,
                                                   model_keys, rank_dir_name, read_tracker,
@@ -190,9 +191,7 @@ class Checkpointer:
         error = None
         if components.parallel_state.rank == 0:
             try:
-                os.makedirs(root, exist_ok=True)
-                shutil.rmtree(staging_dir, ignore_errors=True)
-                os.makedirs(staging_dir)
+                empty_staging_dir(root, staging_dir)
             except OSError as caught:
                 error = _describe(caught)
         _raise_if_any_failed(components.parallel_state, error,
@@ -446,9 +445,7 @@ class Checkpointer:
                                 payload.get("gradient_reducer_state"), parallel_state.dp_rank)
         if payload.get("weights_only"):
             if parallel_state.rank == 0:
-                self.log("  the checkpoint holds weights only (converted from "
-                         f"[{payload.get('converted_from', 'another layout')}]): the optimizer, "
-                         "LR schedule and RNG states start afresh")
+                self.log(weights_only_note(payload.get("converted_from")))
         elif not checkpoint_config.no_load_rng and not payload.get("resharded"):
             rng_states = payload["rng_state"]
             if len(rng_states) == parallel_state.dp_size:

@@ -49,6 +49,21 @@ def fresh_staging_dir(root: str, iteration: int, error: type = ValueError) -> tu
     return final_dir, staging_dir
 
 
+def empty_staging_dir(root: str, staging_dir: str) -> None:
+    """Create ``root`` and an empty ``staging_dir`` in it, removing what a crashed save left
+    (raises OSError). Another rank's DCP thread may already have created it, empty."""
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(staging_dir, ignore_errors=True)
+    os.makedirs(staging_dir, exist_ok=True)
+
+
+def weights_only_note(converted_from: Optional[str]) -> str:
+    """The line rank 0 logs when a weights-only checkpoint (tools/convert_checkpoint.py) loads."""
+    return (f"  the checkpoint holds weights only (converted from "
+            f"[{converted_from or 'another layout'}]): the optimizer, LR schedule and RNG states "
+            f"start afresh")
+
+
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     """``mp_rank_{tp:02d}`` when there is no pipeline, else ``mp_rank_{tp:02d}_{pp:03d}``."""
     if pp_size == 1:

@@ -33,11 +33,12 @@ from megatron.training.checkpointing.files import (CHECKPOINT_FORMAT, CHECKPOINT
 from megatron.training.checkpointing.global_keys import (OPTIMIZER_PREFIX, PieceSet,
                                                         add_saved_optimizer_state,
                                                         empty_optimizer_states, fill_from,
-                                                        model_key, model_pieces, optimizer_params,
-                                                        optimizer_pieces, partition_dim_of,
+                                                        model_key, model_pieces, optimizer_pieces,
+                                                        partition_dim_of,
                                                         scalar_state_fallbacks, tp_placement)
 from megatron.training.checkpointing.state import _check_model_flags, describe_layout
-from megatron.training.checkpointing.torch_dist import _check_pieces
+from megatron.training.checkpointing.torch_dist import (_check_pieces,
+                                                        optimizer_state_dict)
 
 _SAVED_FILE = re.compile(r"^mp_rank_(\d+)(?:_\d+)?/(model_optim_rng|distrib_optim_dp\d+)\.pt$")
 
@@ -168,20 +169,6 @@ def _optimizer_targets(components, saved: SavedPieces) -> tuple[list, dict]:
     return targets + scalar_state_fallbacks(optimizer, chunks, states), states
 
 
-def _optimizer_state(components, states: dict, grad_scaler) -> dict:
-    """A MegatronOptimizer state dict of ``states`` ({parameter: state}); the param groups are
-    this run's (their settings come from the current flags anyway)."""
-    optimizer = components.optimizer
-    torch_state = optimizer.optimizer.state_dict()
-    torch_state["state"] = {index: states[param]
-                            for index, param in enumerate(optimizer_params(optimizer))
-                            if param in states}
-    result = {"optimizer": torch_state}
-    if grad_scaler is not None:
-        result["grad_scaler"] = grad_scaler
-    return result
-
-
 def resharded_optimizer_state(components, iteration_dir: str, metadata: dict) -> dict:
     """This rank's optimizer state from every saved optimizer state of the iteration, through
     their global keys (the distributed optimizer at another data-parallel size)."""
@@ -189,7 +176,7 @@ def resharded_optimizer_state(components, iteration_dir: str, metadata: dict) ->
                         load_optimizer=True)
     targets, states = _optimizer_targets(components, saved)
     _fill(targets, saved, iteration_dir)
-    return _optimizer_state(components, states, saved.grad_scaler)
+    return optimizer_state_dict(components.optimizer, states, saved.grad_scaler)
 
 
 def read_in_another_layout(components, checkpoint_config, iteration_dir: str, metadata: dict,
@@ -227,7 +214,8 @@ def read_in_another_layout(components, checkpoint_config, iteration_dir: str, me
         targets += optimizer_targets
     _fill(targets, saved, iteration_dir)
     if load_optimizer:
-        payload["optimizer"] = _optimizer_state(components, states, saved.grad_scaler)
+        payload["optimizer"] = optimizer_state_dict(components.optimizer, states,
+                                                   saved.grad_scaler)
         payload["opt_param_scheduler"] = first["opt_param_scheduler"]
     for key, state in zip(model_keys(len(chunks)), model_states):
         payload[key] = state

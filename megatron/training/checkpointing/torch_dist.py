@@ -40,7 +40,8 @@ from megatron.training.checkpointing.collectives import (_all_gather, _raise_for
 from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME, PieceLoadPlanner,
                                                    PieceSavePlanner, VerifyingReader,
                                                    unpack_boxes)
-from megatron.training.checkpointing.files import CheckpointError, _describe, file_crc32
+from megatron.training.checkpointing.files import (CheckpointError, _describe, file_crc32,
+                                                  weights_only_note)
 from megatron.training.checkpointing.global_keys import (MODEL_PREFIX, OPTIMIZER_PREFIX,
                                                         PieceSet, TensorPlacement,
                                                         empty_optimizer_states, fill_from,
@@ -364,6 +365,19 @@ def read(components, request: LoadRequest, iteration_dir: str, files: dict) -> d
     return planner.objects
 
 
+def optimizer_state_dict(optimizer, states: dict, grad_scaler=None) -> dict:
+    """A MegatronOptimizer state dict holding ``states`` ({parameter: state}) and ``grad_scaler``
+    (if any); the param groups are this run's (their settings come from the current flags)."""
+    torch_state = optimizer.optimizer.state_dict()
+    torch_state["state"] = {index: states[param]
+                            for index, param in enumerate(optimizer_params(optimizer))
+                            if param in states}
+    state = {"optimizer": torch_state}
+    if grad_scaler is not None:
+        state["grad_scaler"] = grad_scaler
+    return state
+
+
 def apply(components, checkpoint_config, request: LoadRequest, objects: dict, log,
           training_state_class):
     """Copy what was read into the model, optimizer, schedule, RNG; return the TrainingState."""
@@ -374,14 +388,8 @@ def apply(components, checkpoint_config, request: LoadRequest, objects: dict, lo
         return training_state_class()
     if not checkpoint_config.no_load_optim:
         optimizer = components.optimizer
-        torch_state = optimizer.optimizer.state_dict()
-        torch_state["state"] = {index: request.optimizer_states[param]
-                                for index, param in enumerate(optimizer_params(optimizer))
-                                if param in request.optimizer_states}
-        state = {"optimizer": torch_state}
-        if "optimizer.grad_scaler" in objects:
-            state["grad_scaler"] = objects["optimizer.grad_scaler"]
-        _load_optimizer_state(optimizer, state)
+        _load_optimizer_state(optimizer, optimizer_state_dict(
+            optimizer, request.optimizer_states, objects.get("optimizer.grad_scaler")))
         differences = components.lr_scheduler.load_state_dict(
             objects["opt_param_scheduler"],
             use_checkpoint_values=checkpoint_config.use_checkpoint_opt_param_scheduler)
@@ -438,9 +446,7 @@ def load(components, checkpoint_config, iteration_dir: str, metadata: dict, log,
         error = _describe(caught)
     _raise_if_any_failed(parallel_state, error, f"restoring checkpoint {iteration_dir}")
     if metadata.get("weights_only") and parallel_state.rank == 0:
-        log(f"  the checkpoint holds weights only (converted from "
-            f"[{metadata.get('converted_from') or 'another checkpoint'}]): the optimizer, LR "
-            f"schedule and RNG states start afresh")
+        log(weights_only_note(metadata.get("converted_from")))
     return result
 
 
