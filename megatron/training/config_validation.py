@@ -621,16 +621,14 @@ def _refuse_latency_plans_off_gloo(parallel) -> None:
     are deadlock-free only when sends complete in the background (gloo); under a blocking exchange
     they deadlock (the simulator's ``rendezvous`` semantics), and NCCL's ordering of p2p work was
     not checked on a GPU. Refuse the combination instead of risking a hang."""
-    import json
-
     import torch
+
+    from megatron.core.pipeline_parallel.planning.op_cost_profile import message_latency
     backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        with open(parallel.pipeline_op_costs) as handle:
-            latency = json.load(handle).get("message_latency", 0)
-    except (OSError, ValueError, AttributeError):
-        return  # the op-cost reader names what is wrong with the file
-    if backend != "gloo" and latency:
+    if backend == "gloo":
+        return
+    latency = message_latency(parallel.pipeline_op_costs)
+    if latency:
         raise ValueError(f"--pipeline-op-costs {parallel.pipeline_op_costs!r} gives "
                          f"message_latency {latency}: latency-tolerant plans send eagerly, which "
                          f"is verified deadlock-free only on gloo; drop message_latency from the "

@@ -114,3 +114,9 @@ def _overheads(path: str, data: dict) -> tuple:
                          f">= 0 [oF, oI, oW] and 'message_latency' >= 0 (seconds); got "
                          f"{list(overhead)} and {latency}")
     return overhead, latency
+
+
+def message_latency(path: str) -> float:
+    """The file's ``message_latency`` δ in seconds (0 when absent); ValueError naming the problem
+    for an unreadable file or a bad value."""
+    return _overheads(path, _read(path))[1]
