@@ -38,6 +38,7 @@ means would otherwise differ between tensor-parallel ranks. Tied embeddings keep
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -90,12 +91,10 @@ class SegmentRuns:
                     continue
             self.runs.append((start, 1, length, index))
 
-    @property
+    @functools.cached_property
     def table(self) -> torch.Tensor:
         """The runs as the kernel's int64 ``[runs, 3]`` table of (start, segments, length)."""
-        if not hasattr(self, "_table"):
-            self._table = a2sgd_kernel.runs_table(self)
-        return self._table
+        return a2sgd_kernel.runs_table(self)
 
     def views(self, flat: torch.Tensor):
         """(first segment index, ``[segments, length]`` view of ``flat``) per run."""

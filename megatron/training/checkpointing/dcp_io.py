@@ -45,8 +45,8 @@ class PieceSavePlanner(DefaultSavePlanner):
     """Write ``pieces`` (a :class:`~.global_keys.PieceSet` or list of pieces) and ``objects``
     (``{key: picklable value}``, saved with ``torch.save``).
 
-    ``packed`` (small pieces) travel as ONE object of this rank, ``packed_key``: a list of (key,
-    global shape, offsets, tensor) (DCP pays about a millisecond per item it writes). Which rank
+    ``packed`` (small pieces) travel as ONE object of this rank, ``packed_key``: one buffer per
+    dtype and an index (:func:`pack_boxes`; DCP pays about a millisecond per item it writes). Which rank
     packs a box several ranks hold (Chimera's stage replicas, tensor- or data-parallel replicas)
     is decided in DCP's global planning, which already gathers every rank's plan: the lowest rank
     holding it, so each box is saved once, as DCP does for the large ones. ``error`` (a message)
