@@ -268,6 +268,35 @@ def bert48_check(fits, base=P100_ARIES) -> list:
             for run in paper.BERT48_WEAK_SCALING]
 
 
+def bert48_pipedream_2bw_check(fits, base=P100_ARIES) -> dict:
+    """Chimera over PipeDream-2BW, Bert-48 at 64 nodes (never fitted; ours): Chimera as in
+    :func:`bert48_check`, PipeDream-2BW as the authors' Bert-48 script runs it
+    (``paper.BERT48_PIPEDREAM_2BW_64``), with the in-sample constants, with those fitted
+    without PipeDream-2BW's GPT-2 point, and at the Aries injection bound and an unlimited
+    bandwidth (in-sample efficiency and γ; all 64 nodes sit in one group, so γ does not act).
+    Both runs stay inside one dragonfly group: a second 2BW data point that γ cannot
+    explain."""
+    chimera = paper.BERT48_WEAK_SCALING[-1]
+    two_bw = paper.BERT48_PIPEDREAM_2BW_64
+
+    def ratio(hardware):
+        return (estimate(hardware, chimera, BERT48).throughput
+                / estimate(hardware, two_bw, BERT48).throughput)
+
+    in_sample = dict(fits["in_sample"])
+    at_bound = dict(in_sample, bandwidth=ARIES_INJECTION_BANDWIDTH)
+    unlimited = dict(in_sample, bandwidth=1e15)
+    return {"published": paper.BERT48_SPEEDUP_OVER_PIPEDREAM_2BW_64,
+            "in_sample": ratio(hardware_of(in_sample, base)),
+            "without_pipedream_2bw": ratio(hardware_of(fits["leave_one_out"]["PipeDream-2BW"],
+                                                       base)),
+            "at_injection_bound": ratio(hardware_of(at_bound, base)),
+            "unlimited_bandwidth": ratio(hardware_of(unlimited, base)),
+            "config": f"{two_bw.scheme} W={two_bw.data_parallel} D={two_bw.pipeline} "
+                      f"B={two_bw.micro_batch_size} N={two_bw.num_microbatches} "
+                      f"recompute={two_bw.recompute}"}
+
+
 def time_parts(result) -> dict:
     """Iteration time split (ours): compute = the mean worker's N·(F + Bk) without
     recomputation (micro-batch size sets it); recompute = the forwards the backwards re-run;
@@ -418,6 +447,7 @@ def report(fits, base=P100_ARIES) -> dict:
                             for n, p, q in sync_policy_ratios(hardware)],
             "decomposition_2048": decomposition_rows(hardware),
             "bert48_chimera": bert48_check(fits, base),
+            "bert48_pipedream_2bw": bert48_pipedream_2bw_check(fits, base),
             "planner_top": best, "planner_top_five": fits["planner"],
             "planner_lines": lines}
 
@@ -496,6 +526,12 @@ def format_text(data, fits) -> str:
             "without PipeDream-2BW (ours): " + ", ".join(
                 f"{r['nodes']} nodes {r['published']:.0f} | {r['in_sample']:.0f} | "
                 f"{r['without_pipedream_2bw']:.0f}" for r in data["bert48_chimera"]),
+            "Bert-48 at 64 nodes, Chimera over PipeDream-2BW ("
+            + data["bert48_pipedream_2bw"]["config"] + "), not fitted: published "
+            + "{published:.2f}x; ours in-sample {in_sample:.3f}x, fitted without PipeDream-2BW "
+            "{without_pipedream_2bw:.3f}x, at the Aries bound {at_injection_bound:.3f}x, "
+            "unlimited bandwidth {unlimited_bandwidth:.3f}x".format(
+                **data["bert48_pipedream_2bw"]),
             ""]
     out += data["planner_lines"]
     return "\n".join(out)

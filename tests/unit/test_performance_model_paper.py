@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.performance_model import GPT2_PAPER, P100_ARIES, StageCosts, evaluate
+from megatron.performance_model import (
+    GPT2_PAPER, P100_ARIES, ModelSpec, StageCosts, evaluate)
 from megatron.performance_model import paper
 from megatron.performance_model.baselines import (
     ddp_backward_with_sync, gems_step_time, no_flush_interval_time)
@@ -47,6 +48,36 @@ def test_runs_without_a_script_follow_the_paper_and_say_so():
         assert "no job script" in RUNS[label].script
     # PipeDream-2BW updates every D micro-batches (update_interval = D × accumulation 1).
     assert RUNS["PipeDream-2BW"].num_microbatches == RUNS["PipeDream-2BW"].pipeline
+
+
+def test_the_sweeps_depth_8_row_keeps_the_papers_mini_batch_not_its_scripts_accumulation():
+    """The D=8 script the row cites accumulates 3 units (N = 24, mini-batch 1,536); the sweep
+    ran mini-batch 512 (chimera.md §8), so the row keeps N = 8 and says why."""
+    run = {r.label: r for r in paper.SWEEP_512}["W=64 D=8 recompute"]
+    assert "--gradient_accumulation_steps 3" in run.script
+    assert (run.pipeline, run.micro_batch_size, run.num_microbatches, run.recompute) == (
+        8, 1, 8, "full")
+    assert all(r.global_batch_size == 512 for r in paper.SWEEP_512)
+
+
+def test_bert48_pipedream_2bw_is_its_scripts_run_at_double_width():
+    """daint_bert48_32nodes_pipedream2bw_4wx8d_16b.sh: 4 x 8, B=16, recomputation, an update
+    every D micro-batches; at 64 nodes only W doubles."""
+    run = paper.BERT48_PIPEDREAM_2BW_64
+    assert "daint_bert48_32nodes_pipedream2bw_4wx8d_16b.sh" in run.script
+    assert (run.scheme, run.data_parallel, run.pipeline, run.micro_batch_size,
+            run.num_microbatches, run.recompute) == ("pipedream-2bw", 8, 8, 16, 8, "full")
+    assert run.nodes == 64
+    assert paper.BERT48_SPEEDUP_OVER_PIPEDREAM_2BW_64 == 1.17
+    # the script's recomputation is needed: without it a stage's activations do not fit
+    bert48 = ModelSpec(num_layers=48, hidden_size=1024, num_attention_heads=16,
+                       seq_length=128, vocab_size=30522, max_position_embeddings=512)
+
+    def fits(recompute):
+        return evaluate(bert48, P100_ARIES, run.scheme, run.data_parallel, run.pipeline,
+                        run.micro_batch_size, run.num_microbatches, recompute,
+                        stage_balance="per-stage").fits
+    assert fits("full") and not fits("none")
 
 
 @pytest.mark.parametrize("run", paper.SWEEP_512 + paper.COMPARISON_2048, ids=lambda r: r.label)

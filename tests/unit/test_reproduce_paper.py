@@ -83,6 +83,11 @@ def test_json_output_has_the_agreed_shape(reproduce, capsys):
         (16, 89), (32, 174), (64, 341)]
     assert all(r["in_sample"] > 0 and r["without_pipedream_2bw"] > 0
                for r in data["bert48_chimera"])
+    # Bert-48 at 64 nodes, Chimera over PipeDream-2BW (never fitted): transcribed 1.17x
+    bert_2bw = data["bert48_pipedream_2bw"]
+    assert bert_2bw["published"] == paper.BERT48_SPEEDUP_OVER_PIPEDREAM_2BW_64 == 1.17
+    assert all(bert_2bw[key] > 0 for key in ("in_sample", "without_pipedream_2bw",
+                                              "at_injection_bound", "unlimited_bandwidth"))
 
 
 def test_every_stored_fit_stays_inside_what_the_hardware_allows(reproduce, fits):
