@@ -90,16 +90,22 @@ def ddp_backward_with_sync(costs: StageCosts, stage: int, alone: bool = False) -
     """Duration of a backward that all-reduces under DistributedDataParallel: gradients are
     bucketed (:data:`DDP_BUCKET_BYTES`) and each bucket's all-reduce starts when its gradients
     are ready, so the sync overlaps the backward; the first bucket is ready after its share of
-    the backward, the last one only at the end. Duration = max(Bk + AR of one bucket, share
-    of Bk until the first bucket + AR of the whole stage). ``alone``: no other stage syncs
-    at the same time (``costs.allreduce_alone``, no network contention from the rest of the
-    job)."""
+    the gradient computation, the last one only at the end. The authors' runtime recomputes
+    the whole stage's forward before ``torch.autograd.backward`` (``run_backward``:
+    ``self._run_forward(tensors, recompute_step=False)`` first), so no gradient, and no
+    bucket, exists before that recomputation R = Bk − 2F ends (0 without recomputation and on
+    the last stage; with an op overhead o this undercounts R by o). Duration =
+    max(Bk + AR of one bucket, R + share of (Bk − R) until the first bucket + AR of the whole
+    stage). ``alone``: no other stage syncs at the same time (``costs.allreduce_alone``, no
+    network contention from the rest of the job)."""
     backward, allreduce = costs.backward_of(stage), costs.allreduce[stage]
     if alone and costs.allreduce_alone:
         allreduce = costs.allreduce_alone[stage]
+    recomputed = min(backward, max(0.0, backward - 2 * costs.forward_of(stage)))
     total = costs.gradient_bytes[stage]
     share = min(1.0, DDP_BUCKET_BYTES / total) if total > 0 else 1.0
-    return max(backward + share * allreduce, share * backward + allreduce)
+    return max(backward + share * allreduce,
+               recomputed + share * (backward - recomputed) + allreduce)
 
 
 def no_flush_interval_time(num_stages: int, update_interval: int, costs: StageCosts,

@@ -127,6 +127,21 @@ def test_ddp_sync_overlaps_the_backward_bucket_by_bucket():
     assert ddp_backward_with_sync(short, 0) == pytest.approx(2 + 0.1)
 
 
+def test_ddp_sync_waits_for_the_recomputed_forward():
+    """The authors' runtime re-runs the whole stage's forward before autograd.backward, so no
+    bucket is ready before R = Bk − 2F: the first bucket after R + a quarter of the rest."""
+    recomputed = StageCosts(1.0, 3.0, 0.0, (4.0,), (100 * 2 ** 20,))
+    assert ddp_backward_with_sync(recomputed, 0) == pytest.approx(max(3 + 1, 1 + 0.5 + 4))
+    # per stage: the last stage (Bk = 2F, not recomputed) starts its first bucket at once
+    per_stage = StageCosts(1.0, 3.0, 0.0, (4.0, 4.0), (100 * 2 ** 20,) * 2, 0.0, (1.0, 1.5),
+                           (3.0, 3.0))
+    assert ddp_backward_with_sync(per_stage, 0) == pytest.approx(1 + 0.5 + 4)
+    assert ddp_backward_with_sync(per_stage, 1) == pytest.approx(0.75 + 4)
+    # a sync shorter than the gradient computation still ends one bucket after the backward
+    short = StageCosts(1.0, 3.0, 0.0, (0.4,), (100 * 2 ** 20,))
+    assert ddp_backward_with_sync(short, 0) == pytest.approx(3 + 0.1)
+
+
 def test_two_bw_needs_an_update_interval_of_at_least_the_depth():
     with pytest.raises(ValueError, match="N >= D"):
         evaluate(GPT2_PAPER, P100_ARIES, "pipedream-2bw", 256, 16, 1, 8, "full")
