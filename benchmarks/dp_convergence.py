@@ -165,7 +165,10 @@ def summarise(results: dict) -> list:
         if final is not None:
             by_variant.setdefault(name, {})[int(seed)] = final
     rows = []
-    for name, (optimizer, _) in table.items():
+    # every variant in the file, not only those of the last invocation's sync intervals
+    names = list(table) + sorted(name for name in by_variant if name not in table)
+    for name in names:
+        optimizer = table[name][0] if name in table else name.split()[1]
         finals = by_variant.get(name, {})
         if not finals:
             continue
