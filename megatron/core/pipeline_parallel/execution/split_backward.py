@@ -39,38 +39,59 @@ def _children(node) -> list:
     return [child for child, _ in node.next_functions if child is not None]
 
 
-def _reaches(root, targets: set) -> dict:
-    """{node: whether it reaches a node of ``targets``} for every node below ``root``."""
-    reaches = {}
+def _reach_flags(root, input_node, param_nodes: set) -> tuple[dict, dict, dict]:
+    """One post-order walk below ``root``: (children of every node, whether each node reaches
+    ``input_node``, whether it reaches a node of ``param_nodes``). ``next_functions`` builds a
+    new tuple on every access, so each node's children are read once and kept."""
+    children_of: dict = {}
+    to_input: dict = {}
+    to_params: dict = {}
     stack = [(root, False)]
-    while stack:  # iterative post-order: graphs of deep models exceed Python's recursion limit
+    while stack:  # iterative: graphs of deep models exceed Python's recursion limit
         node, children_done = stack.pop()
-        if node in reaches:
+        if node in to_input:
             continue
-        children = _children(node)
         if children_done:
-            reaches[node] = node in targets or any(reaches[child] for child in children)
+            children = children_of[node]
+            to_input[node] = node is input_node or any(to_input[child] for child in children)
+            to_params[node] = node in param_nodes or any(to_params[child] for child in children)
             continue
+        children = children_of.get(node)
+        if children is None:
+            children = children_of[node] = _children(node)
         stack.append((node, True))
-        stack.extend((child, False) for child in children if child not in reaches)
-    return reaches
+        stack.extend((child, False) for child in children if child not in to_input)
+    return children_of, to_input, to_params
+
+
+def _params_below(node, children_of: dict, to_params: dict, param_nodes: set) -> set:
+    """The nodes of ``param_nodes`` reachable from ``node`` (walking only towards parameters)."""
+    found, seen, stack = set(), {node}, [node]
+    while stack:
+        current = stack.pop()
+        if current in param_nodes:
+            found.add(current)
+        for child in children_of[current]:
+            if child not in seen and to_params[child]:
+                seen.add(child)
+                stack.append(child)
+    return found
 
 
 def _boundary_nodes(root, input_node, param_nodes: set) -> Optional[list]:
     """(node, parameter nodes it alone leads to) for every node on the path to the input with an
     edge into a part of the graph that leads only to parameters; None when two such parts share a
-    parameter (the weight half could not keep their sums apart)."""
-    to_input = _reaches(root, {input_node})
-    to_params = _reaches(root, param_nodes)
+    parameter (the weight half could not keep their sums apart). One walk of the graph finds both
+    paths (this runs on every input half, on the pipeline's critical path)."""
+    children_of, to_input, to_params = _reach_flags(root, input_node, param_nodes)
     boundary, claimed = [], set()
     for node, on_input_path in to_input.items():
         if not on_input_path:
             continue
         owned = set()
-        for child in _children(node):
-            if to_params.get(child, False) and not to_input.get(child, False):
-                owned |= {n for n, hit in _reaches(child, param_nodes).items()
-                          if hit and n in param_nodes}
+        for child in children_of[node]:
+            if to_params[child] and not to_input[child]:
+                owned |= _params_below(child, children_of, to_params, param_nodes)
         if owned:
             if owned & claimed:
                 return None

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.timeouts import awaiting, describe_group
+from megatron.core.distributed.timeouts import describe_group, named_timeout
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,14 @@ class _Posted:
 
     def wait_received(self) -> list[torch.Tensor]:
         started = time.perf_counter()
-        with awaiting(lambda: self.describe("receive")):
+        try:
             for request in self.receive_requests:
                 request.wait()
+        except RuntimeError as error:
+            named = named_timeout(error, lambda: self.describe("receive"))
+            if named is None:
+                raise
+            raise named from error
         self.receive_requests = []
         received = self.finish()
         self.stats.seconds += time.perf_counter() - started
@@ -117,23 +122,39 @@ class _Posted:
 
     def wait_sent(self) -> None:
         started = time.perf_counter()
-        with awaiting(lambda: self.describe("send")):
+        try:
             for request in self.send_requests:
                 request.wait()
+        except RuntimeError as error:
+            named = named_timeout(error, lambda: self.describe("send"))
+            if named is None:
+                raise
+            raise named from error
         self.send_requests = []
         self.outgoing = []
         self.stats.seconds += time.perf_counter() - started
 
 
-@dataclass(frozen=True)
-class _Message:
+class _Message(NamedTuple):
     """One send or receive to post: ``operation`` is ``dist.isend`` or ``dist.irecv``, ``peer``
-    the global rank on ``group``."""
+    the global rank on ``group`` (a tuple: built for every message, on the hop's critical path)."""
 
     operation: Callable
     tensor: torch.Tensor
     peer: int
     group: Any
+
+
+def _by_peer(items: Sequence) -> dict:
+    """{peer: [items bound for / expected from it]}, peers in first-seen order, items in order."""
+    groups: dict = {}
+    for item in items:
+        same_peer = groups.get(item.peer)
+        if same_peer is None:
+            groups[item.peer] = [item]
+        else:
+            same_peer.append(item)
+    return groups
 
 
 @dataclass
@@ -199,9 +220,11 @@ class _PeerTransport:
         """Issue ``sends`` then ``receives`` (:class:`_Message` lists) as one batch; ``items`` are
         the (OutgoingTensor, ExpectedTensor) lists they carry, named if a wait times out."""
         posting = time.perf_counter()
-        self.stats.exchanges += 1
-        self.stats.messages += len(sends)
-        self.stats.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in sends)
+        stats = self.stats
+        stats.exchanges += 1
+        stats.messages += len(sends)
+        for op in sends:
+            stats.bytes += op.tensor.nbytes
         messages = sends + receives
         if not messages:
             requests = []
@@ -262,14 +285,11 @@ class PackedTransport(_PeerTransport):
 
     def start(self, sends: Sequence[OutgoingTensor],
               receives: Sequence[ExpectedTensor]) -> PendingExchange:
-        send_ops = []
-        for peer in dict.fromkeys(item.peer for item in sends):
-            tensors = [item.tensor for item in sends if item.peer == peer]
-            send_ops.append(self.p2p_op(dist.isend, self.packer.pack(tensors, device=self.device),
-                                        peer))
+        send_ops = [self.p2p_op(dist.isend, self.packer.pack([item.tensor for item in items],
+                                                             device=self.device), peer)
+                    for peer, items in _by_peer(sends).items()]
         incoming = {}
-        for peer in dict.fromkeys(item.peer for item in receives):
-            expected = [item for item in receives if item.peer == peer]
+        for peer, expected in _by_peer(receives).items():
             nbytes = self._packed_nbytes(tuple((tuple(item.shape), item.dtype)
                                                for item in expected))
             incoming[peer] = (torch.empty(nbytes, dtype=torch.uint8, device=self.device), expected)
@@ -278,18 +298,28 @@ class PackedTransport(_PeerTransport):
         return self._post(send_ops, receive_ops,
                           lambda: self._unpack_all(incoming, receives), (sends, receives))
 
+    def _unpack_checked(self, peer: int, buffer: torch.Tensor, expected: list) -> list:
+        """The tensors of one peer's message, after checking its header against ``expected``."""
+        tensors = self.packer.unpack(buffer, device=self.device)
+        agrees = len(tensors) == len(expected) and all(
+            tensor.dtype == item.dtype and tuple(tensor.shape) == tuple(item.shape)
+            for tensor, item in zip(tensors, expected))
+        if not agrees:
+            # the full check raises, naming the message and both layouts (its text is built
+            # only when the header disagrees)
+            self.packer.unpack(buffer, device=self.device,
+                               expected=[(tuple(item.shape), item.dtype) for item in expected],
+                               what=f"message from pipeline rank {peer} carrying "
+                                    f"{', '.join(item.what for item in expected)}")
+        return tensors
+
     def _unpack_all(self, incoming: dict, receives: Sequence[ExpectedTensor]) -> list:
+        if len(incoming) == 1:  # one peer: its message holds every receive, in order
+            ((peer, (buffer, expected)),) = incoming.items()
+            return self._unpack_checked(peer, buffer, expected)
         received = {}
         for peer, (buffer, expected) in incoming.items():
-            tensors = self.packer.unpack(buffer, device=self.device)
-            specs = [(tuple(item.shape), item.dtype) for item in expected]
-            if [(tuple(tensor.shape), tensor.dtype) for tensor in tensors] != specs:
-                # the full check raises, naming the message and both layouts (its text is
-                # built only when the header disagrees)
-                self.packer.unpack(buffer, device=self.device, expected=specs,
-                                   what=f"message from pipeline rank {peer} carrying "
-                                        f"{', '.join(item.what for item in expected)}")
-            for item, tensor in zip(expected, tensors):
+            for item, tensor in zip(expected, self._unpack_checked(peer, buffer, expected)):
                 received[id(item)] = tensor
         return [received[id(item)] for item in receives]
 
