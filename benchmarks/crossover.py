@@ -207,8 +207,10 @@ def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, writes
             fixed = max(fixed, 0.0)
             computes = {ratio: ComputeTime(max(communication / ratio - fixed, 0.0))
                         for ratio in ratios}
+            communication_cpu = _all_reduce_cpu(reducers["a"]) if profile else None
             points = {ratio: {"back_to_back": [], "crossover": [], "timings": [],
                               "fixed": fixed, "communication": communication,
+                              "communication_cpu": communication_cpu,
                               "sleep": computes[ratio].seconds, "cpu": {"back_to_back": [],
                                                                         "crossover": []}}
                       for ratio in ratios}
@@ -239,6 +241,20 @@ def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, writes
                         point["traces"] = traces
             results[(numel, write)] = points
     return results
+
+
+def _all_reduce_cpu(reducer, repeats: int = 3) -> float:
+    """The median CPU seconds this process (its gloo threads included) spends on one all-reduce of
+    the reducer's gradient, each started after a barrier."""
+    import torch.distributed as dist
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.process_time()
+        reducer.start()
+        reducer.wait()
+        seconds.append(time.process_time() - started)
+    return statistics.median(seconds)
 
 
 def emulated_main(args) -> int:
@@ -288,7 +304,8 @@ def emulated_main(args) -> int:
               "(zeroing, gradient writes, reducer start); all-reduce = launch to gloo's "
               "completion callback; exposed wait = turn back to all-reduce done; hand-off = one "
               "job passing the turn to the other resuming; process CPU / wall = cores this rank "
-              "used during the pair run (gloo threads included).")
+              "used during the pair run (gloo threads included); all-reduce alone = the "
+              "calibration's median wall time and this rank's CPU time for it.")
     print(oversubscription_note(WORLD_SIZE))
     return 0
 
@@ -311,7 +328,7 @@ def _profile_rows(label: str, point: dict) -> list:
         def median_ms(values):
             return f"{1e3 * statistics.median(values):.1f}" if values else "-"
         wall = point[run][-1]
-        rows.append([label, run.replace("_", " "),
+        rows.append([label if run == "back_to_back" else "", run.replace("_", " "),
                      median_ms([r["computed"] - r["started"] for r in trace]),
                      median_ms([r["compute_cpu"] for r in trace]),
                      f"{1e3 * point['sleep']:.1f}",
@@ -319,6 +336,8 @@ def _profile_rows(label: str, point: dict) -> list:
                      median_ms([r["waited"] - r["resumed"] for r in trace]),
                      median_ms(hand_offs),
                      f"{point['cpu'][run][-1] / wall:.2f}"])
+    rows.append(["", "all-reduce alone", "", "", "", f"{1e3 * point['communication']:.1f}",
+                 f"CPU {1e3 * point['communication_cpu']:.1f}", "", ""])
     return rows
 
 
