@@ -284,7 +284,8 @@ def emulated_main(args) -> int:
                              f"{speedup:.2f} ({per_round[0]:.2f}-{per_round[-1]:.2f})",
                              f"{bound:.2f}", f"{speedup / bound:.0%}"])
                 if args.profile:
-                    profile_rows.extend(_profile_rows(f"{numel:,} {write} {ratio:g}", point))
+                    profile_rows.extend(_profile_rows(f"{numel:,} {write} {ratio:g}", point,
+                                                      compute, exposed, iterations))
     print(format_table(["floats", "gradients", "target M/C", "M/C", "C ms", "M ms",
                         "back to back ms/iter", "crossover ms/iter", "speed-up (round min-max)",
                         "bound", "speed-up / bound"], rows))
@@ -297,21 +298,28 @@ def emulated_main(args) -> int:
     if profile_rows:
         print()
         print(format_table(["point", "run", "C ms", "of it CPU ms", "sleep ms", "all-reduce ms",
-                            "exposed wait ms", "hand-off ms", "process CPU / wall"],
-                           profile_rows))
-        print("Profile (rank 0, last round, medians over both jobs' iterations): C = launch of "
-              "the iteration to launch of its all-reduce, of it CPU = the job thread's CPU time "
-              "(zeroing, gradient writes, reducer start); all-reduce = launch to gloo's "
-              "completion callback; exposed wait = turn back to all-reduce done; hand-off = one "
-              "job passing the turn to the other resuming; process CPU / wall = cores this rank "
-              "used during the pair run (gloo threads included); all-reduce alone = the "
-              "calibration's median wall time and this rank's CPU time for it.")
+                            "exposed wait ms", "hand-off ms", "link busy", "rank CPU ms/iter",
+                            "CPU ceiling"], profile_rows))
+        print("Profile (rank 0, last round, medians over both jobs' iterations): C = start of an "
+              "iteration to the launch of its all-reduce, of it CPU = the job thread's CPU time "
+              "in it (zeroing, gradient writes, reducer start, Python); all-reduce = launch to "
+              "gloo's completion callback; exposed wait = turn back to all-reduce done; hand-off "
+              "= one job passing the turn to the other resuming (RNG swap and thread wake-up); "
+              "link busy = share of the pair run with an all-reduce in flight; rank CPU ms/iter "
+              "= this process's CPU time (gloo's threads included) per job iteration; CPU "
+              "ceiling = max(C, M) / max(max(C, M), that CPU / cores per rank): the share of the "
+              "bound a rank can reach when one iteration's CPU work (gradient write + gloo) does "
+              "not fit in the bound's cycle; all-reduce alone = the calibration's wall time and "
+              "this rank's CPU time for one all-reduce.")
     print(oversubscription_note(WORLD_SIZE))
     return 0
 
 
-def _profile_rows(label: str, point: dict) -> list:
-    """Two rows (back to back, crossover) of the phase medians of rank 0's last-round traces."""
+def _profile_rows(label: str, point: dict, compute: float, exposed: float, iterations: int
+                  ) -> list:
+    """Rows (back to back, crossover, the lone all-reduce) of the phase medians of rank 0's
+    last-round traces; ``compute``, ``exposed``: the point's C and M (seconds)."""
+    cores_per_rank = (os.cpu_count() or 1) / WORLD_SIZE
     rows = []
     for run in ("back_to_back", "crossover"):
         trace = point["traces"][run]
@@ -324,21 +332,37 @@ def _profile_rows(label: str, point: dict) -> list:
         hand_offs = [later[0] - earlier[0]
                      for earlier, later in zip(turn_events, turn_events[1:])
                      if earlier[1] == "pass" and later[1] == "resume"] if run == "crossover" else []
+        span = max(r["waited"] for r in trace) - min(r["started"] for r in trace)
+        link_busy = _covered([(r["computed"], r["reduced"]) for r in trace if "reduced" in r])
+        cpu_per_iteration = point["cpu"][run][-1] / (2 * iterations)
+        ceiling = ""
+        if run == "back_to_back":  # the CPU one iteration needs against the bound's cycle
+            cycle = max(compute, exposed)
+            ceiling = f"{cycle / max(cycle, cpu_per_iteration / cores_per_rank):.0%}"
 
         def median_ms(values):
             return f"{1e3 * statistics.median(values):.1f}" if values else "-"
-        wall = point[run][-1]
         rows.append([label if run == "back_to_back" else "", run.replace("_", " "),
                      median_ms([r["computed"] - r["started"] for r in trace]),
                      median_ms([r["compute_cpu"] for r in trace]),
                      f"{1e3 * point['sleep']:.1f}",
                      median_ms([r["reduced"] - r["computed"] for r in trace if "reduced" in r]),
                      median_ms([r["waited"] - r["resumed"] for r in trace]),
-                     median_ms(hand_offs),
-                     f"{point['cpu'][run][-1] / wall:.2f}"])
-    rows.append(["", "all-reduce alone", "", "", "", f"{1e3 * point['communication']:.1f}",
-                 f"CPU {1e3 * point['communication_cpu']:.1f}", "", ""])
+                     median_ms(hand_offs), f"{link_busy / span:.0%}",
+                     f"{1e3 * cpu_per_iteration:.1f}", ceiling])
+    rows.append(["", "all-reduce alone", "", "", "", f"{1e3 * point['communication']:.1f}", "",
+                 "", "", f"{1e3 * point['communication_cpu']:.1f}", ""])
     return rows
+
+
+def _covered(intervals: list) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
 
 
 def _spread(values: list) -> str:
