@@ -16,13 +16,22 @@ speedup (C + M) / max(C, M) from the compute time C (forward, backward, optimize
 exposed communication M (time waiting for the gradient all-reduce) of one job measured alone.
 
     python benchmarks/crossover.py --emulate-compute [--sizes 1e6 1e7] [--ratios 0.1 0.5 1 2 10]
+        [--gradients fill accumulate] [--profile]
 
 runs the same comparison with emulated compute (benchmarks/_emulated_compute.py): each job's
 forward and backward sleep (freeing the core, as a rank waiting for its accelerator would) while its
 gradient of ``--sizes`` float32 entries is really all-reduced over gloo; the sleep is chosen so the
-all-reduce / compute ratio M / C of one job alone sweeps ``--ratios``. Per point: back to back and
-crossover wall time of the pair (median and min-max over interleaved rounds), speed-up, the bound
-(C + M) / max(C, M) from the median C and M of the back-to-back iterations, and speed-up / bound.
+all-reduce / compute ratio M / C of one job alone sweeps ``--ratios`` (from the slowest rank's
+all-reduce time and C without sleep, then corrected once by a measured C). ``--gradients``: how the
+emulated backward writes the gradient, ``fill`` (default: overwritten, one write-only pass, the
+reducer sums) or ``accumulate`` (zeroed, accumulated and divided by the reducer: three passes);
+several are interleaved in the same rounds. Per point: back to back and crossover wall time of the
+pair (median and min-max over interleaved rounds), speed-up, the bound (C + M) / max(C, M) from the
+median C and M of the back-to-back iterations, and speed-up / bound. ``--profile`` adds, from
+per-iteration timestamps of both jobs on one timeline (rank 0, last round), where the time goes: C
+and its CPU time, the all-reduce, the exposed wait, the hand-off latency between the jobs, the share
+of time the link is busy, the process's CPU time per iteration, and the share of the bound that CPU
+time leaves reachable on this machine.
 """
 
 from __future__ import annotations
@@ -199,13 +208,11 @@ def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, writes
             reducers = {name: GradientReducer(models[name].parameters(), groups[name],
                                               divide_by=divide_by) for name in names}
             models["a"].forward_backward(ComputeTime(0.0), 0)
-            communication = median_seconds(
-                lambda: (reducers["a"].start(), reducers["a"].wait()), 5, dist.barrier)
-            fixed = median_seconds(lambda: _emulated_job(models["a"], reducers["a"],
-                                                         ComputeTime(0.0), 1, lambda: None), 3,
-                                   dist.barrier) - communication
-            fixed = max(fixed, 0.0)
-            computes = {ratio: ComputeTime(max(communication / ratio - fixed, 0.0))
+            communication = _slowest_rank(median_seconds(
+                lambda: (reducers["a"].start(), reducers["a"].wait()), 5, dist.barrier))
+            fixed = _measured_compute(models["a"], reducers["a"], ComputeTime(0.0))
+            computes = {ratio: _calibrated_compute(models["a"], reducers["a"],
+                                                   communication / ratio, fixed)
                         for ratio in ratios}
             communication_cpu = _all_reduce_cpu(reducers["a"]) if profile else None
             points = {ratio: {"back_to_back": [], "crossover": [], "timings": [],
@@ -241,6 +248,38 @@ def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, writes
                         point["traces"] = traces
             results[(numel, write)] = points
     return results
+
+
+def _slowest_rank(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (all ranks must call it): the ranks agree."""
+    import torch
+    import torch.distributed as dist
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def _measured_compute(model, reducer, compute, iterations: int = 3) -> float:
+    """C as the benchmark measures it (everything but the all-reduce wait: zeroing, the sleeping
+    forward/backward, the gradient write, launching the all-reduce): the median over
+    ``iterations`` of job a alone, the slowest rank's."""
+    import torch.distributed as dist
+    timings: list = []
+    dist.barrier()
+    _emulated_job(model, reducer, compute, iterations, lambda: None, timings)
+    return _slowest_rank(statistics.median(timing[0] for timing in timings))
+
+
+def _calibrated_compute(model, reducer, target: float, floor: float):
+    """The sleep whose measured C is ``target`` seconds: ``target - floor`` (``floor``: C without
+    sleep), then corrected once by the C measured with it (the sleeps' wake-up overshoot). Below
+    the floor the sleep is 0 and C stays at the floor."""
+    from _emulated_compute import ComputeTime
+    sleep = max(target - floor, 0.0)
+    if sleep == 0.0:
+        return ComputeTime(0.0)
+    measured = _measured_compute(model, reducer, ComputeTime(sleep))
+    return ComputeTime(max(sleep + target - measured, 0.0))
 
 
 def _all_reduce_cpu(reducer, repeats: int = 3) -> float:
@@ -350,6 +389,8 @@ def _profile_rows(label: str, point: dict, compute: float, exposed: float, itera
                      median_ms([r["waited"] - r["resumed"] for r in trace]),
                      median_ms(hand_offs), f"{link_busy / span:.0%}",
                      f"{1e3 * cpu_per_iteration:.1f}", ceiling])
+    rows.append(["", "C without sleep", f"{1e3 * point['fixed']:.1f}", "", "", "", "", "", "",
+                 "", ""])
     rows.append(["", "all-reduce alone", "", "", "", f"{1e3 * point['communication']:.1f}", "",
                  "", "", f"{1e3 * point['communication_cpu']:.1f}", ""])
     return rows
