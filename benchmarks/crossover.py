@@ -50,6 +50,7 @@ from _harness import format_table, oversubscription_note  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 
 WORLD_SIZE = 2
+JOB_NAMES = ("a", "b")  # the two emulated jobs
 
 
 def job_flags(hidden: int, layers: int, global_batch: int, iterations: int, seed: int) -> list:
@@ -188,66 +189,87 @@ def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, writes
                    iterations: int, rounds: int, profile: bool) -> dict:
     """The emulated-compute sweep on one rank: per (size, gradient write, ratio) the pair's wall
     times, the C, M of job a's back-to-back iterations and (``profile``) the per-iteration traces
-    of the last round and the process CPU seconds of each pair run."""
+    of the last round and the process CPU seconds of each pair run. The gradient writes (and the
+    ratios) are interleaved round by round, so their comparison shares the same minutes."""
     import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    groups = {name: dist.new_group(list(range(world_size))) for name in JOB_NAMES}  # one per job
+    results = {}
+    for numel in sizes:
+        setups = {write: _emulated_setup(rank, world_size, numel, write, groups, ratios, profile)
+                  for write in writes}
+        for round_index in range(rounds):
+            last = profile and round_index == rounds - 1
+            for ratio in ratios:
+                for write in writes:
+                    models, reducers, computes, points = setups[write]
+                    _emulated_pair(models, reducers, computes[ratio], iterations, points[ratio],
+                                   traced=last)
+        for write in writes:
+            results[(numel, write)] = setups[write][3]
+    return results
+
+
+
+def _emulated_setup(rank: int, world_size: int, numel: int, write: str, groups: dict,
+                    ratios: list, profile: bool) -> tuple:
+    """Both jobs' models and reducers for one (size, gradient write), the calibrated compute per
+    ratio and the empty per-ratio results: ``(models, reducers, computes, points)``."""
     import torch.distributed as dist
     from _emulated_compute import ComputeTime, EmulatedModel, median_seconds
     from megatron.core.distributed.gradient_reducer import GradientReducer
+    # "fill" stands for gradients already divided by P: the reducer sums (see
+    # benchmarks/_emulated_compute.py); "accumulate" divides, as training does
+    divide_by = world_size if write == "accumulate" else 1
+    models = {name: EmulatedModel(numel, seed=100 * index + rank, gradient_write=write)
+              for index, name in enumerate(JOB_NAMES)}
+    reducers = {name: GradientReducer(models[name].parameters(), groups[name],
+                                      divide_by=divide_by) for name in JOB_NAMES}
+    models["a"].forward_backward(ComputeTime(0.0), 0)
+    communication = _slowest_rank(median_seconds(
+        lambda: (reducers["a"].start(), reducers["a"].wait()), 5, dist.barrier))
+    fixed = _measured_compute(models["a"], reducers["a"], ComputeTime(0.0))
+    computes = {ratio: _calibrated_compute(models["a"], reducers["a"], communication / ratio,
+                                           fixed)
+                for ratio in ratios}
+    communication_cpu = _all_reduce_cpu(reducers["a"]) if profile else None
+    points = {ratio: {"back_to_back": [], "crossover": [], "timings": [], "fixed": fixed,
+                      "communication": communication, "communication_cpu": communication_cpu,
+                      "sleep": computes[ratio].seconds,
+                      "cpu": {"back_to_back": [], "crossover": []}}
+              for ratio in ratios}
+    return models, reducers, computes, points
+
+
+def _emulated_pair(models: dict, reducers: dict, compute, iterations: int, point: dict,
+                   traced: bool) -> None:
+    """One round of one point: the two jobs back to back, then under crossover scheduling; their
+    wall and process CPU times go to ``point`` (job a's back-to-back C, M to its timings; with
+    ``traced``, both runs' per-iteration traces to ``point["traces"]``)."""
+    import torch.distributed as dist
     from megatron.training.crossover import CrossoverJob, run_crossover
-    torch.set_num_threads(1)
-    names = ("a", "b")
-    groups = {name: dist.new_group(list(range(world_size))) for name in names}  # one per job
-    results = {}
-    for numel in sizes:
-        for write in writes:
-            # "fill" stands for gradients already divided by P: the reducer sums (see
-            # benchmarks/_emulated_compute.py); "accumulate" divides, as training does
-            divide_by = world_size if write == "accumulate" else 1
-            models = {name: EmulatedModel(numel, seed=100 * index + rank, gradient_write=write)
-                      for index, name in enumerate(names)}
-            reducers = {name: GradientReducer(models[name].parameters(), groups[name],
-                                              divide_by=divide_by) for name in names}
-            models["a"].forward_backward(ComputeTime(0.0), 0)
-            communication = _slowest_rank(median_seconds(
-                lambda: (reducers["a"].start(), reducers["a"].wait()), 5, dist.barrier))
-            fixed = _measured_compute(models["a"], reducers["a"], ComputeTime(0.0))
-            computes = {ratio: _calibrated_compute(models["a"], reducers["a"],
-                                                   communication / ratio, fixed)
-                        for ratio in ratios}
-            communication_cpu = _all_reduce_cpu(reducers["a"]) if profile else None
-            points = {ratio: {"back_to_back": [], "crossover": [], "timings": [],
-                              "fixed": fixed, "communication": communication,
-                              "communication_cpu": communication_cpu,
-                              "sleep": computes[ratio].seconds, "cpu": {"back_to_back": [],
-                                                                        "crossover": []}}
-                      for ratio in ratios}
-            for round_index in range(rounds):
-                last = profile and round_index == rounds - 1
-                for ratio in ratios:
-                    point, compute = points[ratio], computes[ratio]
-                    traces = {"back_to_back": [], "crossover": []} if last else None
-                    dist.barrier()
-                    cpu_started, started = time.process_time(), time.perf_counter()
-                    for name in names:
-                        _emulated_job(models[name], reducers[name], compute, iterations,
-                                      lambda: None, point["timings"] if name == "a" else None,
-                                      traces and traces["back_to_back"])
-                    dist.barrier()
-                    point["back_to_back"].append(time.perf_counter() - started)
-                    point["cpu"]["back_to_back"].append(time.process_time() - cpu_started)
-                    jobs = [CrossoverJob(name, ()) for name in names]
-                    dist.barrier()
-                    cpu_started, started = time.process_time(), time.perf_counter()
-                    run_crossover(jobs, lambda job, after, log: _emulated_job(
-                        models[job.name], reducers[job.name], compute, iterations, after,
-                        trace=traces and traces["crossover"]), log=lambda _: None)
-                    dist.barrier()
-                    point["crossover"].append(time.perf_counter() - started)
-                    point["cpu"]["crossover"].append(time.process_time() - cpu_started)
-                    if last:
-                        point["traces"] = traces
-            results[(numel, write)] = points
-    return results
+    traces = {"back_to_back": [], "crossover": []} if traced else None
+    dist.barrier()
+    cpu_started, started = time.process_time(), time.perf_counter()
+    for name in JOB_NAMES:
+        _emulated_job(models[name], reducers[name], compute, iterations, lambda: None,
+                      point["timings"] if name == "a" else None,
+                      traces["back_to_back"] if traces else None)
+    dist.barrier()
+    point["back_to_back"].append(time.perf_counter() - started)
+    point["cpu"]["back_to_back"].append(time.process_time() - cpu_started)
+    jobs = [CrossoverJob(name, ()) for name in JOB_NAMES]
+    dist.barrier()
+    cpu_started, started = time.process_time(), time.perf_counter()
+    run_crossover(jobs, lambda job, after, log: _emulated_job(
+        models[job.name], reducers[job.name], compute, iterations, after,
+        trace=traces["crossover"] if traces else None), log=lambda _: None)
+    dist.barrier()
+    point["crossover"].append(time.perf_counter() - started)
+    point["cpu"]["crossover"].append(time.process_time() - cpu_started)
+    if traces:
+        point["traces"] = traces
 
 
 def _slowest_rank(seconds: float) -> float:
