@@ -10,8 +10,8 @@ arithmetic: A2SGD's statistics, top-k selection, QSGD's quantisation; its collec
 :class:`EmulatedModel` holds ``numel`` float32 parameters in ``tensors`` equal tensors; its
 :meth:`EmulatedModel.forward_backward` sleeps ``forward_seconds``, then runs a real backward
 in which each tensor's backward sleeps its share of ``backward_seconds`` and returns that tensor's
-gradient (one of two fixed per-rank Gaussian patterns, alternating, so gradients differ between
-ranks and steps without a pass over them per step). The emulated steps of the benchmarks do not
+gradient (``"accumulate"``: one of two fixed per-rank Gaussian patterns, alternating, so gradients
+differ between ranks and steps without an extra pass over them per step; ``"fill"``: see below). The emulated steps of the benchmarks do not
 update the parameters (an optimizer is compute, and on a CPU every pass over the model costs about
 what the shared-memory all-reduce of it costs, which would cap communication / compute near 1);
 :meth:`EmulatedModel.sgd_step` is there for callers that want one. Gradients arrive tensor by
@@ -22,13 +22,14 @@ Two ways to produce the gradient (``gradient_write``):
 
 * ``"accumulate"`` (the default; ``benchmarks/a2sgd.py``): autograd accumulates the Gaussian
   patterns into ``.grad`` as a real backward does, so the reducers see realistic values, but a step
-  costs the CPU three passes over the gradient besides the sleep (the reducer's zeroing, the
-  accumulation, and the reducer's division by the data-parallel size), about 26 ms at 10 M floats on
-  our 2-core machine: it is the floor of the emulated compute, and it runs on the cores the other
-  job's gloo all-reduce needs.
+  costs the CPU passes over the gradient besides the sleep (the reducer's zeroing, autograd's
+  accumulation and, in ``GradientReducer`` with ``divide_by`` = P, the division: about 26 ms at 10 M
+  floats on our 2-core machine, 31 ms in ``torch.profiler`` under load). That is the floor of the
+  emulated compute, and it runs on the cores a concurrent gloo all-reduce needs.
 * ``"fill"`` (``benchmarks/crossover.py``): each tensor's sleeping backward *overwrites* its
   ``.grad`` with a constant (one per tensor, rank and step parity; :meth:`EmulatedModel.fill_values`),
-  one write-only pass at memset speed and no zeroing. The all-reduce still moves and sums every
+  one write-only pass at memset speed and no zeroing (the floor: 6-10 ms of CPU per step at 10 M
+  floats, the 40 MB write itself 5-6 ms). The all-reduce still moves and sums every
   byte of the real ``.grad`` buffers (its cost does not depend on the values). Use it with a
   reducer that sums (``divide_by=1``): the values stand for gradients already divided by the
   data-parallel size, so no division pass runs on the CPU either. No post-accumulate-grad hooks fire
