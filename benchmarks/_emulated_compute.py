@@ -23,8 +23,8 @@ Two ways to produce the gradient (``gradient_write``):
 * ``"accumulate"`` (the default; ``benchmarks/a2sgd.py``): autograd accumulates the Gaussian
   patterns into ``.grad`` as a real backward does, so the reducers see realistic values, but a step
   costs the CPU passes over the gradient besides the sleep (the reducer's zeroing, autograd's
-  accumulation and, in ``GradientReducer`` with ``divide_by`` = P, the division: about 26 ms at 10 M
-  floats on our 2-core machine, 31 ms in ``torch.profiler`` under load). That is the floor of the
+  accumulation and, in ``GradientReducer`` with ``divide_by`` = P, the division: 17-21 ms of CPU at
+  10 M floats on our 2-core machine, 31 ms in ``torch.profiler`` under load). That is the floor of the
   emulated compute, and it runs on the cores a concurrent gloo all-reduce needs.
 * ``"fill"`` (``benchmarks/crossover.py``): each tensor's sleeping backward *overwrites* its
   ``.grad`` with a constant (one per tensor, rank and step parity; :meth:`EmulatedModel.fill_values`),
