@@ -10,13 +10,31 @@ arithmetic: A2SGD's statistics, top-k selection, QSGD's quantisation; its collec
 :class:`EmulatedModel` holds ``numel`` float32 parameters in ``tensors`` equal tensors; its
 :meth:`EmulatedModel.forward_backward` sleeps ``forward_seconds``, then runs a real backward
 in which each tensor's backward sleeps its share of ``backward_seconds`` and returns that tensor's
-gradient (one of two fixed per-rank Gaussian patterns, alternating, so gradients differ between
-ranks and steps without a pass over them per step). The emulated steps of the benchmarks do not
+gradient (``"accumulate"``: one of two fixed per-rank Gaussian patterns, alternating, so gradients
+differ between ranks and steps without an extra pass over them per step; ``"fill"``: see below). The emulated steps of the benchmarks do not
 update the parameters (an optimizer is compute, and on a CPU every pass over the model costs about
 what the shared-memory all-reduce of it costs, which would cap communication / compute near 1);
 :meth:`EmulatedModel.sgd_step` is there for callers that want one. Gradients arrive tensor by
 tensor, last first, as in a real backward, so the post-accumulate hooks of an overlapping
 all-reduce fire during the sleep.
+
+Two ways to produce the gradient (``gradient_write``):
+
+* ``"accumulate"`` (the default; ``benchmarks/a2sgd.py``): autograd accumulates the Gaussian
+  patterns into ``.grad`` as a real backward does, so the reducers see realistic values, but a step
+  costs the CPU passes over the gradient besides the sleep (the reducer's zeroing, autograd's
+  accumulation and, in ``GradientReducer`` with ``divide_by`` = P, the division: 17-21 ms of CPU at
+  10 M floats on our 2-core machine, 31 ms in ``torch.profiler`` under load). That is the floor of the
+  emulated compute, and it runs on the cores a concurrent gloo all-reduce needs.
+* ``"fill"`` (``benchmarks/crossover.py``): each tensor's sleeping backward *overwrites* its
+  ``.grad`` with a constant (one per tensor, rank and step parity; :meth:`EmulatedModel.fill_values`),
+  one write-only pass at memset speed and no zeroing (the floor: 6-10 ms of CPU per step at 10 M
+  floats, the 40 MB write itself 5-6 ms). The all-reduce still moves and sums every
+  byte of the real ``.grad`` buffers (its cost does not depend on the values). Use it with a
+  reducer that sums (``divide_by=1``): the values stand for gradients already divided by the
+  data-parallel size, so no division pass runs on the CPU either. No post-accumulate-grad hooks fire
+  (the gradient does not go through autograd's accumulation), so it does not suit overlapping
+  reducers.
 
 Used by ``benchmarks/a2sgd.py --emulate-compute`` and ``benchmarks/crossover.py --emulate-compute``;
 deliberately independent of the emulated pipeline stages of ``benchmarks/emulated_depth.py``.
@@ -62,6 +80,23 @@ class _SleepingGradient(torch.autograd.Function):
         return ctx.gradient, None, None  # the loss is the sum: grad_output is 1
 
 
+class _SleepingFill(torch.autograd.Function):
+    """Forward: a zero scalar that depends on ``param``. Backward: sleep, then overwrite
+    ``param.grad`` with ``value`` (one write-only pass); no gradient flows through autograd."""
+
+    @staticmethod
+    def forward(ctx, param, value, backward_seconds):
+        ctx.param, ctx.value, ctx.backward_seconds = param, value, backward_seconds
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.backward_seconds > 0:
+            time.sleep(ctx.backward_seconds)
+        ctx.param.grad.fill_(ctx.value)
+        return None, None, None
+
+
 class EmulatedModel(torch.nn.Module):
     """``numel`` parameters in ``tensors`` tensors with sleeping compute (see the module docstring).
 
@@ -69,17 +104,30 @@ class EmulatedModel(torch.nn.Module):
         numel: parameters (and gradient entries) in all.
         tensors: how many tensors they are split into (the backward produces them one by one).
         seed: seeds this rank's gradient pattern (use a different one per rank).
+        gradient_write: ``"accumulate"`` or ``"fill"`` (see the module docstring).
     """
 
-    def __init__(self, numel: int, tensors: int = 8, seed: int = 0):
+    GRADIENT_WRITES = ("accumulate", "fill")
+
+    def __init__(self, numel: int, tensors: int = 8, seed: int = 0,
+                 gradient_write: str = "accumulate"):
         super().__init__()
         if numel < tensors:
             raise ValueError(f"{numel} parameters cannot fill {tensors} tensors; use fewer tensors")
+        if gradient_write not in self.GRADIENT_WRITES:
+            raise ValueError(f"gradient_write={gradient_write!r}: choose one of "
+                             f"{', '.join(self.GRADIENT_WRITES)}")
+        self.gradient_write = gradient_write
         sizes = [numel // tensors + (1 if index < numel % tensors else 0)
                  for index in range(tensors)]
         generator = torch.Generator().manual_seed(seed)
         self.weights = torch.nn.ParameterList(
             torch.nn.Parameter(torch.zeros(size)) for size in sizes)
+        if gradient_write == "fill":  # no per-entry patterns to hold
+            self.patterns, self.odd_patterns = [], []
+            self._fill_values = torch.randn(tensors, generator=generator)
+            return
+        self._fill_values = None
         self.patterns = [torch.randn(size, generator=generator) for size in sizes]
         # odd steps use a second, rescaled and shuffled pattern: gradients change between steps
         # without costing a pass over them per step
@@ -90,19 +138,38 @@ class EmulatedModel(torch.nn.Module):
         return sum(weight.numel() for weight in self.weights)
 
     def gradients(self, step: int) -> list:
-        """The gradient each tensor gets at ``step``: its pattern on even steps, the odd pattern
-        (``-0.5`` times the pattern rolled by one) on odd steps."""
+        """The gradient each tensor gets at ``step`` (``"accumulate"``): its pattern on even steps,
+        the odd pattern (``-0.5`` times the pattern rolled by one) on odd steps."""
+        if self.gradient_write != "accumulate":
+            raise ValueError("gradients() are the accumulated patterns; this model fills "
+                             "(gradient_write='fill'): use fill_values()")
         return self.odd_patterns if step % 2 else self.patterns
+
+    def fill_values(self, step: int) -> list:
+        """The constant each tensor's ``.grad`` is filled with at ``step`` (``"fill"``): one
+        Gaussian draw per tensor on even steps, ``-0.5`` times them rolled by one on odd steps."""
+        if self._fill_values is None:
+            raise ValueError("fill_values() needs gradient_write='fill'")
+        values = -0.5 * self._fill_values.roll(1) if step % 2 else self._fill_values
+        return values.tolist()
 
     def forward_backward(self, compute: ComputeTime, step: int) -> None:
         """Sleep the forward, then backpropagate: each tensor sleeps its share of the backward and
-        accumulates its gradient (:meth:`gradients`) into ``.grad``. Besides the sleep, the only
-        work is autograd's accumulation (one pass over the gradient)."""
+        then produces its gradient: ``"accumulate"`` adds :meth:`gradients` into ``.grad``
+        (autograd's accumulation, one pass); ``"fill"`` overwrites ``.grad`` with
+        :meth:`fill_values` (a write-only pass; a missing ``.grad`` is allocated first)."""
         if compute.forward_seconds > 0:
             time.sleep(compute.forward_seconds)
         share = compute.backward_seconds / len(self.weights)
-        loss = sum(_SleepingGradient.apply(weight, gradient, share)
-                   for weight, gradient in zip(self.weights, self.gradients(step)))
+        if self.gradient_write == "fill":
+            for weight in self.weights:
+                if weight.grad is None:
+                    weight.grad = torch.empty_like(weight)
+            loss = sum(_SleepingFill.apply(weight, value, share)
+                       for weight, value in zip(self.weights, self.fill_values(step)))
+        else:
+            loss = sum(_SleepingGradient.apply(weight, gradient, share)
+                       for weight, gradient in zip(self.weights, self.gradients(step)))
         loss.backward()
 
     @torch.no_grad()

@@ -16,13 +16,22 @@ speedup (C + M) / max(C, M) from the compute time C (forward, backward, optimize
 exposed communication M (time waiting for the gradient all-reduce) of one job measured alone.
 
     python benchmarks/crossover.py --emulate-compute [--sizes 1e6 1e7] [--ratios 0.1 0.5 1 2 10]
+        [--gradients fill accumulate] [--profile]
 
 runs the same comparison with emulated compute (benchmarks/_emulated_compute.py): each job's
 forward and backward sleep (freeing the core, as a rank waiting for its accelerator would) while its
 gradient of ``--sizes`` float32 entries is really all-reduced over gloo; the sleep is chosen so the
-all-reduce / compute ratio M / C of one job alone sweeps ``--ratios``. Per point: back to back and
-crossover wall time of the pair (median and min-max over interleaved rounds), speed-up, the bound
-(C + M) / max(C, M) from the median C and M of the back-to-back iterations, and speed-up / bound.
+all-reduce / compute ratio M / C of one job alone sweeps ``--ratios`` (from the slowest rank's
+all-reduce time and C without sleep, then corrected once by a measured C). ``--gradients``: how the
+emulated backward writes the gradient, ``fill`` (default: overwritten, one write-only pass, the
+reducer sums) or ``accumulate`` (zeroed, accumulated and divided by the reducer: three passes);
+several are interleaved in the same rounds. Per point: back to back and crossover wall time of the
+pair (median and min-max over interleaved rounds), speed-up, the bound (C + M) / max(C, M) from the
+median C and M of the back-to-back iterations, and speed-up / bound. ``--profile`` adds, from
+per-iteration timestamps of both jobs on one timeline (rank 0, last round), where the time goes: C
+and its CPU time, the all-reduce, the exposed wait, the hand-off latency between the jobs, the share
+of time the link is busy, the process's CPU time per iteration, and the share of the bound that CPU
+time leaves reachable on this machine.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from _harness import format_table, oversubscription_note  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 
 WORLD_SIZE = 2
+JOB_NAMES = ("a", "b")  # the two emulated jobs
 
 
 def job_flags(hidden: int, layers: int, global_batch: int, iterations: int, seed: int) -> list:
@@ -127,109 +137,295 @@ def _rank(rank: int, world_size: int, points: list, iterations: int, rounds: int
     return results
 
 
-def _emulated_job(model, reducer, compute, iterations: int, after_compute, timings=None):
+def _emulated_job(model, reducer, compute, iterations: int, after_compute, timings=None,
+                  trace=None):
     """One job: ``iterations`` steps of sleeping compute and the real all-reduce (no optimizer
     update, see benchmarks/_emulated_compute.py);
     ``after_compute`` runs between starting the all-reduce and waiting for it (the crossover turn).
-    ``timings`` (a list) gets (compute, exposed communication) seconds per iteration."""
+    ``timings`` (a list) gets (compute, exposed communication) seconds per iteration; ``trace`` (a
+    list) gets one :func:`_traced_iteration` record per iteration. A model that accumulates its
+    gradients is zeroed first (:meth:`GradientReducer.zero_grad`); one that fills them is not."""
+    zero_first = model.gradient_write == "accumulate"
     for iteration in range(iterations):
+        record = _traced_iteration(reducer, trace, iteration)
         started = time.perf_counter()
-        reducer.zero_grad()
+        cpu_started = time.thread_time()
+        if zero_first:
+            reducer.zero_grad()
         model.forward_backward(compute, iteration)
         reducer.start()
         computed = time.perf_counter()
+        if record is not None:
+            record.update(started=started, computed=computed,
+                          compute_cpu=time.thread_time() - cpu_started)
+            for bucket in reducer.buckets:  # when gloo finished, on gloo's thread
+                if hasattr(bucket.handle, "get_future"):
+                    bucket.handle.get_future().add_done_callback(
+                        lambda _, record=record: record.__setitem__("reduced",
+                                                                    time.perf_counter()))
         after_compute()
+        resumed = time.perf_counter()
         reducer.wait()
         waited = time.perf_counter()
+        if record is not None:
+            record.update(resumed=resumed, waited=waited)
         if timings is not None:
             timings.append(((computed - started) + (time.perf_counter() - waited),
                             waited - computed))
 
 
-def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, iterations: int,
-                   rounds: int) -> dict:
-    """The emulated-compute sweep on one rank: per (size, ratio) the pair's wall times and the C, M
-    of job a's back-to-back iterations."""
+def _traced_iteration(reducer, trace, iteration: int):
+    """A fresh record appended to ``trace`` (``None`` when not tracing): the ``iteration``, its
+    ``started``, ``computed`` (all-reduce launched), ``resumed`` (turn back), ``waited`` and
+    ``reduced`` (gloo done) times and ``compute_cpu`` (this thread's CPU seconds in the compute)."""
+    if trace is None:
+        return None
+    record = {"iteration": iteration}
+    trace.append(record)
+    return record
+
+
+def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, writes: list,
+                   iterations: int, rounds: int, profile: bool) -> dict:
+    """The emulated-compute sweep on one rank: per (size, gradient write, ratio) the pair's wall
+    times, the C, M of job a's back-to-back iterations and (``profile``) the per-iteration traces
+    of the last round and the process CPU seconds of each pair run. The gradient writes (and the
+    ratios) are interleaved round by round, so their comparison shares the same minutes."""
     import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    groups = {name: dist.new_group(list(range(world_size))) for name in JOB_NAMES}  # one per job
+    results = {}
+    for numel in sizes:
+        setups = {write: _emulated_setup(rank, world_size, numel, write, groups, ratios, profile)
+                  for write in writes}
+        for round_index in range(rounds):
+            last = profile and round_index == rounds - 1
+            for ratio in ratios:
+                for write in writes:
+                    models, reducers, computes, points = setups[write]
+                    _emulated_pair(models, reducers, computes[ratio], iterations, points[ratio],
+                                   traced=last)
+        for write in writes:
+            results[(numel, write)] = setups[write][3]
+    return results
+
+
+
+def _emulated_setup(rank: int, world_size: int, numel: int, write: str, groups: dict,
+                    ratios: list, profile: bool) -> tuple:
+    """Both jobs' models and reducers for one (size, gradient write), the calibrated compute per
+    ratio and the empty per-ratio results: ``(models, reducers, computes, points)``."""
     import torch.distributed as dist
     from _emulated_compute import ComputeTime, EmulatedModel, median_seconds
     from megatron.core.distributed.gradient_reducer import GradientReducer
+    # "fill" stands for gradients already divided by P: the reducer sums (see
+    # benchmarks/_emulated_compute.py); "accumulate" divides, as training does
+    divide_by = world_size if write == "accumulate" else 1
+    models = {name: EmulatedModel(numel, seed=100 * index + rank, gradient_write=write)
+              for index, name in enumerate(JOB_NAMES)}
+    reducers = {name: GradientReducer(models[name].parameters(), groups[name],
+                                      divide_by=divide_by) for name in JOB_NAMES}
+    models["a"].forward_backward(ComputeTime(0.0), 0)
+    communication = _slowest_rank(median_seconds(
+        lambda: (reducers["a"].start(), reducers["a"].wait()), 5, dist.barrier))
+    fixed = _measured_compute(models["a"], reducers["a"], ComputeTime(0.0))
+    computes = {ratio: _calibrated_compute(models["a"], reducers["a"], communication / ratio,
+                                           fixed)
+                for ratio in ratios}
+    communication_cpu = _all_reduce_cpu(reducers["a"]) if profile else None
+    points = {ratio: {"back_to_back": [], "crossover": [], "timings": [], "fixed": fixed,
+                      "communication": communication, "communication_cpu": communication_cpu,
+                      "sleep": computes[ratio].seconds,
+                      "cpu": {"back_to_back": [], "crossover": []}}
+              for ratio in ratios}
+    return models, reducers, computes, points
+
+
+def _emulated_pair(models: dict, reducers: dict, compute, iterations: int, point: dict,
+                   traced: bool) -> None:
+    """One round of one point: the two jobs back to back, then under crossover scheduling; their
+    wall and process CPU times go to ``point`` (job a's back-to-back C, M to its timings; with
+    ``traced``, both runs' per-iteration traces to ``point["traces"]``)."""
+    import torch.distributed as dist
     from megatron.training.crossover import CrossoverJob, run_crossover
-    torch.set_num_threads(1)
-    names = ("a", "b")
-    groups = {name: dist.new_group(list(range(world_size))) for name in names}  # one per job
-    results = {}
-    for numel in sizes:
-        models = {name: EmulatedModel(numel, seed=100 * index + rank)
-                  for index, name in enumerate(names)}
-        reducers = {name: GradientReducer(models[name].parameters(), groups[name],
-                                          divide_by=world_size) for name in names}
-        models["a"].forward_backward(ComputeTime(0.0), 0)
-        communication = median_seconds(lambda: (reducers["a"].start(), reducers["a"].wait()), 5,
-                                       dist.barrier)
-        fixed = median_seconds(lambda: _emulated_job(models["a"], reducers["a"],
-                                                     ComputeTime(0.0), 1, lambda: None), 3,
-                               dist.barrier) - communication
-        fixed = max(fixed, 0.0)
-        computes = {ratio: ComputeTime(max(communication / ratio - fixed, 0.0))
-                    for ratio in ratios}
-        points = {ratio: {"back_to_back": [], "crossover": [], "timings": []} for ratio in ratios}
-        for _ in range(rounds):
-            for ratio in ratios:
-                point, compute = points[ratio], computes[ratio]
-                dist.barrier()
-                started = time.perf_counter()
-                _emulated_job(models["a"], reducers["a"], compute, iterations, lambda: None,
-                              point["timings"])
-                _emulated_job(models["b"], reducers["b"], compute, iterations, lambda: None)
-                dist.barrier()
-                point["back_to_back"].append(time.perf_counter() - started)
-                jobs = [CrossoverJob(name, ()) for name in names]
-                dist.barrier()
-                started = time.perf_counter()
-                run_crossover(jobs, lambda job, after, log: _emulated_job(
-                    models[job.name], reducers[job.name], compute, iterations, after),
-                    log=lambda _: None)
-                dist.barrier()
-                point["crossover"].append(time.perf_counter() - started)
-        results[numel] = points
-    return results
+    traces = {"back_to_back": [], "crossover": []} if traced else None
+    dist.barrier()
+    cpu_started, started = time.process_time(), time.perf_counter()
+    for name in JOB_NAMES:
+        _emulated_job(models[name], reducers[name], compute, iterations, lambda: None,
+                      point["timings"] if name == "a" else None,
+                      traces["back_to_back"] if traces else None)
+    dist.barrier()
+    point["back_to_back"].append(time.perf_counter() - started)
+    point["cpu"]["back_to_back"].append(time.process_time() - cpu_started)
+    jobs = [CrossoverJob(name, ()) for name in JOB_NAMES]
+    dist.barrier()
+    cpu_started, started = time.process_time(), time.perf_counter()
+    run_crossover(jobs, lambda job, after, log: _emulated_job(
+        models[job.name], reducers[job.name], compute, iterations, after,
+        trace=traces["crossover"] if traces else None), log=lambda _: None)
+    dist.barrier()
+    point["crossover"].append(time.perf_counter() - started)
+    point["cpu"]["crossover"].append(time.process_time() - cpu_started)
+    if traces:
+        point["traces"] = traces
+
+
+def _slowest_rank(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (all ranks must call it): the ranks agree."""
+    import torch
+    import torch.distributed as dist
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def _measured_compute(model, reducer, compute, iterations: int = 3) -> float:
+    """C as the benchmark measures it (everything but the all-reduce wait: zeroing, the sleeping
+    forward/backward, the gradient write, launching the all-reduce): the median over
+    ``iterations`` of job a alone, the slowest rank's."""
+    import torch.distributed as dist
+    timings: list = []
+    dist.barrier()
+    _emulated_job(model, reducer, compute, iterations, lambda: None, timings)
+    return _slowest_rank(statistics.median(timing[0] for timing in timings))
+
+
+def _calibrated_compute(model, reducer, target: float, floor: float):
+    """The sleep whose measured C is ``target`` seconds: ``target - floor`` (``floor``: C without
+    sleep), then corrected once by the C measured with it (the sleeps' wake-up overshoot). Below
+    the floor the sleep is 0 and C stays at the floor."""
+    from _emulated_compute import ComputeTime
+    sleep = max(target - floor, 0.0)
+    if sleep == 0.0:
+        return ComputeTime(0.0)
+    measured = _measured_compute(model, reducer, ComputeTime(sleep))
+    return ComputeTime(max(sleep + target - measured, 0.0))
+
+
+def _all_reduce_cpu(reducer, repeats: int = 3) -> float:
+    """The median CPU seconds this process (its gloo threads included) spends on one all-reduce of
+    the reducer's gradient, each started after a barrier."""
+    import torch.distributed as dist
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.process_time()
+        reducer.start()
+        reducer.wait()
+        seconds.append(time.process_time() - started)
+    return statistics.median(seconds)
 
 
 def emulated_main(args) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sizes = [int(size) for size in args.sizes]
     iterations, rounds = args.iterations or 6, args.rounds or 3
-    per_rank = run_distributed(_emulated_rank, WORLD_SIZE, sizes, args.ratios, iterations,
-                               rounds, timeout=7200)
-    rows = []
+    per_rank = run_distributed(_emulated_rank, WORLD_SIZE, sizes, args.ratios, args.gradients,
+                               iterations, rounds, args.profile, timeout=7200)
+    rows, profile_rows = [], []
     for numel in sizes:
-        for ratio in args.ratios:
-            point = per_rank[-1][numel][ratio]
-            back = [max(r[numel][ratio]["back_to_back"][i] for r in per_rank)
-                    for i in range(rounds)]
-            cross = [max(r[numel][ratio]["crossover"][i] for r in per_rank)
-                     for i in range(rounds)]
-            compute = statistics.median(t[0] for t in point["timings"])
-            exposed = statistics.median(t[1] for t in point["timings"])
-            bound = (compute + exposed) / max(compute, exposed)
-            speedup = statistics.median(back) / statistics.median(cross)
-            per_round = sorted(b / c for b, c in zip(back, cross))
-            rows.append([f"{numel:,}", f"{ratio:g}", f"{exposed / compute:.2f}",
-                         f"{compute * 1e3:.0f}", f"{exposed * 1e3:.0f}",
-                         _spread([1e3 * b / (2 * iterations) for b in back]),
-                         _spread([1e3 * c / (2 * iterations) for c in cross]),
-                         f"{speedup:.2f} ({per_round[0]:.2f}-{per_round[-1]:.2f})",
-                         f"{bound:.2f}", f"{speedup / bound:.0%}"])
-    print(format_table(["floats", "target M/C", "M/C", "C ms", "M ms",
+        for write in args.gradients:
+            for ratio in args.ratios:
+                point = per_rank[-1][(numel, write)][ratio]
+                back = [max(r[(numel, write)][ratio]["back_to_back"][i] for r in per_rank)
+                        for i in range(rounds)]
+                cross = [max(r[(numel, write)][ratio]["crossover"][i] for r in per_rank)
+                         for i in range(rounds)]
+                compute = statistics.median(t[0] for t in point["timings"])
+                exposed = statistics.median(t[1] for t in point["timings"])
+                bound = (compute + exposed) / max(compute, exposed)
+                speedup = statistics.median(back) / statistics.median(cross)
+                per_round = sorted(b / c for b, c in zip(back, cross))
+                rows.append([f"{numel:,}", write, f"{ratio:g}", f"{exposed / compute:.2f}",
+                             f"{compute * 1e3:.0f}", f"{exposed * 1e3:.0f}",
+                             _spread([1e3 * b / (2 * iterations) for b in back]),
+                             _spread([1e3 * c / (2 * iterations) for c in cross]),
+                             f"{speedup:.2f} ({per_round[0]:.2f}-{per_round[-1]:.2f})",
+                             f"{bound:.2f}", f"{speedup / bound:.0%}"])
+                if args.profile:
+                    profile_rows.extend(_profile_rows(f"{numel:,} {write} {ratio:g}", point,
+                                                      compute, exposed, iterations))
+    print(format_table(["floats", "gradients", "target M/C", "M/C", "C ms", "M ms",
                         "back to back ms/iter", "crossover ms/iter", "speed-up (round min-max)",
                         "bound", "speed-up / bound"], rows))
     print(f"Emulated compute (sleep), real gloo all-reduce; two DP {WORLD_SIZE} jobs, "
           f"{iterations} iterations each, {rounds} interleaved round(s); ms per iteration of one "
           f"job (pair time / {2 * iterations}), median (min-max) over rounds; C and M are job a's "
-          f"back-to-back medians.")
+          f"back-to-back medians. Gradients: 'fill' overwrites .grad (one write pass, summed), "
+          f"'accumulate' zeroes, accumulates and divides (three passes); see "
+          f"benchmarks/_emulated_compute.py.")
+    if profile_rows:
+        print()
+        print(format_table(["point", "run", "C ms", "of it CPU ms", "sleep ms", "all-reduce ms",
+                            "exposed wait ms", "hand-off ms", "link busy", "rank CPU ms/iter",
+                            "CPU ceiling"], profile_rows))
+        print("Profile (rank 0, last round, medians over both jobs' iterations): C = start of an "
+              "iteration to the launch of its all-reduce, of it CPU = the job thread's CPU time "
+              "in it (zeroing, gradient writes, reducer start, Python); all-reduce = launch to "
+              "gloo's completion callback; exposed wait = turn back to all-reduce done; hand-off "
+              "= one job passing the turn to the other resuming (RNG swap and thread wake-up); "
+              "link busy = share of the pair run with an all-reduce in flight; rank CPU ms/iter "
+              "= this process's CPU time (gloo's threads included) per job iteration; CPU "
+              "ceiling = max(C, M) / max(max(C, M), that CPU / cores per rank): the share of the "
+              "bound a rank can reach when one iteration's CPU work (gradient write + gloo) does "
+              "not fit in the bound's cycle; all-reduce alone = the calibration's wall time and "
+              "this rank's CPU time for one all-reduce.")
     print(oversubscription_note(WORLD_SIZE))
     return 0
+
+
+def _profile_rows(label: str, point: dict, compute: float, exposed: float, iterations: int
+                  ) -> list:
+    """Rows (back to back, crossover, the lone all-reduce) of the phase medians of rank 0's
+    last-round traces; ``compute``, ``exposed``: the point's C and M (seconds)."""
+    cores_per_rank = (os.cpu_count() or 1) / WORLD_SIZE
+    rows = []
+    for run in ("back_to_back", "crossover"):
+        trace = point["traces"][run]
+        turn_events = []  # (time, kind): a turn begins at a job's start or resume, ends at a pass
+        for record in trace:
+            turn_events.append((record["computed"], "pass"))
+            turn_events.append((record["resumed"], "resume"))
+        turn_events.extend((r["started"], "resume") for r in trace if r["iteration"] == 0)
+        turn_events.sort()
+        hand_offs = [later[0] - earlier[0]
+                     for earlier, later in zip(turn_events, turn_events[1:])
+                     if earlier[1] == "pass" and later[1] == "resume"] if run == "crossover" else []
+        span = max(r["waited"] for r in trace) - min(r["started"] for r in trace)
+        link_busy = _covered([(r["computed"], r["reduced"]) for r in trace if "reduced" in r])
+        cpu_per_iteration = point["cpu"][run][-1] / (2 * iterations)
+        ceiling = ""
+        if run == "back_to_back":  # the CPU one iteration needs against the bound's cycle
+            cycle = max(compute, exposed)
+            ceiling = f"{cycle / max(cycle, cpu_per_iteration / cores_per_rank):.0%}"
+
+        def median_ms(values):
+            return f"{1e3 * statistics.median(values):.1f}" if values else "-"
+        rows.append([label if run == "back_to_back" else "", run.replace("_", " "),
+                     median_ms([r["computed"] - r["started"] for r in trace]),
+                     median_ms([r["compute_cpu"] for r in trace]),
+                     f"{1e3 * point['sleep']:.1f}",
+                     median_ms([r["reduced"] - r["computed"] for r in trace if "reduced" in r]),
+                     median_ms([r["waited"] - r["resumed"] for r in trace]),
+                     median_ms(hand_offs), f"{link_busy / span:.0%}",
+                     f"{1e3 * cpu_per_iteration:.1f}", ceiling])
+    rows.append(["", "C without sleep", f"{1e3 * point['fixed']:.1f}", "", "", "", "", "", "",
+                 "", ""])
+    rows.append(["", "all-reduce alone", "", "", "", f"{1e3 * point['communication']:.1f}", "",
+                 "", "", f"{1e3 * point['communication_cpu']:.1f}", ""])
+    return rows
+
+
+def _covered(intervals: list) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
 
 
 def _spread(values: list) -> str:
@@ -247,6 +443,15 @@ def main(argv=None) -> int:
                         help="with --emulate-compute: gradient sizes (float32 entries)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.5, 1, 2, 10],
                         help="with --emulate-compute: target communication / compute")
+    parser.add_argument("--gradients", nargs="+", choices=("fill", "accumulate"),
+                        default=["fill"],
+                        help="with --emulate-compute: how the emulated backward writes the "
+                             "gradient: 'fill' overwrites it (one write pass, summed by the "
+                             "reducer), 'accumulate' zeroes, accumulates and divides it (three "
+                             "passes); several are interleaved in the same rounds")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --emulate-compute: also print where each iteration's time "
+                             "goes (compute CPU, all-reduce, exposed wait, hand-off latency)")
     args = parser.parse_args(argv)
     if args.emulate_compute:
         return emulated_main(args)

@@ -81,6 +81,56 @@ def test_baton_rotates_and_skips_jobs_that_left():
     assert order == ["a", "b", "c", "a", "b done", "c", "a done", "c done"]
 
 
+def test_each_job_keeps_its_own_random_streams_across_turns():
+    """The hand-off swaps python's, numpy's and torch's global generators: two jobs that seed and
+    draw in alternating turns get exactly the numbers each would draw alone."""
+    import random
+    import threading
+
+    import numpy as np
+    import torch
+    from megatron.training.crossover import _JobTurns
+
+    def draws(seed, after_each=lambda: None):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        values = []
+        for _ in range(3):
+            values.append((random.random(), float(np.random.rand()), float(torch.rand(()))))
+            after_each()
+        return values
+
+    alone = {name: draws(seed) for name, seed in (("a", 1), ("b", 2))}
+    baton, shared = Baton(["a", "b"]), {}
+
+    def job(name, seed):
+        baton.wait_for_turn(name)
+        shared[name] = draws(seed, _JobTurns(baton, name))
+        baton.leave(name)
+
+    threads = [threading.Thread(target=job, args=item) for item in (("a", 1), ("b", 2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert shared == alone and alone["a"] != alone["b"]
+
+
+def test_crossover_benchmark_emulated_run_prints_its_tables(capsys):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import crossover as benchmark
+    assert benchmark.main(["--emulate-compute", "--sizes", "2e4", "--ratios", "1",
+                           "--iterations", "2", "--rounds", "1", "--gradients", "fill",
+                           "accumulate", "--profile"]) == 0
+    text = capsys.readouterr().out
+    assert "speed-up / bound" in text and "20,000" in text
+    assert "accumulate" in text and "fill" in text
+    assert "hand-off ms" in text and "CPU ceiling" in text and "all-reduce alone" in text
+
+
 def test_jobs_file_errors_name_the_problem(tmp_path):
     path = tmp_path / "jobs.json"
     path.write_text(json.dumps({"jobs": [{"name": "a", "args": "--seed 1"},

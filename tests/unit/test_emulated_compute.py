@@ -5,6 +5,7 @@ import os
 import sys
 import time
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -50,3 +51,41 @@ def test_sgd_step_moves_against_the_gradient():
     model.forward_backward(ComputeTime(0.0), step=0)
     model.sgd_step(lr=0.5)
     torch.testing.assert_close(model.weights[0].detach(), -0.5 * model.patterns[0])
+
+
+def test_fill_overwrites_the_reducer_buffer_with_one_constant_per_tensor_without_zeroing():
+    model = EmulatedModel(10, tensors=3, seed=5, gradient_write="fill")
+    reducer = GradientReducer(model.parameters())
+    flat = next(iter(reducer.buffers.values()))
+    flat.fill_(123.0)  # stale values: the fill must overwrite, not accumulate
+    model.forward_backward(ComputeTime(0.0), step=2)
+    even = model.fill_values(2)
+    for weight, value in zip(model.weights, even):
+        torch.testing.assert_close(weight.grad, torch.full_like(weight, value))
+    assert len(set(even)) == 3 and weight.grad.data_ptr() >= flat.data_ptr()
+    model.forward_backward(ComputeTime(0.0), step=3)
+    odd = [-0.5 * value for value in even[-1:] + even[:-1]]
+    for weight, value in zip(model.weights, odd):
+        torch.testing.assert_close(weight.grad, torch.full_like(weight, value))
+    assert model.fill_values(3) == pytest.approx(odd)
+    assert float(flat.sum()) == pytest.approx(sum(v * w.numel() for v, w in zip(odd, model.weights)))
+    other = EmulatedModel(10, tensors=3, seed=6, gradient_write="fill")
+    assert other.fill_values(2) != even  # ranks differ
+
+
+def test_fill_sleeps_the_compute_and_allocates_a_missing_grad():
+    model = EmulatedModel(6, tensors=3, gradient_write="fill")
+    started = time.perf_counter()
+    model.forward_backward(ComputeTime(0.3), step=0)
+    assert time.perf_counter() - started >= 0.3
+    for weight, value in zip(model.weights, model.fill_values(0)):
+        torch.testing.assert_close(weight.grad, torch.full_like(weight, value))
+
+
+def test_gradient_write_mistakes_name_the_fix():
+    with pytest.raises(ValueError, match="accumulate, fill"):
+        EmulatedModel(6, tensors=3, gradient_write="copy")
+    with pytest.raises(ValueError, match="fill_values"):
+        EmulatedModel(6, tensors=3, gradient_write="fill").gradients(0)
+    with pytest.raises(ValueError, match="gradient_write='fill'"):
+        EmulatedModel(6, tensors=3).fill_values(0)
