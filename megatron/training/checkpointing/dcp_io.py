@@ -61,6 +61,8 @@ class PieceSavePlanner(DefaultSavePlanner):
         self.packed = {piece.index: piece for piece in packed}
         self.packed_key = packed_key
         self.error = error
+        self.central_plan: Optional[SavePlan] = None  # this rank's part of the global plan
+        self.global_metadata = None  # the coordinator's: DCP's index of the checkpoint
         if self.packed and not packed_key:
             raise ValueError("PieceSavePlanner: packed pieces need a packed_key")
 
@@ -115,15 +117,33 @@ class PieceSavePlanner(DefaultSavePlanner):
             items = plan.items if mine else \
                 [item for item in plan.items if item.index.fqn != key]
             assigned.append(dataclasses.replace(plan, items=items, planner_data=(key, mine)))
-        return super().create_global_plan(assigned)
+        plans, self.global_metadata = super().create_global_plan(assigned)
+        return plans, self.global_metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """This rank's packed object: the boxes the global plan assigned to it
         (:func:`pack_boxes`)."""
+        self.central_plan = new_plan  # what a later save of the same plan reuses (background)
         if new_plan.planner_data is not None and new_plan.planner_data[1]:
             key, mine = new_plan.planner_data
             self.objects[key] = pack_boxes([self.packed[tuple(index)] for index in mine])
         return super().finish_plan(new_plan)
+
+    def plan_key(self) -> Optional[tuple]:
+        """What this rank's local plan consists of (every item's key, box, dtype and global
+        shape, and the packed boxes), to tell whether a global plan made for an earlier save
+        still fits; None when this rank cannot save (``error``)."""
+        if self.error is not None:
+            return None
+        plan = self.create_local_plan()
+        items = tuple((item.index.fqn, None if item.index.offset is None
+                       else tuple(item.index.offset), item.type.value,
+                       None if item.tensor_data is None else
+                       (tuple(item.tensor_data.chunk.sizes), str(item.tensor_data.properties.dtype),
+                        tuple(item.tensor_data.size))) for item in plan.items)
+        packing = None if plan.planner_data is None else \
+            (plan.planner_data[0], tuple(plan.planner_data[1]))
+        return items, packing
 
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self.objects and index.offset is None:

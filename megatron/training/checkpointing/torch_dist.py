@@ -176,14 +176,24 @@ def writer_for(staging_dir: str) -> FileSystemWriter:
                             thread_count=1)
 
 
-def own_files(staging_dir: str, rank: int) -> dict:
+def own_files(staging_dir: str, rank: int, with_dcp_metadata: bool = True) -> dict:
     """``{relative path: {size, crc32}}`` of the files this rank's DCP writer produced (rank 0
-    also records DCP's ``.metadata``)."""
-    found = sorted(glob.glob(os.path.join(staging_dir, f"__{rank}_*.distcp")))
-    if rank == 0:
+    also records DCP's ``.metadata`` unless ``with_dcp_metadata`` is False: not written yet)."""
+    found = sorted(glob.glob(os.path.join(staging_dir, own_file_pattern(rank))))
+    if rank == 0 and with_dcp_metadata:
         found.append(os.path.join(staging_dir, DCP_METADATA_FILENAME))
-    return {os.path.relpath(path, staging_dir): {"size": os.path.getsize(path),
-                                                 "crc32": file_crc32(path)} for path in found}
+    return {os.path.relpath(path, staging_dir): file_record(path) for path in found}
+
+
+def own_file_pattern(rank: int) -> str:
+    """The names of the files rank ``rank``'s DCP writer produces (one per rank, see
+    :func:`writer_for`)."""
+    return f"__{rank}_*.distcp"
+
+
+def file_record(path: str) -> dict:
+    """What ``metadata.json`` records of one file: its size and CRC-32."""
+    return {"size": os.path.getsize(path), "crc32": file_crc32(path)}
 
 
 def write_pieces(components, pieces, objects, staging_dir: str, error=None) -> None:
