@@ -35,12 +35,14 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import io
 import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -109,6 +111,11 @@ class PlanCache:
     def fits(self, key: Optional[tuple]) -> bool:
         return key is not None and self.central_plan is not None and key == self.key
 
+    def packed_here(self) -> set:
+        """The indices of the small pieces this rank packs under the cached plan."""
+        packing = None if self.central_plan is None else self.central_plan.planner_data
+        return {tuple(index) for index in packing[1]} if packing else set()
+
     def forget(self) -> None:
         self.key = self.central_plan = self.metadata = None
 
@@ -154,6 +161,7 @@ class BackgroundSaver:
         self._staging = StagingBuffers()
         self._plans = PlanCache()
         self._config_dict: Optional[dict] = None  # the run's config, as every save records it
+        self._serialized: dict = {}  # {"config": its torch.save bytes}, made at the first save
 
     def start(self, components, state, checkpoint_config, root: str, staging_dir: str,
               publish: Callable[[dict], list]) -> None:
@@ -174,14 +182,16 @@ class BackgroundSaver:
         if error is None:
             if self._config_dict is None:
                 self._config_dict = dataclasses.asdict(components.config)
+                self._serialized = {"config": _serialize(self._config_dict)}
             pieces, objects, error = torch_dist.collect(
                 components, state, checkpoint_config, copy=True, staging=self._staging,
-                config_dict=self._config_dict)
+                config_dict=self._config_dict, packed_here=self._plans.packed_here())
         if not self._group_ready:
             self._group = background_group(parallel_state)
             self._group_ready = True
         no_dist = torch_dist._no_dist(parallel_state)
-        planner = torch_dist.planner_for(parallel_state, pieces, objects, error)
+        planner = torch_dist.planner_for(parallel_state, pieces, objects, error,
+                                         serialized=self._serialized)
         if self._jobs is None:
             self._jobs = ThreadPoolExecutor(max_workers=1,
                                             thread_name_prefix="checkpoint-completion")
@@ -306,6 +316,13 @@ class SaveJob:
                     tuple(gathered[0][1:])
         return _publish_if_written([(message, files) for message, files, _ in gathered],
                                    self.staging_dir, self.publish)
+
+
+def _serialize(value) -> bytes:
+    """``torch.save`` of ``value``, as DCP writes an object."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _wait_for(write: Future) -> None:

@@ -16,7 +16,7 @@ waits for the previous one before it copies (:class:`.background.BackgroundSaver
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -26,46 +26,55 @@ class StagingBuffers:
 
     def __init__(self):
         self._layout: tuple = ()
-        self._flat: dict = {}    # dtype -> flat CPU buffer of the small pieces of that dtype
+        self._flat: dict = {}    # (dtype, packed here) -> flat CPU buffer of such small pieces
         self._views: dict = {}   # piece index -> its view into a flat buffer
         self._large: dict = {}   # piece index -> its own CPU buffer
 
-    def stage(self, pieces, is_small: Callable[[object], bool]) -> None:
+    def stage(self, pieces, is_small: Callable[[object], bool],
+              packed_here: Optional[set] = None) -> None:
         """Replace each piece's tensor by its copy in this rank's buffers (``is_small(piece)``:
-        copied into the flat buffer of its dtype, else into a buffer of its own)."""
-        small = [piece for piece in pieces if is_small(piece)]
-        layout = tuple((piece.index, tuple(piece.tensor.shape), piece.tensor.dtype)
-                       for piece in small)
+        copied into the flat buffer of its dtype, else into a buffer of its own).
+        ``packed_here``: the indices of the small pieces this rank packs (the cached save plan's,
+        :class:`.background.PlanCache`): they get flat buffers of their own, in their order,
+        which then are the packed object's buffers as they are (:func:`.dcp_io.pack_boxes`
+        copies nothing)."""
+        packed_here = packed_here or set()
+        small = []
+        large = []
+        for piece in pieces:
+            (small if is_small(piece) else large).append(piece)
+        layout = tuple((piece.index, tuple(piece.tensor.shape), piece.tensor.dtype,
+                        piece.index in packed_here) for piece in small)
         if layout != self._layout:
-            self._allocate(small)
+            self._allocate(small, packed_here)
             self._layout = layout
-        for dtype, flat in self._flat.items():
+        for (dtype, packed), flat in self._flat.items():
             sources = [piece.tensor.detach().reshape(-1) for piece in small
-                       if piece.tensor.dtype == dtype]
+                       if piece.tensor.dtype == dtype and (piece.index in packed_here) == packed]
             if all(source.device.type == "cpu" for source in sources):
                 torch.cat(sources, out=flat)
             else:  # one transfer from the accelerator
                 flat.copy_(torch.cat([source.to(sources[0].device) for source in sources]))
         for piece in small:
             piece.tensor = self._views[piece.index]
-        large = {piece.index for piece in pieces if not is_small(piece)}
-        self._large = {index: buffer for index, buffer in self._large.items() if index in large}
-        for piece in pieces:
-            if piece.index in large:
-                piece.tensor = self._copy_large(piece.index, piece.tensor.detach())
+        indices = {piece.index for piece in large}
+        self._large = {index: buffer for index, buffer in self._large.items() if index in indices}
+        for piece in large:
+            piece.tensor = self._copy_large(piece.index, piece.tensor.detach())
 
-    def _allocate(self, small: list) -> None:
+    def _allocate(self, small: list, packed_here: set) -> None:
         sizes: dict = {}
         for piece in small:
-            sizes[piece.tensor.dtype] = sizes.get(piece.tensor.dtype, 0) + piece.tensor.numel()
-        self._flat = {dtype: torch.empty(total, dtype=dtype) for dtype, total in sizes.items()}
+            group = (piece.tensor.dtype, piece.index in packed_here)
+            sizes[group] = sizes.get(group, 0) + piece.tensor.numel()
+        self._flat = {group: torch.empty(total, dtype=group[0]) for group, total in sizes.items()}
         offsets = dict.fromkeys(sizes, 0)
         self._views = {}
         for piece in small:
-            dtype, numel = piece.tensor.dtype, piece.tensor.numel()
+            group, numel = (piece.tensor.dtype, piece.index in packed_here), piece.tensor.numel()
             self._views[piece.index] = \
-                self._flat[dtype][offsets[dtype]:offsets[dtype] + numel].view(piece.tensor.shape)
-            offsets[dtype] += numel
+                self._flat[group][offsets[group]:offsets[group] + numel].view(piece.tensor.shape)
+            offsets[group] += numel
 
     def _copy_large(self, index, source: torch.Tensor) -> torch.Tensor:
         buffer = self._large.get(index)
