@@ -5,28 +5,34 @@ collective of its own:
 
 1. wait for this rank's previous background save (normally long finished) and raise, on every
    rank alike, if it failed (its outcome was agreed in the background, see below);
-2. rank 0 empties the staging directory; every rank copies its state to CPU memory;
-3. start DCP's ``async_save`` into the staging directory, and a completion job; return.
+2. remove what an interrupted save of the same iteration left under this rank's own file names;
+   copy its state to CPU memory (:class:`.staging.StagingBuffers`);
+3. hand the save to this rank's background thread (:class:`SaveJob`); return.
 
-DCP's save runs its planning and metadata collectives on a gloo group of their own
-(:func:`background_group`, so they never interleave with training's), and its global planning
-also decides which rank packs each small tensor (:class:`.dcp_io.PieceSavePlanner`). A rank that
-could not copy its state, or a rank 0 that could not prepare the staging directory, enters DCP's
-save with a planner that fails: DCP's own agreement then fails the save on every rank.
+The background thread uses a gloo group of its own (:func:`background_group`, so its collectives
+never interleave with training's). It first agrees, in one collective, whether every rank's local
+plan is the one the cached plans were made for (:class:`PlanCache`). If not (the first save, a
+changed state), DCP's ``save`` plans (four collectives; its global planning also decides which
+rank packs each small tensor, :class:`.dcp_io.PieceSavePlanner`) and writes, and its plans are
+kept. If so, each rank writes its file with its cached part of the global plan, and rank 0 writes
+DCP's ``.metadata`` from every rank's write results. A rank that could not copy its state enters
+DCP's save with a planner that fails: DCP's own agreement then fails the save on every rank.
 
-The completion job (one thread per rank, kept for the run) waits for DCP's write, records this
-rank's files (size, CRC-32) and gathers them on rank 0 over the same group; only when every
-rank's write succeeded does rank 0 publish (``metadata.json``, rename, tracker); rank 0 then
+The thread then records this rank's files (size, CRC-32) and gathers them on rank 0 over the same
+group; only when every rank's write succeeded does rank 0 publish (``.metadata`` if still to
+write, anything this save did not write removed, ``metadata.json``, rename, tracker); rank 0 then
 broadcasts the outcome, so every rank's job ends with the same verdict. The tracker therefore
 names a checkpoint only after every rank's write finished, and a rank killed during a background
 save leaves the staging directory unpublished and the previous checkpoint, which the tracker
 names, intact. The next save and the end of training (:meth:`BackgroundSaver.finish`) wait for
 the job; a failure raises there on every rank.
 
+With ``--use-persistent-ckpt-worker`` DCP's asynchronous save writes from a persistent process per
+rank instead (it plans every save); the completion part is the same.
+
 Before, the training thread did the waiting, the gather of files, rank 0's publishing (fsyncs and
-renames) with its agreement, and agreements on the staging directory and on the copied state:
-four collectives and the publishing on the critical path of every save (docs/checkpointing.md,
-"What --async-save costs").
+renames) with its agreement, and agreements on the staging directory and on the copied state
+(docs/checkpointing.md, "What --async-save costs"); and every save paid DCP's planning.
 """
 
 from __future__ import annotations
