@@ -43,9 +43,10 @@ CASES = {
         "--use-distributed-optimizer", 4,
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
         "--pipeline-schedule 1f1b", 4),
-    "interleaved-pp2xdp2-async->pp1xdp2": (  # saved in the background (--async-save)
+    "interleaved-pp2xdp2-async->pp1xdp2": (  # saved in the background (--async-save) every
+        # iteration: iteration 3 is written with the save plan cached from the first save
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
-        "--async-save", 4, "", 2),
+        "--async-save --save-interval 1", 4, "", 2),
     "uneven-chimera-pp2xdp2-distopt->uneven-1f1b-pp2": (
         "--pipeline-model-parallel-size 2 --pipeline-schedule chimera "
         "--decoder-first-pipeline-num-layers 1 --use-distributed-optimizer", 4,
@@ -73,12 +74,13 @@ UNPACKED = {"chimera-pp4-distopt->1f1b-tp2xpp2"}
 
 
 def _save_straight_run(source: str, world_size: int, save_dir: str, unpacked: bool = False):
-    """Train 6 iterations saving at 3 and 6, then point the tracker at 3; the straight losses."""
+    """Train 6 iterations saving at 3 and 6 (``source`` may save more often), then point the
+    tracker at 3; the straight losses."""
     with pytest.MonkeyPatch.context() as patch:  # the forked ranks inherit the limit
         if unpacked:
             patch.setattr(torch_dist, "PACK_LIMIT_BYTES", 0)
         results = run_distributed(_train, world_size,
-                                  f"{TINY} {source} --save {save_dir} --save-interval 3",
+                                  f"{TINY} --save {save_dir} --save-interval 3 {source}",
                                   timeout=300)
     losses = results[0][0]
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]

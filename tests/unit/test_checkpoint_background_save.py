@@ -126,3 +126,109 @@ def test_a_planner_with_an_error_fails_its_local_plan_naming_it():
     plain.set_up_planner({}, is_coordinator=True)
     assert [item.type for item in plain.create_local_plan().items] == \
         [WriteItemType.SHARD, WriteItemType.BYTE_IO]
+
+
+def _save_with(job, plans, tensors: dict, iteration: int):
+    """One background save of ``tensors`` (``{key: tensor}``; 1-D ones under 100 elements packed)
+    through ``job`` in one process; returns the files it recorded."""
+    pieces = [_piece(key, tensor.clone()) for key, tensor in tensors.items()]
+    packed = [piece for piece in pieces if _small(piece)]
+    planner = PieceSavePlanner([piece for piece in pieces if not _small(piece)],
+                               {"progress": {"iteration": iteration}}, packed=packed,
+                               packed_key="packed_tensors.rank_00000")
+    published = []
+    job.publish = lambda files: published.append(files) or []
+    outcome = job.write_and_complete(planner, plans)
+    assert outcome.error is None, outcome.error
+    return published[0]
+
+
+def _read_back(directory: str, files: dict, shapes: dict) -> dict:
+    """Every tensor of a checkpoint directory (packed and DCP items), read as loading does."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.training.checkpointing.dcp_io import PieceLoadPlanner, VerifyingReader
+    from megatron.training.checkpointing.torch_dist import read_packed
+
+    reader = VerifyingReader(directory, files)
+    packed = {piece.key: piece.tensor for piece in read_packed(directory, files,
+                                                               reader.read_metadata())}
+    targets = [_piece(key, torch.empty(shape)) for key, shape in shapes.items()
+               if key not in packed]
+    planner = PieceLoadPlanner(targets, ["progress"])
+    dcp.load({}, storage_reader=VerifyingReader(directory, files), planner=planner,
+             no_dist=True)
+    return {**packed, **{piece.key: piece.tensor for piece in targets}}
+
+
+def test_a_reused_save_plan_writes_what_a_fresh_one_does_and_a_new_shape_plans_again(
+        tmp_path, monkeypatch):
+    """Background saves reuse DCP's plan while the local plan is unchanged (no planning: DCP's
+    save is not called); their files load; a tensor of another shape (a resumed run with other
+    flags, the optimizer state appearing) is planned again, never written with the stale plan."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.training.checkpointing.background import PlanCache, SaveJob
+
+    planned = []
+    dcp_save = dcp.save
+    monkeypatch.setattr(dcp, "save", lambda *args, **kwargs: planned.append(1) or
+                        dcp_save(*args, **kwargs))
+    plans = PlanCache()
+    tensors = {"model.w": torch.randn(20, 10), "model.b": torch.randn(10),
+               "optimizer.state.step.model.w": torch.tensor(3.0)}
+    for iteration in (1, 2, 3):
+        directory = tmp_path / f"iter_{iteration}"
+        job = SaveJob(0, None, True, str(directory), None)
+        tensors = {key: value + 1 for key, value in tensors.items()}
+        files = _save_with(job, plans, tensors, iteration)
+        assert sorted(files) == [".metadata", "__0_0.distcp"]
+        loaded = _read_back(str(directory), files, {k: v.shape for k, v in tensors.items()})
+        assert all(torch.equal(loaded[key], tensors[key]) for key in tensors)
+    assert len(planned) == 1 and plans.central_plan is not None  # planned once, reused twice
+    reshaped = {**tensors, "model.w": torch.randn(20, 12), "model.b": torch.randn(12)}
+    directory = tmp_path / "iter_4"
+    files = _save_with(SaveJob(0, None, True, str(directory), None), plans, reshaped, 4)
+    assert len(planned) == 2  # the changed shapes were planned again
+    loaded = _read_back(str(directory), files, {k: v.shape for k, v in reshaped.items()})
+    assert all(torch.equal(loaded[key], reshaped[key]) for key in reshaped)
+
+
+def test_a_save_into_a_crashed_saves_directory_keeps_only_its_own_files(tmp_path):
+    """What an interrupted save of the same iteration left (another world size's files, an old
+    ``.metadata``) is not published with the new checkpoint."""
+    from megatron.training.checkpointing.background import (PlanCache, SaveJob,
+                                                            remove_own_leftovers)
+
+    directory = tmp_path / "iter_7.tmp"
+    directory.mkdir()
+    for name in ("__0_0.distcp", "__5_0.distcp", ".metadata", "metadata.json"):
+        (directory / name).write_bytes(b"left by a crashed save")
+    remove_own_leftovers(str(directory), 0)
+    assert sorted(p.name for p in directory.iterdir()) == ["__5_0.distcp"]
+    files = _save_with(SaveJob(0, None, True, str(directory), None), PlanCache(),
+                       {"model.w": torch.randn(20, 10)}, 7)
+    assert sorted(p.name for p in directory.iterdir()) == sorted(files) == \
+        [".metadata", "__0_0.distcp"]
+
+
+def test_the_rng_state_round_trips_as_saved_now_and_as_saved_before():
+    """Python's RNG state is saved as one tensor (fewer objects for torch.save to pickle); the
+    tuple that checkpoints written before hold still restores."""
+    import random
+
+    from megatron.training.checkpointing.state import capture_rng_state, restore_rng_state
+
+    random.seed(11)
+    random.gauss(0, 1)  # a cached second gaussian is part of the state
+    state, buffer = capture_rng_state(), io.BytesIO()
+    torch.save(state, buffer)
+    expected = [random.random(), random.gauss(0, 1)]
+    buffer.seek(0)
+    restore_rng_state(torch.load(buffer, weights_only=True))
+    assert [random.random(), random.gauss(0, 1)] == expected
+    random.seed(12)
+    old_form = list(random.getstate())  # what a checkpoint written before held
+    expected = random.random()
+    restore_rng_state({**state, "random": old_form})
+    assert random.random() == expected

@@ -5,45 +5,60 @@ collective of its own:
 
 1. wait for this rank's previous background save (normally long finished) and raise, on every
    rank alike, if it failed (its outcome was agreed in the background, see below);
-2. rank 0 empties the staging directory; every rank copies its state to CPU memory;
-3. start DCP's ``async_save`` into the staging directory, and a completion job; return.
+2. remove what an interrupted save of the same iteration left under this rank's own file names;
+   copy its state to CPU memory (:class:`.staging.StagingBuffers`);
+3. hand the save to this rank's background thread (:class:`SaveJob`); return.
 
-DCP's save runs its planning and metadata collectives on a gloo group of their own
-(:func:`background_group`, so they never interleave with training's), and its global planning
-also decides which rank packs each small tensor (:class:`.dcp_io.PieceSavePlanner`). A rank that
-could not copy its state, or a rank 0 that could not prepare the staging directory, enters DCP's
-save with a planner that fails: DCP's own agreement then fails the save on every rank.
+The background thread uses a gloo group of its own (:func:`background_group`, so its collectives
+never interleave with training's). It first agrees, in one collective, whether every rank's local
+plan is the one the cached plans were made for (:class:`PlanCache`). If not (the first save, a
+changed state), DCP's ``save`` plans (four collectives; its global planning also decides which
+rank packs each small tensor, :class:`.dcp_io.PieceSavePlanner`) and writes, and its plans are
+kept. If so, each rank writes its file with its cached part of the global plan, and rank 0 writes
+DCP's ``.metadata`` from every rank's write results. A rank that could not copy its state enters
+DCP's save with a planner that fails: DCP's own agreement then fails the save on every rank.
 
-The completion job (one thread per rank, kept for the run) waits for DCP's write, records this
-rank's files (size, CRC-32) and gathers them on rank 0 over the same group; only when every
-rank's write succeeded does rank 0 publish (``metadata.json``, rename, tracker); rank 0 then
+The thread then records this rank's files (size, CRC-32) and gathers them on rank 0 over the same
+group; only when every rank's write succeeded does rank 0 publish (``.metadata`` if still to
+write, anything this save did not write removed, ``metadata.json``, rename, tracker); rank 0 then
 broadcasts the outcome, so every rank's job ends with the same verdict. The tracker therefore
 names a checkpoint only after every rank's write finished, and a rank killed during a background
 save leaves the staging directory unpublished and the previous checkpoint, which the tracker
 names, intact. The next save and the end of training (:meth:`BackgroundSaver.finish`) wait for
 the job; a failure raises there on every rank.
 
+With ``--use-persistent-ckpt-worker`` DCP's asynchronous save writes from a persistent process per
+rank instead (it plans every save); the completion part is the same.
+
 Before, the training thread did the waiting, the gather of files, rank 0's publishing (fsyncs and
-renames) with its agreement, and agreements on the staging directory and on the copied state:
-four collectives and the publishing on the critical path of every save (docs/checkpointing.md,
-"What --async-save costs").
+renames) with its agreement, and agreements on the staging directory and on the copied state
+(docs/checkpointing.md, "What --async-save costs"); and every save paid DCP's planning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import glob
+import io
+import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from megatron.training.checkpointing import torch_dist
-from megatron.training.checkpointing.files import _describe, empty_staging_dir
+from megatron.training.checkpointing.dcp_io import DCP_METADATA_FILENAME
+from megatron.training.checkpointing.files import METADATA_FILENAME, _describe
 from megatron.training.checkpointing.staging import StagingBuffers
 
 
@@ -89,15 +104,48 @@ def stop_writer_process() -> None:
         process.__del__()  # sends TERMINATE and joins it (a no-op when collected later)
 
 
-def _fresh_staging_dir(root: str, staging_dir: str) -> Optional[str]:
-    """Rank 0: an empty staging directory (removing what a crashed save left); None or why not.
-    No rank writes into it before rank 0's DCP save has started (DCP's global planning, on rank
-    0, comes first), but another rank's DCP thread may already have created it (empty)."""
-    try:
-        empty_staging_dir(root, staging_dir)
-    except OSError as caught:
-        return f"preparing checkpoint directory {staging_dir}: {_describe(caught)}"
-    return None
+@dataclasses.dataclass
+class PlanCache:
+    """The DCP plans of this rank's last save that went through DCP's planning: while every rank's
+    local plan is the same (same keys, boxes, dtypes and global shapes), a background save reuses
+    them instead of planning again (DCP's planning costs four collectives per save)."""
+
+    key: Optional[tuple] = None        # :meth:`.dcp_io.PieceSavePlanner.plan_key` it was made for
+    central_plan: Optional[SavePlan] = None  # this rank's part of the global plan
+    metadata: Optional[Metadata] = None      # rank 0: DCP's index, without storage_data
+
+    def fits(self, key: Optional[tuple]) -> bool:
+        return key is not None and self.central_plan is not None and key == self.key
+
+    def packed_here(self) -> set:
+        """The indices of the small pieces this rank packs under the cached plan."""
+        packing = None if self.central_plan is None else self.central_plan.planner_data
+        return {tuple(index) for index in packing[1]} if packing else set()
+
+    def forget(self) -> None:
+        self.key = self.central_plan = self.metadata = None
+
+    def remember(self, key: Optional[tuple], planner) -> None:
+        """After a save through DCP's planning: keep its plans (forget them if it had none)."""
+        self.key, self.central_plan = key, planner.central_plan
+        self.metadata = planner.global_metadata
+
+
+def remove_own_leftovers(staging_dir: str, rank: int) -> None:
+    """Remove the files this rank's writer left in ``staging_dir`` from an interrupted save of
+    the same iteration (rank 0 also DCP's ``.metadata``). Only this rank's names: other ranks may
+    be writing theirs already. What ranks that no longer exist left is removed when the save is
+    published (:func:`_remove_unlisted`). Nothing to do, normally: the directory does not
+    exist."""
+    if not os.path.isdir(staging_dir):
+        return
+    leftovers = glob.glob(os.path.join(staging_dir, torch_dist.own_file_pattern(rank)))
+    if rank == 0:
+        leftovers += [os.path.join(staging_dir, name) for name in
+                      (DCP_METADATA_FILENAME, METADATA_FILENAME)]
+    for path in leftovers:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 class BackgroundSaver:
@@ -117,7 +165,9 @@ class BackgroundSaver:
         self._group_ready = False
         self._jobs: Optional[ThreadPoolExecutor] = None
         self._staging = StagingBuffers()
+        self._plans = PlanCache()
         self._config_dict: Optional[dict] = None  # the run's config, as every save records it
+        self._serialized: dict = {}  # {"config": its torch.save bytes}, made at the first save
 
     def start(self, components, state, checkpoint_config, root: str, staging_dir: str,
               publish: Callable[[dict], list]) -> None:
@@ -126,35 +176,43 @@ class BackgroundSaver:
         rank 0 in the background once every rank's write finished (metadata, rename, tracker)
         and returns the lines to log."""
         parallel_state = components.parallel_state
+        rank = parallel_state.rank
         started = time.perf_counter()
         self.finish(parallel_state)
-        error = _fresh_staging_dir(root, staging_dir) if parallel_state.rank == 0 else None
+        error = None
+        try:
+            remove_own_leftovers(staging_dir, rank)
+        except OSError as caught:
+            error = f"preparing checkpoint directory {staging_dir}: {_describe(caught)}"
         pieces, objects = [], {}
         if error is None:
             if self._config_dict is None:
                 self._config_dict = dataclasses.asdict(components.config)
+                self._serialized = {"config": _serialize(self._config_dict)}
             pieces, objects, error = torch_dist.collect(
                 components, state, checkpoint_config, copy=True, staging=self._staging,
-                config_dict=self._config_dict)
+                config_dict=self._config_dict, packed_here=self._plans.packed_here())
         if not self._group_ready:
             self._group = background_group(parallel_state)
             self._group_ready = True
         no_dist = torch_dist._no_dist(parallel_state)
-        # DCP's writer process joins its peers through a process group: one process uses a thread
-        executor = AsyncCheckpointerType.PROCESS if self.use_process_writer and not no_dist \
-            else AsyncCheckpointerType.THREAD
-        write = dcp.async_save({}, storage_writer=torch_dist.writer_for(staging_dir),
-                               planner=torch_dist.planner_for(parallel_state, pieces, objects,
-                                                              error),
-                               process_group=self._group, no_dist=no_dist,
-                               async_checkpointer_type=executor)
+        planner = torch_dist.planner_for(parallel_state, pieces, objects, error,
+                                         serialized=self._serialized)
         if self._jobs is None:
             self._jobs = ThreadPoolExecutor(max_workers=1,
                                             thread_name_prefix="checkpoint-completion")
-        job = self._jobs.submit(_complete, write, parallel_state.rank, self._group, no_dist,
-                                staging_dir, publish)
+        save = SaveJob(rank, self._group, no_dist, staging_dir, publish)
+        if self.use_process_writer and not no_dist:
+            # DCP's writer process joins its peers through a process group: one process uses a
+            # thread. It plans every save (its process holds no plans of ours).
+            write = dcp.async_save({}, storage_writer=torch_dist.writer_for(staging_dir),
+                                   planner=planner, process_group=self._group,
+                                   async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            job = self._jobs.submit(save.complete, functools.partial(_wait_for, write))
+        else:
+            job = self._jobs.submit(save.write_and_complete, planner, self._plans)
         self.pending = PendingSave(job, state.iteration, root, staging_dir)
-        if parallel_state.rank == 0:
+        if rank == 0:
             self.log(f"  writing checkpoint of iteration {state.iteration:7d} in the background "
                      f"(copied in {time.perf_counter() - started:.2f} s)")
 
@@ -186,42 +244,136 @@ class BackgroundSaver:
                     self._jobs = None
 
 
-def _complete(write: Future, rank: int, group, no_dist: bool, staging_dir: str,
-              publish: Callable[[dict], list]) -> Outcome:
-    """The completion job of one background save (a thread of its own): wait for this rank's DCP
-    write, record its files, gather every rank's on rank 0 over ``group``; rank 0 publishes when
-    all succeeded (else removes the staging directory) and broadcasts the outcome. Never raises:
-    the :class:`Outcome` says what failed."""
-    error, files = None, {}
-    try:
-        write.result()
-        files = torch_dist.own_files(staging_dir, rank)
-    except (Exception, CheckpointException) as caught:
-        error = torch_dist.describe_failure(caught)
-    if no_dist:
-        return _publish_if_written([(error, files)], staging_dir, publish)
-    try:
-        gathered = [None] * dist.get_world_size(group) if rank == 0 else None
-        dist.gather_object((error, files), gathered, dst=0, group=group)
-        verdict = [_publish_if_written(gathered, staging_dir, publish) if rank == 0 else None]
-        dist.broadcast_object_list(verdict, src=0, group=group)
-    except Exception as caught:  # a peer died or the group failed: this rank's own verdict
-        return Outcome(f"agreeing on the written files: {_describe(caught)}")
-    return verdict[0]
+@dataclasses.dataclass
+class SaveJob:
+    """The background part of one save on one rank (run by the completion thread). Never raises:
+    the :class:`Outcome` says what failed, the same on every rank."""
+
+    rank: int
+    group: object
+    no_dist: bool
+    staging_dir: str
+    publish: Callable[[dict], list]
+
+    def write_and_complete(self, planner, plans: PlanCache) -> Outcome:
+        """Write this rank's files, then :meth:`complete`. When every rank's local plan is the
+        one ``plans`` were made for (agreed in one collective), each rank writes with its cached
+        part of the global plan and rank 0 writes DCP's ``.metadata`` from every rank's write
+        results (gathered in :meth:`complete`); otherwise DCP's own save plans again (its
+        collectives) and ``plans`` keep the new plans."""
+        try:
+            key = planner.plan_key()
+        except Exception:  # noqa: BLE001 - DCP's planning below fails with it on every rank
+            key = None
+        try:
+            reuse = plans.fits(key)
+            if not self.no_dist:
+                votes = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(votes, reuse, group=self.group)
+                reuse = all(votes)
+        except Exception as caught:  # a peer died or the group failed
+            return Outcome(f"agreeing on the save plan: {_describe(caught)}")
+        writer = torch_dist.writer_for(self.staging_dir)
+        if reuse:
+            return self.complete(lambda: _write_planned(planner, writer, plans, self.rank),
+                                 writer, plans.metadata)
+        plans.forget()  # until this save's planning succeeds
+
+        def plan_and_write():
+            dcp.save({}, storage_writer=writer, planner=planner, process_group=self.group,
+                     no_dist=self.no_dist)
+            plans.remember(key, planner)
+        return self.complete(plan_and_write)
+
+    def complete(self, write: Callable[[], object], writer=None, metadata=None) -> Outcome:
+        """``write()`` this rank's files, record them (size, CRC-32) and gather every rank's on
+        rank 0 over ``group``; rank 0 publishes when all succeeded (else removes the staging
+        directory) and broadcasts the outcome. ``write()`` returns this rank's DCP write results
+        when rank 0 still has to write DCP's ``.metadata`` (with ``writer``, from ``metadata``),
+        else None (DCP's save wrote it)."""
+        error, files, results = None, {}, None
+        try:
+            results = write()
+            files = torch_dist.own_files(self.staging_dir, self.rank) if results is None \
+                else torch_dist.own_files(self.staging_dir, self.rank, with_dcp_metadata=False)
+        except (Exception, CheckpointException) as caught:
+            error = torch_dist.describe_failure(caught)
+        if self.no_dist:
+            return self._publish([(error, files, results)], writer, metadata)
+        try:
+            gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+            dist.gather_object((error, files, results), gathered, dst=0, group=self.group)
+            verdict = [self._publish(gathered, writer, metadata) if self.rank == 0 else None]
+            dist.broadcast_object_list(verdict, src=0, group=self.group)
+        except Exception as caught:  # a peer died or the group failed: this rank's own verdict
+            return Outcome(f"agreeing on the written files: {_describe(caught)}")
+        return verdict[0]
+
+    def _publish(self, gathered: list, writer, metadata) -> Outcome:
+        """Rank 0: DCP's ``.metadata`` (when the ranks wrote with a cached plan), then
+        :func:`_publish_if_written`."""
+        if writer is not None and not any(message for message, _, _ in gathered):
+            try:
+                writer.finish(metadata=metadata, results=[results for _, _, results in gathered])
+                path = os.path.join(self.staging_dir, DCP_METADATA_FILENAME)
+                gathered[0][1][DCP_METADATA_FILENAME] = torch_dist.file_record(path)
+            except Exception as caught:
+                gathered[0] = (f"writing {DCP_METADATA_FILENAME}: {_describe(caught)}",) + \
+                    tuple(gathered[0][1:])
+        return _publish_if_written([(message, files) for message, files, _ in gathered],
+                                   self.staging_dir, self.publish)
+
+
+def _serialize(value) -> bytes:
+    """``torch.save`` of ``value``, as DCP writes an object."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _wait_for(write: Future) -> None:
+    """Wait for DCP's asynchronous save (it wrote ``.metadata`` itself)."""
+    write.result()
+
+
+def _write_planned(planner, writer, plans: PlanCache, rank: int) -> list:
+    """This rank's DCP write with its cached part of the global plan (what DCP's save does after
+    planning: the planner packs its boxes, the writer writes one file); returns the write
+    results for rank 0's ``.metadata``."""
+    planner.set_up_planner({}, is_coordinator=rank == 0)
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    plan = writer.prepare_local_plan(planner.finish_plan(plans.central_plan))
+    written = writer.write_data(plan, planner)
+    written.wait()
+    return written.value()
 
 
 def _publish_if_written(gathered: list, staging_dir: str,
                         publish: Callable[[dict], list]) -> Outcome:
-    """Rank 0: publish when every rank's write succeeded, else remove the staging directory."""
+    """Rank 0: publish when every rank's write succeeded (after removing what the directory holds
+    besides this save's files), else remove the staging directory."""
     failures = [f"rank {index}: {message}" for index, (message, _) in enumerate(gathered)
                 if message]
     if failures:
         shutil.rmtree(staging_dir, ignore_errors=True)
         return Outcome(f"failed on {len(failures)} rank(s): {'; '.join(failures)}")
     try:
-        lines = publish({name: record for _, entries in gathered
-                         for name, record in entries.items()})
+        files = {name: record for _, entries in gathered for name, record in entries.items()}
+        _remove_unlisted(staging_dir, files)
+        lines = publish(files)
     except Exception as caught:
         shutil.rmtree(staging_dir, ignore_errors=True)
         return Outcome(f"publishing failed: {_describe(caught)}")
     return Outcome(None, list(lines))
+
+
+def _remove_unlisted(staging_dir: str, files: dict) -> None:
+    """Remove from ``staging_dir`` what this save did not write (an interrupted save of the same
+    iteration by ranks that no longer exist), once every rank's write finished."""
+    for entry in os.scandir(staging_dir):
+        if entry.name in files or entry.name == METADATA_FILENAME:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.remove(entry.path)

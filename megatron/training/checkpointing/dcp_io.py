@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import os
 from typing import Optional
@@ -51,16 +52,21 @@ class PieceSavePlanner(DefaultSavePlanner):
     is decided in DCP's global planning, which already gathers every rank's plan: the lowest rank
     holding it, so each box is saved once, as DCP does for the large ones. ``error`` (a message)
     makes this rank's local planning fail, so every rank's save fails with it inside DCP's own
-    agreement instead of this rank leaving its peers waiting in DCP's collectives."""
+    agreement instead of this rank leaving its peers waiting in DCP's collectives.
+    ``serialized`` (``{key: bytes}``): objects already ``torch.save``-d (a background save keeps
+    the run's config so from save to save), written as they are."""
 
     def __init__(self, pieces, objects: dict, *, packed=(), packed_key: Optional[str] = None,
-                 error: Optional[str] = None):
+                 error: Optional[str] = None, serialized: Optional[dict] = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {piece.index: piece for piece in pieces}
         self.objects = dict(objects)
         self.packed = {piece.index: piece for piece in packed}
         self.packed_key = packed_key
         self.error = error
+        self.serialized = dict(serialized or {})
+        self.central_plan: Optional[SavePlan] = None  # this rank's part of the global plan
+        self.global_metadata = None  # the coordinator's: DCP's index of the checkpoint
         if self.packed and not packed_key:
             raise ValueError("PieceSavePlanner: packed pieces need a packed_key")
 
@@ -115,15 +121,38 @@ class PieceSavePlanner(DefaultSavePlanner):
             items = plan.items if mine else \
                 [item for item in plan.items if item.index.fqn != key]
             assigned.append(dataclasses.replace(plan, items=items, planner_data=(key, mine)))
-        return super().create_global_plan(assigned)
+        plans, self.global_metadata = super().create_global_plan(assigned)
+        return plans, self.global_metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """This rank's packed object: the boxes the global plan assigned to it
         (:func:`pack_boxes`)."""
+        self.central_plan = new_plan  # what a later save of the same plan reuses (background)
         if new_plan.planner_data is not None and new_plan.planner_data[1]:
             key, mine = new_plan.planner_data
             self.objects[key] = pack_boxes([self.packed[tuple(index)] for index in mine])
         return super().finish_plan(new_plan)
+
+    def plan_key(self) -> Optional[tuple]:
+        """What this rank's local plan consists of (every item's key, box, dtype and global
+        shape, and the packed boxes), to tell whether a global plan made for an earlier save
+        still fits; None when this rank cannot save (``error``)."""
+        if self.error is not None:
+            return None
+        plan = self.create_local_plan()
+        items = tuple((item.index.fqn, None if item.index.offset is None
+                       else tuple(item.index.offset), item.type.value,
+                       None if item.tensor_data is None else
+                       (tuple(item.tensor_data.chunk.sizes), str(item.tensor_data.properties.dtype),
+                        tuple(item.tensor_data.size))) for item in plan.items)
+        packing = None if plan.planner_data is None else \
+            (plan.planner_data[0], tuple(plan.planner_data[1]))
+        return items, packing
+
+    def transform_object(self, write_item: WriteItem, object):
+        if write_item.type == WriteItemType.BYTE_IO and write_item.index.fqn in self.serialized:
+            return io.BytesIO(self.serialized[write_item.index.fqn])
+        return super().transform_object(write_item, object)
 
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self.objects and index.offset is None:
@@ -133,10 +162,11 @@ class PieceSavePlanner(DefaultSavePlanner):
 
 
 def pack_boxes(pieces) -> dict:
-    """A packed object: ``{"buffers": [one flat tensor per dtype], "boxes": [(key, global shape,
-    offsets, sizes, buffer number, start), ...]}``. ``torch.save`` pays per tensor it pickles
-    (tens of microseconds each: most of a small model's save), so the boxes travel as one
-    buffer per dtype and an index."""
+    """A packed object: ``{"buffers": [one flat tensor per dtype], "boxes": JSON text of [[key,
+    global shape, offsets, sizes, buffer number, start], ...]}``. ``torch.save`` pays per tensor
+    it pickles (tens of microseconds each: most of a small model's save), so the boxes travel as
+    one buffer per dtype and an index; and it pays a few microseconds per Python object it
+    pickles (its ``persistent_id`` hook runs for each), so the index is one string."""
     groups: dict = {}
     for piece in pieces:
         groups.setdefault(piece.tensor.dtype, []).append(piece)
@@ -147,18 +177,39 @@ def pack_boxes(pieces) -> dict:
             boxes.append((piece.key, list(piece.global_shape), list(piece.offsets),
                           list(piece.tensor.shape), number, start))
             start += piece.tensor.numel()
-        buffers.append(torch.cat([piece.tensor.detach().reshape(-1) for piece in group]))
-    return {"buffers": buffers, "boxes": boxes}
+        tensors = [piece.tensor.detach() for piece in group]
+        joined = _joined(tensors)
+        buffers.append(torch.cat([tensor.reshape(-1) for tensor in tensors]) if joined is None
+                       else joined)
+    return {"buffers": buffers, "boxes": json.dumps(boxes, separators=(",", ":"))}
+
+
+def _joined(tensors: list) -> Optional[torch.Tensor]:
+    """The flat tensor that ``tensors`` are consecutive contiguous views of, in order, covering
+    all of its storage (staged so by :class:`.staging.StagingBuffers`); None if they are not."""
+    storage = tensors[0].untyped_storage()
+    start = 0
+    for tensor in tensors:
+        if not tensor.is_contiguous() or tensor.storage_offset() != start or \
+                tensor.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        start += tensor.numel()
+    if start * tensors[0].element_size() != storage.nbytes():
+        return None
+    return torch.empty(0, dtype=tensors[0].dtype).set_(storage, 0, (start,))
 
 
 def unpack_boxes(packed) -> list:
     """``[(key, global shape, offsets, tensor), ...]`` of a packed object: :func:`pack_boxes`'s
-    form, or the list of one tensor per box that checkpoints written before it hold."""
+    form (its index JSON text, or a list in checkpoints written before), or the list of one
+    tensor per box that checkpoints written before either hold."""
     if isinstance(packed, list):
         return packed
-    buffers = packed["buffers"]
+    buffers, boxes = packed["buffers"], packed["boxes"]
+    if isinstance(boxes, str):
+        boxes = json.loads(boxes)
     return [(key, shape, offsets, buffers[number][start:start + math.prod(sizes)].view(sizes))
-            for key, shape, offsets, sizes, number, start in packed["boxes"]]
+            for key, shape, offsets, sizes, number, start in boxes]
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:

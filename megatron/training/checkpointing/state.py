@@ -75,7 +75,10 @@ def describe_layout(layout: dict) -> str:
 def capture_rng_state() -> dict:
     """This process's python, numpy, torch CPU and (if available) CUDA generator states."""
     kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    state = {"random": random.getstate(),
+    version, internal, gauss_next = random.getstate()
+    # python's state as one tensor: torch.save pays per Python object it pickles (625 ints)
+    state = {"random": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss_next},
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
                        "position": int(position), "has_gauss": int(has_gauss),
                        "cached_gaussian": float(cached_gaussian)},
@@ -88,7 +91,12 @@ def capture_rng_state() -> dict:
 
 def restore_rng_state(state: dict) -> None:
     """Inverse of :func:`capture_rng_state` (the CUDA state goes to the current device)."""
-    random.setstate(_as_tuple(state["random"]))
+    saved = state["random"]
+    if isinstance(saved, dict):
+        random.setstate((saved["version"], tuple(saved["internal"].tolist()),
+                         saved["gauss_next"]))
+    else:  # the tuple that checkpoints written before hold
+        random.setstate(_as_tuple(saved))
     saved = state["numpy"]
     np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32),
                          saved["position"], saved["has_gauss"], saved["cached_gaussian"]))

@@ -107,11 +107,12 @@ def metadata_fields(components, checkpoint_config) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def snapshot(components, state, checkpoint_config, *, copy: bool, staging=None,
-             config_dict=None):
+             config_dict=None, packed_here=None):
     """(pieces, objects) of this rank; ``copy`` clones every tensor (for a background save, so
     training may change the weights meanwhile), into ``staging``'s reused buffers when given
-    (:class:`.staging.StagingBuffers`). ``config_dict``: ``dataclasses.asdict`` of the config,
-    when the caller keeps it from save to save."""
+    (:class:`.staging.StagingBuffers`; ``packed_here``: the small pieces this rank packs, see
+    there). ``config_dict``: ``dataclasses.asdict`` of the config, when the caller keeps it from
+    save to save."""
     parallel_state = components.parallel_state
     tp_rank, tp_size = parallel_state.tp_rank, parallel_state.tp_size
     chunks = components.model_chunks
@@ -133,7 +134,8 @@ def snapshot(components, state, checkpoint_config, *, copy: bool, staging=None,
     if not checkpoint_config.no_save_rng:
         objects[rank_key("rng_state", parallel_state.rank)] = capture_rng_state()
     if copy and staging is not None:
-        staging.stage(pieces, lambda piece: is_packed(piece.global_shape, piece.tensor.dtype))
+        staging.stage(pieces, lambda piece: is_packed(piece.global_shape, piece.tensor.dtype),
+                      packed_here)
     elif copy:
         for piece in pieces:
             piece.tensor = piece.tensor.detach().to("cpu", copy=True)
@@ -155,14 +157,18 @@ def collect(components, state, checkpoint_config, copy: bool, **snapshot_options
     return pieces, objects, None
 
 
-def planner_for(parallel_state, pieces, objects: dict, error=None) -> PieceSavePlanner:
+def planner_for(parallel_state, pieces, objects: dict, error=None,
+                serialized=None) -> PieceSavePlanner:
     """The DCP planner of this rank's save: small tensors packed (see :data:`PACK_LIMIT_BYTES`;
     DCP's global planning picks the rank that packs a box several ranks hold), the others DCP
-    items. ``error``: this rank cannot save, and every rank's DCP save fails naming it."""
-    packed = [piece for piece in pieces if is_packed(piece.global_shape, piece.tensor.dtype)]
-    return PieceSavePlanner(
-        [piece for piece in pieces if not is_packed(piece.global_shape, piece.tensor.dtype)],
-        objects, packed=packed, packed_key=rank_key(PACKED, parallel_state.rank), error=error)
+    items. ``error``: this rank cannot save, and every rank's DCP save fails naming it.
+    ``serialized``: ``{key: bytes}`` of objects already ``torch.save``-d."""
+    packed, unpacked = [], []
+    for piece in pieces:
+        (packed if is_packed(piece.global_shape, piece.tensor.dtype) else unpacked).append(piece)
+    return PieceSavePlanner(unpacked, objects, packed=packed,
+                            packed_key=rank_key(PACKED, parallel_state.rank), error=error,
+                            serialized=serialized)
 
 
 def is_packed(global_shape, dtype) -> bool:
@@ -176,14 +182,24 @@ def writer_for(staging_dir: str) -> FileSystemWriter:
                             thread_count=1)
 
 
-def own_files(staging_dir: str, rank: int) -> dict:
+def own_files(staging_dir: str, rank: int, with_dcp_metadata: bool = True) -> dict:
     """``{relative path: {size, crc32}}`` of the files this rank's DCP writer produced (rank 0
-    also records DCP's ``.metadata``)."""
-    found = sorted(glob.glob(os.path.join(staging_dir, f"__{rank}_*.distcp")))
-    if rank == 0:
+    also records DCP's ``.metadata`` unless ``with_dcp_metadata`` is False: not written yet)."""
+    found = sorted(glob.glob(os.path.join(staging_dir, own_file_pattern(rank))))
+    if rank == 0 and with_dcp_metadata:
         found.append(os.path.join(staging_dir, DCP_METADATA_FILENAME))
-    return {os.path.relpath(path, staging_dir): {"size": os.path.getsize(path),
-                                                 "crc32": file_crc32(path)} for path in found}
+    return {os.path.relpath(path, staging_dir): file_record(path) for path in found}
+
+
+def own_file_pattern(rank: int) -> str:
+    """The names of the files rank ``rank``'s DCP writer produces (one per rank, see
+    :func:`writer_for`)."""
+    return f"__{rank}_*.distcp"
+
+
+def file_record(path: str) -> dict:
+    """What ``metadata.json`` records of one file: its size and CRC-32."""
+    return {"size": os.path.getsize(path), "crc32": file_crc32(path)}
 
 
 def write_pieces(components, pieces, objects, staging_dir: str, error=None) -> None:
