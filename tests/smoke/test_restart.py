@@ -5,7 +5,8 @@ is killed with SIGKILL after iteration 17 (after the checkpoint of iteration 15)
 both workers; they resume from the newest complete checkpoint, the job exits 0 and every
 iteration's printed loss (the last one printed for it) is the uninterrupted run's, in both
 checkpoint formats and with background saves (``--async-save``, written by a persistent writer
-process per rank). Before the fix the second attempt died creating its process groups (``Gloo
+process per rank, or by a background thread with a save every iteration, so that the kill lands
+during a background write). Before the fix the second attempt died creating its process groups (``Gloo
 connectFullMesh failed ... Connection refused``: the first attempt's addresses in torchrun's
 store) and rank 0 ignored torchrun's SIGTERM for 30 s.
 """
@@ -89,8 +90,12 @@ def straight_losses(tmp_path_factory):
 
 @pytest.mark.parametrize("ckpt_flags", ["--ckpt-format torch", "--ckpt-format torch_dist",
                                         "--ckpt-format torch_dist --async-save "
-                                        "--use-persistent-ckpt-worker"],
-                         ids=["torch", "torch_dist", "torch_dist-async"])
+                                        "--use-persistent-ckpt-worker",
+                                        # a save every iteration: the kill lands while a
+                                        # background thread writes (or is about to)
+                                        "--ckpt-format torch_dist --async-save --save-interval 1"],
+                         ids=["torch", "torch_dist", "torch_dist-async",
+                              "torch_dist-async-thread-every-iteration"])
 def test_a_killed_worker_is_restarted_and_resumes_exactly(tmp_path, straight_losses,
                                                           ckpt_flags):
     save_dir = str(tmp_path / "ck")
