@@ -107,14 +107,7 @@ class _Posted:
 
     def wait_received(self) -> list[torch.Tensor]:
         started = time.perf_counter()
-        try:
-            for request in self.receive_requests:
-                request.wait()
-        except RuntimeError as error:
-            named = named_timeout(error, lambda: self.describe("receive"))
-            if named is None:
-                raise
-            raise named from error
+        _wait_all(self.receive_requests, lambda: self.describe("receive"))
         self.receive_requests = []
         received = self.finish()
         self.stats.seconds += time.perf_counter() - started
@@ -122,17 +115,24 @@ class _Posted:
 
     def wait_sent(self) -> None:
         started = time.perf_counter()
-        try:
-            for request in self.send_requests:
-                request.wait()
-        except RuntimeError as error:
-            named = named_timeout(error, lambda: self.describe("send"))
-            if named is None:
-                raise
-            raise named from error
+        _wait_all(self.send_requests, lambda: self.describe("send"))
         self.send_requests = []
         self.outgoing = []
         self.stats.seconds += time.perf_counter() - started
+
+
+def _wait_all(requests: list, what: Callable[[], str]) -> None:
+    """Wait for every request; a backend timeout is re-raised as a
+    :class:`~megatron.core.distributed.timeouts.CommunicationTimeout` naming ``what()``
+    (:func:`named_timeout`: a plain call, no generator context manager on the hop's path)."""
+    try:
+        for request in requests:
+            request.wait()
+    except RuntimeError as error:
+        named = named_timeout(error, what)
+        if named is None:
+            raise
+        raise named from error
 
 
 class _Message(NamedTuple):
