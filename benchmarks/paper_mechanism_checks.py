@@ -1,0 +1,292 @@
+"""Mechanisms checked against the Chimera paper's numbers and NOT adopted in the model: the
+numbers docs/performance_model.md quotes for them ("Checked and not adopted").
+
+``python benchmarks/paper_mechanism_checks.py [--skip-slow]``. No torch, no processes; about
+2 minutes on a quiet 2-core machine (the refits), ``--skip-slow`` only the first two (seconds).
+
+Each check is a variant of the shipped model written here, next to it, so the model itself
+stays as it is:
+
+1. ``steady_state``: the authors' training loops run iterations back to back without a barrier
+   (``main_with_runtime.py``: ``#distrib.barrier()`` commented out in the Chimera loop;
+   ``run_training_loop_with_flushes`` / ``..._1f1b_flushes`` barrier only per epoch), and each
+   rank's "Average time per update step" spans many iterations on that rank. So a rank's
+   end-of-iteration syncs can hide behind its own start offset in the next iteration: the
+   period is max over ranks of (end of its syncs and step − start of its first op), not the
+   cold-start makespan. Printed: that period beside the makespan, for every schedule-backed
+   GPT-2 row and for the Bert-48 sync-policy ratio.
+2. ``head_of_line``: an upper bound on what the middle workers' eager all-reduce could cost
+   the point-to-point messages of the remaining backward (the brief's "shares the node's
+   link"): the whole rest of that all-reduce after their last backward, added to the eager
+   iteration; and the fair-share cost per message.
+3. ``time_varying_contention``: κ counts the nodes syncing *at the moment* (a fluid model:
+   load = pipeline ranks with a sync in flight / D), instead of all P nodes for every sync;
+   refitted in-sample.
+4. ``elementwise_traffic``: the memory-bound element-wise passes of the authors' HF GPT-2
+   ``Block`` (counted from ``modeling_gpt2.py`` and ``activations.gelu_new``, fp32) and of
+   the loss, at the P100's 732 GB/s, added to F and Bk per layer; refitted in-sample.
+5. ``op_overhead``: a fixed per-op overhead (a fourth constant, which the issue does not
+   allow): the o at which the 512-node sweep's best would change, refitted in-sample, and the
+   planner's first choice there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from unittest import mock
+
+sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+import reproduce_paper as rp  # noqa: E402
+from megatron.core.pipeline_parallel.planning.instructions import Instruction  # noqa: E402
+from megatron.core.pipeline_parallel.planning.lowering import (  # noqa: E402
+    GradSyncStart, GradSyncWait)
+from megatron.performance_model import costs as cost_terms, paper, timing  # noqa: E402
+from megatron.performance_model.schemes import (  # noqa: E402
+    ANALYTIC_SCHEMES, lowered_schedule, num_replicas, schedule_microbatches)
+from megatron.performance_model.specs import P100_MEMORY_BANDWIDTH  # noqa: E402
+
+START = {"efficiency": 0.392, "bandwidth": 6.84e9, "global_bandwidth_fraction": 0.157}
+
+
+def _timelines(result, policy):
+    """(ready time of each stage's sync, per rank: hosted stages, compute end, first start)."""
+    costs = result.costs
+    _, count = schedule_microbatches(result.scheme, result.pipeline, result.micro_batch_size,
+                                     result.num_microbatches)
+    simulated = timing._compute_timelines(
+        result.scheme, result.pipeline, count, policy, timing.BUILTIN_SCHEDULES, costs.forward,
+        costs.backward, costs.p2p, costs.stage_forward, costs.stage_backward)
+    ready, ranks = {}, []
+    for line in simulated.timelines:
+        stages, end, first = [], 0.0, math.inf
+        for entry in line:
+            if isinstance(entry.op, GradSyncStart):
+                ready[entry.op.stage] = max(ready.get(entry.op.stage, 0.0), entry.start)
+                stages.append(entry.op.stage)
+            elif not isinstance(entry.op, GradSyncWait):
+                end = max(end, entry.end)
+                if isinstance(entry.op, Instruction):
+                    first = min(first, entry.start)
+        ranks.append((stages, end, 0.0 if first == math.inf else first))
+    return ready, ranks, count
+
+
+def _rank_ends(result, policy, finish_times):
+    ready, ranks, count = _timelines(result, policy)
+    layout, _ = lowered_schedule(result.scheme, result.pipeline, count, policy)
+    finishes = finish_times(ready, ranks)
+    stage_end = {}
+    for (stages, _, _), done in zip(ranks, finishes):
+        for stage, end in zip(stages, done):
+            stage_end[stage] = max(stage_end.get(stage, 0.0), end)
+    ends = [max([end] + [stage_end[s] for s in stages])
+            + sum(result.costs.optimizer_step_of(s) for _, s in layout.hosted(rank))
+            for rank, (stages, end, _) in enumerate(ranks)]
+    return ends, [first for _, _, first in ranks]
+
+
+def _shared(result):
+    def finish_times(ready, ranks):
+        return [cost_terms.shared_link_finish_times([(ready[s], result.costs.allreduce[s])
+                                                     for s in stages])
+                for stages, _, _ in ranks]
+    return finish_times
+
+
+def steady_state_period(result, policy="eager-opt") -> float:
+    """Check 1: max over ranks of (end of its syncs and step − its first op's start)."""
+    ends, firsts = _rank_ends(result, policy, _shared(result))
+    return max(end - first for end, first in zip(ends, firsts))
+
+
+def check_steady_state(hardware) -> list:
+    lines = ["1. Steady state without a barrier (authors' loops): period vs cold-start makespan"
+             " (s, in-sample constants)"]
+    for run in rp.FIT_POINTS:
+        if run.scheme in ANALYTIC_SCHEMES:
+            continue
+        result = rp.estimate(hardware, run)
+        lines.append(f"   {run.label:22} makespan {result.iteration_time:.3f}  steady "
+                     f"{steady_state_period(result):.3f}")
+    ratios = []
+    for nodes, published in paper.SYNC_POLICY:
+        run = paper.PaperRun("", "chimera-direct", nodes // 4, 4, 8, 8, "none", 0, "")
+        opt = rp.estimate(hardware, run, rp.BERT48, "eager-opt")
+        eager = rp.estimate(hardware, run, rp.BERT48, "eager")
+        ratios.append(f"{nodes} nodes {eager.iteration_time / opt.iteration_time:.3f} -> "
+                      f"{steady_state_period(eager, 'eager') / steady_state_period(opt):.3f}"
+                      f" (paper {published:.2f})")
+    lines.append("   Bert-48 eager-opt / eager, makespan -> steady state: " + ", ".join(ratios))
+    return lines
+
+
+def check_head_of_line(hardware) -> list:
+    lines = ["2. Eager all-reduce vs the remaining backward's p2p on the middle workers "
+             "(Bert-48 D=4 B=8 N=8, in-sample constants)"]
+    message = 8 * rp.BERT48.seq_length * rp.BERT48.hidden_size * rp.BERT48.bytes_per_value
+    for nodes, published in paper.SYNC_POLICY:
+        run = paper.PaperRun("", "chimera-direct", nodes // 4, 4, 8, 8, "none", 0, "")
+        opt = rp.estimate(hardware, run, rp.BERT48, "eager-opt")
+        eager = rp.estimate(hardware, run, rp.BERT48, "eager")
+        late, backward = opt.costs.allreduce[2], opt.costs.backward_of(1)
+        rest = max(0.0, late - backward)
+        lines.append(
+            f"   {nodes} nodes: late-stage sync {late:.3f} s, last backward {backward:.3f} s, "
+            f"left {rest:.3f} s; head-of-line bound on the ratio "
+            f"{(eager.iteration_time + rest) / opt.iteration_time:.3f} (paper {published:.2f}); "
+            f"fair share: +{hardware.beta * message * 1e3:.2f} ms per {message / 1e6:.1f} MB "
+            "message")
+    return lines
+
+
+def _contended(result, hardware):
+    """Check 3's sync finish times: a fluid model with κ following the ranks in flight."""
+    costs = result.costs
+    nodes = result.data_parallel * result.pipeline
+    replicas = num_replicas(result.scheme, result.data_parallel, result.pipeline)
+    slope = (cost_terms.cross_group_fraction(hardware, nodes)
+             / hardware.global_bandwidth_fraction)
+    full = cost_terms.network_contention(hardware, nodes)
+    bandwidth = [2 * (replicas - 1) / replicas * hardware.beta * size if replicas > 1 else 0.0
+                 for size in costs.gradient_bytes]
+
+    def alone(stage, load):
+        if costs.allreduce[stage] <= 0:
+            return 0.0
+        return costs.allreduce[stage] - bandwidth[stage] * (full - max(1.0, slope * load))
+
+    def finish_times(ready, ranks):
+        jobs = [[(ready[s], s) for s in stages] for stages, _, _ in ranks]
+        progress = [[0.0] * len(j) for j in jobs]
+        finish = [[start for start, _ in j] for j in jobs]
+        starts = sorted({start for j in jobs for start, _ in j})
+        now = starts[0] if starts else 0.0
+        while True:
+            active = [[k for k, (start, _) in enumerate(j) if start <= now and progress[r][k] < 1]
+                      for r, j in enumerate(jobs)]
+            later = [t for t in starts if t > now]
+            if not any(active):
+                if not later:
+                    return finish
+                now = later[0]
+                continue
+            load = sum(1 for a in active if a) / len(jobs)
+            rates, step = {}, (later[0] - now) if later else math.inf
+            for r, a in enumerate(active):
+                for k in a:
+                    solo = alone(jobs[r][k][1], load)
+                    if solo <= 0:
+                        progress[r][k], finish[r][k] = 1.0, now
+                        continue
+                    rates[(r, k)] = 1.0 / (solo * len(a))
+                    step = min(step, (1 - progress[r][k]) / rates[(r, k)])
+            for (r, k), rate in rates.items():
+                progress[r][k] += rate * step
+                if progress[r][k] >= 1 - 1e-12:
+                    progress[r][k], finish[r][k] = 1.0, now + step
+            now += step
+    return finish_times
+
+
+def _predict_contended(hardware, run):
+    result = rp.estimate(hardware, run)
+    if run.scheme in ANALYTIC_SCHEMES:
+        return result.throughput
+    ends, _ = _rank_ends(result, "eager-opt", _contended(result, hardware))
+    return run.global_batch_size / max(ends)
+
+
+def _refit_lines(title, predict=None, base=rp.P100_ARIES) -> list:
+    patch = (mock.patch.object(rp, "predict", predict) if predict
+             else mock.patch.object(rp, "predict", rp.predict))
+    with patch:
+        fitted = rp.fit(rp.FIT_POINTS, START, base, 30, {})
+        hardware = rp.hardware_of(fitted, base)
+        values = {run.label: rp.predict(hardware, run) for run in rp.FIT_POINTS}
+    lines = [f"{title}: refitted in-sample efficiency {fitted['efficiency']:.3f}, "
+             f"{fitted['bandwidth'] / 1e9:.2f} GB/s, γ {fitted['global_bandwidth_fraction']:.3f},"
+             f" RMS log error {fitted['rms_log_error']:.4f}"]
+    lines += [f"   {run.label:22} published {run.published:5.0f}  in-sample "
+              f"{values[run.label]:7.1f} ({values[run.label] / run.published - 1:+.1%})"
+              for run in rp.FIT_POINTS]
+    weak = values[paper.COMPARISON_2048[0].label] / (4 * values[paper.SWEEP_512[1].label])
+    lines.append(f"   weak scaling {weak:.1%}; 1F1B / GPipe "
+                 f"{values['1F1B/DAPPLE'] / values['GPipe']:.3f}; sweep W=64 D=8 / W=16 D=32 "
+                 f"{values['W=64 D=8 recompute'] / values['W=16 D=32']:.3f}")
+    return lines, hardware
+
+
+def elementwise_bytes(model, micro_batch_size, num_stages, stage, recompute):
+    """Check 4: (forward, backward) bytes of one stage's memory-bound element-wise passes
+    (fp32). Per layer, counted from the authors' HF GPT-2 Block: attention scores S = B·a·s²
+    (scale, causal ``where``, softmax, dropout: 9.25 S forward, 10.25 S backward), gelu_new on
+    B·s·ffn (8 kernels: 19 forward, ~40 backward), layer norms, residual adds, dropouts,
+    head merge and the ``present`` stack on T = B·s·h (28.5 T forward, 30 T backward) and the
+    weight gradients' accumulation (3 passes over the layer's parameters); the last stage's
+    log-softmax loss over B·s·V and lm_head gradient; stage 0's embedding gradient."""
+    s, h, a, vocab = model.seq_length, model.hidden_size, model.num_attention_heads, \
+        model.vocab_size
+    scores = micro_batch_size * a * s * s
+    tokens = micro_batch_size * s * h
+    ffn = micro_batch_size * s * model.ffn
+    layer_forward = 9.25 * scores + 28.5 * tokens + 19 * ffn
+    layer_backward = 10.25 * scores + 30 * tokens + 40 * ffn + 3 * (12 * h * h + 13 * h)
+    layers = cost_terms.stage_layers(model, num_stages, stage)
+    forward, backward = layers * layer_forward, layers * layer_backward
+    if recompute == "full":
+        backward += layers * layer_forward
+    if stage == num_stages - 1:
+        forward += 2 * tokens + 3 * micro_batch_size * s * vocab
+        backward += 4 * tokens + 3 * micro_batch_size * s * vocab + 3 * h * vocab
+    if stage == 0:
+        forward += 7.25 * tokens
+        backward += 2 * tokens + 4 * vocab * h + 3 * model.positions * h
+    return forward * model.bytes_per_value, backward * model.bytes_per_value
+
+
+def _with_elementwise(original):
+    def stage_compute_times(model, hardware, num_stages, micro_batch_size, recompute):
+        forwards, backwards = original(model, hardware, num_stages, micro_batch_size, recompute)
+        mode = cost_terms.recompute_mode(recompute)
+        extra = [elementwise_bytes(model, micro_batch_size, num_stages, s, mode)
+                 for s in range(num_stages)]
+        return (tuple(f + e[0] / P100_MEMORY_BANDWIDTH for f, e in zip(forwards, extra)),
+                tuple(b + e[1] / P100_MEMORY_BANDWIDTH for b, e in zip(backwards, extra)))
+    return stage_compute_times
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--skip-slow", action="store_true", help="only checks 1 and 2")
+    args = parser.parse_args(argv)
+    hardware = rp.hardware_of(rp.load_fits()["in_sample"])
+    out = check_steady_state(hardware) + check_head_of_line(hardware)
+    if not args.skip_slow:
+        lines, _ = _refit_lines("0. The shipped model (for comparison)")
+        out += lines
+        lines, _ = _refit_lines("3. Time-varying contention", _predict_contended)
+        out += lines
+        with mock.patch.object(timing, "stage_compute_times",
+                               _with_elementwise(timing.stage_compute_times)):
+            lines, _ = _refit_lines("4. Element-wise memory traffic")
+        out += lines
+        base = dataclasses.replace(rp.P100_ARIES, op_overhead_seconds=2e-3)
+        lines, overhead_hw = _refit_lines("5. Per-op overhead 2 ms (a fourth constant)",
+                                          base=base)
+        top = rp.planner_top(overhead_hw, top=1)[0]
+        lines.append(f"   planner's first choice there: {top.scheme} W={top.data_parallel} "
+                     f"D={top.pipeline} B={top.micro_batch_size} recompute={top.recompute} "
+                     f"{top.throughput:.0f} seq/s")
+        out += lines
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
