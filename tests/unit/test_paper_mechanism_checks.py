@@ -1,0 +1,68 @@
+"""benchmarks/paper_mechanism_checks.py: the variants of the model it checks reduce to the shipped
+model where they must, and differ where their mechanism acts (docs/performance_model.md quotes
+their numbers)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from megatron.performance_model import paper
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def checks():
+    spec = importlib.util.spec_from_file_location("paper_mechanism_checks",
+                                                  BENCHMARKS / "paper_mechanism_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def hardware(checks):
+    return checks.rp.hardware_of(checks.rp.load_fits()["in_sample"])
+
+
+def bert48_run(nodes):
+    return paper.PaperRun("", "chimera-direct", nodes // 4, 4, 8, 8, "none", 0, "")
+
+
+def test_steady_state_hides_the_middle_workers_end_syncs_behind_their_fill(checks, hardware):
+    result = checks.rp.estimate(hardware, bert48_run(64), checks.rp.BERT48, "eager-opt")
+    period = checks.steady_state_period(result)
+    # eager-opt's middle workers end last (both syncs after their last backward), and they
+    # start the next iteration one forward later than workers 0 and D-1
+    assert period < result.iteration_time - 0.01
+    assert period >= result.iteration_time - result.costs.forward_of(1) - result.costs.p2p - 1e-9
+
+
+def test_steady_state_equals_the_makespan_where_rank_0_binds(checks, hardware):
+    run = paper.COMPARISON_2048[0]  # Chimera at 2,048 nodes: worker 0 ends last
+    result = checks.rp.estimate(hardware, run)
+    assert checks.steady_state_period(result) == pytest.approx(result.iteration_time, rel=1e-9)
+
+
+def test_time_varying_contention_is_the_shipped_model_inside_one_group(checks, hardware):
+    # 256 nodes fit in one 384-node dragonfly group: no contention either way
+    run = paper.PaperRun("", "chimera-direct", 8, 32, 1, 32, "none", 0, "")
+    assert checks._predict_contended(hardware, run) == pytest.approx(
+        checks.rp.predict(hardware, run), rel=1e-9)
+
+
+def test_time_varying_contention_speeds_up_staggered_syncs(checks, hardware):
+    gpipe = next(run for run in paper.COMPARISON_2048 if run.label == "GPipe")
+    assert checks._predict_contended(hardware, gpipe) > 1.05 * checks.rp.predict(hardware, gpipe)
+
+
+def test_elementwise_bytes_grow_with_the_layers_and_recomputation(checks):
+    model = checks.rp.GPT2_PAPER
+    one = checks.elementwise_bytes(model, 1, 64, 5, "none")
+    two = checks.elementwise_bytes(model, 1, 32, 5, "none")
+    assert two[0] == pytest.approx(2 * one[0]) and two[1] == pytest.approx(2 * one[1])
+    recomputed = checks.elementwise_bytes(model, 1, 64, 5, "full")
+    assert recomputed[1] == pytest.approx(one[1] + one[0])
+    last = checks.elementwise_bytes(model, 1, 64, 63, "none")
+    assert last[0] > one[0] and last[1] > one[1]
