@@ -84,7 +84,7 @@ for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.path.dirname(os.pa
         sys.path.insert(0, _path)
 
 from _emulated_stages import (EmulatedStage, StageTimes, emulated_loss,  # noqa: E402
-                              profile_times, uniform_times)
+                              profile_times, set_timer_slack, uniform_times)
 from _harness import format_table, oversubscription_note, torch_stage_ids  # noqa: E402
 
 LAYERS_PER_STAGE = 2  # so interleaved / V schedules get 2 chunks of one layer per rank
@@ -770,6 +770,10 @@ def parse_args(argv=None):
                         help="per-op overheads beyond the sleeps (milliseconds), like "
                              "--message-ms: --simulate-only default 0; measured runs default "
                              "calibrated (the emulated module's F, I and W timed on every rank)")
+    parser.add_argument("--timer-slack-ns", type=int, default=None,
+                        help="Linux timer slack of every rank (both runtimes alike), set before "
+                             "the ranks start: how late a sleep may end (kernel default 50000 "
+                             "ns); default: leave it")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only configurations whose label contains one of these words")
@@ -806,6 +810,9 @@ def main(argv=None) -> int:
         print(simulated_report(simulated_table(args.depths, args.counts, times_for, given)))
         return 0
     sizes = (args.param_floats, args.activation_floats)
+    if args.timer_slack_ns is not None:
+        previous = set_timer_slack(args.timer_slack_ns)
+        print(f"timer slack {args.timer_slack_ns} ns on every rank (was {previous} ns)")
     for depth in args.depths:
         times = times_for(depth)
         per_rank = measure(depth, args.counts, times, sizes, args.rounds, args.only,

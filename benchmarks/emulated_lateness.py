@@ -193,6 +193,7 @@ def analyse(per_rank_rows: list, simulated, waited: float) -> dict:
     terms = {"overrun": 0.0, "local gap": 0.0, "post lag": 0.0, "hop": 0.0, "slack": 0.0,
              "start": 0.0}
     path = []
+    steps: list = []
     hops_on_path = 0
     last = max((op for rank_ops in ops for op in rank_ops), key=lambda op: op["end"])
     current = last
@@ -213,6 +214,10 @@ def analyse(per_rank_rows: list, simulated, waited: float) -> dict:
             terms["post lag"] += posted - producer["end"] - planned_lag
             terms["hop"] += current["start"] - posted
             terms["slack"] -= current["sim_start"] - sim_posted[key]
+            steps.append(f"{current['name']}<-r{producer['rank']}:{producer['name']} lag+"
+                         f"{(posted - producer['end'] - planned_lag) * 1e3:.1f} hop "
+                         f"{(current['start'] - posted) * 1e3:.1f} over "
+                         f"{(current['end'] - current['start'] - current['sim_end'] + current['sim_start']) * 1e3:.1f}")
             current = producer
         elif index > 0:
             previous = rank_ops[index - 1]
@@ -220,6 +225,8 @@ def analyse(per_rank_rows: list, simulated, waited: float) -> dict:
             sim_gap = current["sim_start"] - previous["sim_end"]
             terms["local gap"] += gap
             terms["slack"] -= sim_gap
+            steps.append(f"{current['name']} gap {gap * 1e3:.1f} (plan {sim_gap * 1e3:.0f}) over "
+                         f"{(current['end'] - current['start'] - current['sim_end'] + current['sim_start']) * 1e3:.1f}")
             current = previous
         else:
             terms["start"] += current["start"] - current["sim_start"]
@@ -245,14 +252,14 @@ def analyse(per_rank_rows: list, simulated, waited: float) -> dict:
             "tail": end - last["end"], "reduce_wait_max": max(reduce_waits),
             "increments": sorted(increments, reverse=True)[:6],
             "overrun_mean": {k: statistics.mean(v) for k, v in overruns.items()},
-            "path": [(op["rank"], op["name"]) for op in path[::-1]]}
+            "path": [(op["rank"], op["name"]) for op in path[::-1]], "steps": steps[::-1]}
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def report(label, analyses) -> str:
+def report(label, analyses, verbose: bool = False) -> str:
     def med(getter):
         return statistics.median(getter(a) for a in analyses)
     first = analyses[0]
@@ -274,6 +281,8 @@ def report(label, analyses) -> str:
         f"r{rank} {name} +{_ms(inc)} (late {_ms(late)}, waited {_ms(wait)})"
         for inc, late, rank, name, wait in first["increments"]))
     lines.append("  path: " + " ".join(f"r{r}:{n}" for r, n in first["path"]))
+    if verbose:
+        lines += [f"    {step}" for step in first["steps"]]
     return "\n".join(lines)
 
 
@@ -287,6 +296,11 @@ def parse_args(argv=None):
                         help="labels containing any of these words (default: every one of ours)")
     parser.add_argument("--waited-ms", type=float, default=1.0,
                         help="an op whose input wait exceeded this was gated by its message")
+    parser.add_argument("--timer-slack-ns", type=int, default=None,
+                        help="Linux timer slack of every rank, set before they start "
+                             "(see emulated_depth.py); default: leave it")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every step of the first iteration's critical path")
     parser.add_argument("--param-floats", type=int, default=1 << 20)
     parser.add_argument("--activation-floats", type=int, default=1 << 14)
     return parser.parse_args(argv)
@@ -303,6 +317,8 @@ def main(argv=None) -> int:
     labels = [label for label in variants
               if args.only is None or any(word in label for word in args.only)]
     torch.set_num_threads(1)
+    if args.timer_slack_ns is not None:
+        _emulated_stages.set_timer_slack(args.timer_slack_ns)
     load = os.getloadavg()[0]
     per_rank = run_distributed(_rank, depth, labels, times,
                                (args.param_floats, args.activation_floats), count,
@@ -314,7 +330,7 @@ def main(argv=None) -> int:
         simulated = simulate_plan(plan, stage_costs=costs)
         analyses = [analyse([per_rank[r][label][i] for r in range(depth)], simulated,
                             args.waited_ms / 1e3) for i in range(args.iterations)]
-        print(report(label, analyses))
+        print(report(label, analyses, args.verbose))
     return 0
 
 
