@@ -135,19 +135,22 @@ def analyse(per_rank_rows: list, simulated, waited: float) -> dict:
         base = row["origin"] - origin
         sim = [e for e in simulated.timelines[rank] if _is_compute(str(e.op))]
         measured = []
-        pending_wait = 0.0
+        pending_wait = pending_post = 0.0
         for name, start, end in row["records"]:
             if _is_compute(name):
-                measured.append((name, base + start, base + end, pending_wait))
-                pending_wait = 0.0
+                measured.append((name, base + start, base + end, pending_wait, pending_post))
+                pending_wait = pending_post = 0.0
             elif name.startswith("wait ") and name != "wait sends":
                 pending_wait += end - start
+            elif name.startswith("["):
+                pending_post += end - start
         if [str(e.op) for e in sim] != [m[0] for m in measured]:
             raise RuntimeError(f"rank {rank}: measured op order differs from the plan")
         rank_ops = []
-        for entry, (name, start, end, wait) in zip(sim, measured):
+        for entry, (name, start, end, wait, post) in zip(sim, measured):
             rank_ops.append({"rank": rank, "name": name, "start": start, "end": end,
-                             "wait": wait, "sim_start": entry.start, "sim_end": entry.end})
+                             "wait": wait, "post": post, "sim_start": entry.start,
+                             "sim_end": entry.end})
         ops.append(rank_ops)
     sends, receives = {}, {}
     for rank, row in enumerate(per_rank_rows):
@@ -245,6 +248,15 @@ def analyse(per_rank_rows: list, simulated, waited: float) -> dict:
         for op in rank_ops:
             overruns.setdefault(op["name"][0], []).append(
                 (op["end"] - op["start"]) - (op["sim_end"] - op["sim_start"]))
+    # every op whose input was there (waited <= ``waited``): its gap to the previous op on the
+    # rank, split into posting P2P groups, taking the (arrived) input and the rest
+    gaps = {"gap": [], "posting": [], "input": []}
+    for rank_ops in ops:
+        for previous, op in zip(rank_ops, rank_ops[1:]):
+            if op["wait"] <= waited and op["sim_start"] - previous["sim_end"] <= 1e-9:
+                gaps["gap"].append(op["start"] - previous["end"])
+                gaps["posting"].append(op["post"])
+                gaps["input"].append(op["wait"])
     reduce_waits = [row["reduced"] - row["list_end"] for row in per_rank_rows]
     return {"makespan": simulated.makespan, "last_end": last["end"],
             "late_at_end": last["end"] - last["sim_end"], "terms": terms,
@@ -252,6 +264,7 @@ def analyse(per_rank_rows: list, simulated, waited: float) -> dict:
             "tail": end - last["end"], "reduce_wait_max": max(reduce_waits),
             "increments": sorted(increments, reverse=True)[:6],
             "overrun_mean": {k: statistics.mean(v) for k, v in overruns.items()},
+            "gap_mean": {k: statistics.mean(v) if v else 0.0 for k, v in gaps.items()},
             "path": [(op["rank"], op["name"]) for op in path[::-1]], "steps": steps[::-1]}
 
 
@@ -277,6 +290,11 @@ def report(label, analyses, verbose: bool = False) -> str:
     lines.append("  mean overrun per op kind (ms): " + ", ".join(
         f"{k} {_ms(statistics.median(a['overrun_mean'].get(k, 0.0) for a in analyses))}"
         for k in sorted(first["overrun_mean"])))
+    gap = {k: statistics.median(a["gap_mean"][k] for a in analyses) for k in first["gap_mean"]}
+    lines.append(f"  mean gap before an op whose input was there (ms): {gap['gap'] * 1e3:.2f} = "
+                 f"posting P2P groups {gap['posting'] * 1e3:.2f} + taking the input "
+                 f"{gap['input'] * 1e3:.2f} + the rest (interpreter, prefetching receives) "
+                 f"{(gap['gap'] - gap['posting'] - gap['input']) * 1e3:.2f}")
     lines.append("  largest lateness increments (first iteration): " + "; ".join(
         f"r{rank} {name} +{_ms(inc)} (late {_ms(late)}, waited {_ms(wait)})"
         for inc, late, rank, name, wait in first["increments"]))
