@@ -57,7 +57,11 @@ time (the headline, against ideal compute); simulated efficiency and measured / 
 "sim free" (messages and overheads free, as every plan but the δ ones assumes) and "sim calibrated"
 (the calibrated δ per message and overheads per op charged on both sides: ours, the lowered plan in
 our simulator; PyTorch, its schedule's action order through the same timeline, each message δ after
-its producer); peak stored activations per rank in micro-batches of one 1F1B stage (ours: counted
+its producer); and "sim free+all-reduce": the free simulation charging, where a layout has stage
+replicas (Chimera; no other schedule of either side all-reduces), the stage all-reduce as measured
+in the same run: after the rounds every rank times each of its stage all-reduces alone (start,
+wait; ``ALLREDUCE_REPEATS`` times, ascending stage order), the median over ranks is charged per
+sync from its last participant's start (printed as "stage all-reduce ms"); peak stored activations per rank in micro-batches of one 1F1B stage (ours: counted
 by the interpreter; PyTorch: from its action order), next to the weight copies a rank holds (stages
 of 1/D of the model).
 """
@@ -80,7 +84,7 @@ for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.path.dirname(os.pa
         sys.path.insert(0, _path)
 
 from _emulated_stages import (EmulatedStage, StageTimes, emulated_loss,  # noqa: E402
-                              profile_times, uniform_times)
+                              profile_times, set_timer_slack, uniform_times)
 from _harness import format_table, oversubscription_note, torch_stage_ids  # noqa: E402
 
 LAYERS_PER_STAGE = 2  # so interleaved / V schedules get 2 chunks of one layer per rank
@@ -223,14 +227,17 @@ def our_plan(label_flags, depth: int, count: int, times: StageTimes,
 
 
 def simulate_ours(flags, depth, count, times, charged: Calibration = FREE,
-                  planned: Calibration = FREE):
+                  planned: Calibration = FREE, allreduce_seconds: float = 0.0):
     """(simulated seconds, peak stored per rank in 1F1B-stage micro-batches, weight copies) of
     the configuration planned with ``planned`` (used by latency-tolerant ones only), simulated
-    charging ``charged``'s message latency and op overheads."""
+    charging ``charged``'s message latency and op overheads and, where the layout has stage
+    replicas (Chimera), ``allreduce_seconds`` per stage all-reduce (from its last start)."""
     from megatron.core.pipeline_parallel.planning.simulator import simulate_plan
     plan, costs = our_plan(flags, depth, count, times, planned)
     result = simulate_plan(plan, stage_costs=costs.with_overheads(charged.overhead_seconds),
-                           p2p_cost=charged.message_seconds)
+                           p2p_cost=charged.message_seconds,
+                           allreduce_cost=allreduce_seconds if plan.layout.has_stage_replicas
+                           else 0.0)
     scale = depth / plan.layout.num_stages  # a stage of 2D stages holds half a 1F1B stage
     copies = max(len(plan.layout.hosted(rank)) for rank in range(depth)) * scale
     return result.makespan, [p * scale for p in result.peak_activations], copies
@@ -371,6 +378,28 @@ def _our_configuration(label, flags, parallel_state, depth, count, times, sizes,
         stored = getattr(interpreter, "peak_stored", 0) or 0
         return stored * depth / plan.layout.num_stages
 
+    def stage_allreduces(barrier, repeats: int = ALLREDUCE_REPEATS) -> list:
+        """Seconds of each of this rank's stage all-reduces run alone (start, wait), one after
+        the other in ascending stage order (one order on every rank), after a barrier; ``[]``
+        without stage replicas (nothing is all-reduced then)."""
+        if not plan.layout.has_stage_replicas:
+            return []
+        ordered = [reducer for key, reducer in sorted(runtime.reducers_by_key.items(),
+                                                      key=lambda item: (item[0].stage,
+                                                                        item[0].pipeline))]
+        samples = []
+        for _ in range(repeats):
+            barrier()
+            for reducer in ordered:
+                start = time.perf_counter()
+                reducer.start()
+                reducer.wait()
+                samples.append(time.perf_counter() - start)
+        for reducer in ordered:
+            reducer.zero_grad()
+        return samples
+
+    step.stage_allreduces = stage_allreduces  # type: ignore[attr-defined]
     return label, step, peak
 
 
@@ -407,6 +436,7 @@ def _torch_configuration(name, rank, depth, count, times, sizes):
 # ------------------------------------------------------------------------------ calibration
 
 CALIBRATION_LAPS = 3  # token laps around the ring of ranks
+ALLREDUCE_REPEATS = 3  # timed stage all-reduces per stage and rank (after the rounds)
 CALIBRATION_OPS = 5  # timed F, I, W of the emulated module per rank (after one warm-up)
 
 
@@ -597,12 +627,15 @@ def _measure_rank(rank, world_size, multiples, times, sizes, rounds, only, given
         for _ in range(rounds):
             for label, step, _ in configurations:
                 times_by_label[label].append(_timed(step, dist.barrier))
+        allreduces = {label: step.stage_allreduces(dist.barrier)
+                      for label, step, _ in configurations if hasattr(step, "stage_allreduces")}
         hops = {}
         if report_hops:
             from megatron.core.pipeline_parallel.execution.timeline import hop_summary
             hops = {label: hop_summary(step(record=True))
                     for label, step, _ in configurations if label.startswith("ours")}
         results[count] = {"times": times_by_label, "skipped": skipped, "hops": hops,
+                          "allreduces": allreduces,
                           "peaks": {label: peak() for label, _, peak in configurations}}
     return results
 
@@ -642,6 +675,11 @@ def measured_report(depth, per_rank, times) -> str:
                 flags = dict(our_variants(depth, True))[label]
                 simulated, peaks, copies = simulate_ours(flags, depth, count, times, FREE,
                                                          calibration)
+                samples = [sample for rank in per_rank
+                           for sample in rank[count].get("allreduces", {}).get(label, [])]
+                allreduce = statistics.median(samples) if samples else 0.0
+                with_allreduce, _, _ = simulate_ours(flags, depth, count, times, FREE,
+                                                     calibration, allreduce)
                 charged, _, _ = simulate_ours(flags, depth, count, times, calibration,
                                               calibration)
                 stored = [rank[count]["peaks"][label] for rank in per_rank]
@@ -650,9 +688,12 @@ def measured_report(depth, per_rank, times) -> str:
                 charged, _, _ = simulate_torch(label.split()[1], depth, count, times,
                                                calibration)
                 stored = peaks
+                allreduce, with_allreduce = 0.0, simulated  # no stage replicas: no all-reduce
             rows.append([label, f"{median:.3f} ({min(slowest):.3f}-{max(slowest):.3f})",
                          f"{efficiency:.3f} ({ideal / max(slowest):.3f}-{ideal / min(slowest):.3f})",
                          _fmt(ideal / simulated), _fmt(simulated / median),
+                         f"{allreduce * 1e3:.1f}" if allreduce else "-",
+                         _fmt(with_allreduce / median),
                          _fmt(ideal / charged), _fmt(charged / median),
                          f"{max(stored):g}", f"{copies:g}"])
             side = "ours" if label.startswith("ours") else "torch"
@@ -660,6 +701,7 @@ def measured_report(depth, per_rank, times) -> str:
         lines.append(f"== D = {depth}, N = {count} (ideal {ideal:.3f} s per iteration) ==")
         lines.append(format_table(["configuration", "seconds (min-max)", "efficiency (range)",
                                    "sim free eff.", "measured/sim free",
+                                   "stage all-reduce ms", "measured/sim free+all-reduce",
                                    "sim calibrated eff.", "measured/sim calibrated",
                                    "peak stored (1F1B-stage mb)", "weight copies"], rows))
         if measured.get("hops"):
@@ -728,6 +770,10 @@ def parse_args(argv=None):
                         help="per-op overheads beyond the sleeps (milliseconds), like "
                              "--message-ms: --simulate-only default 0; measured runs default "
                              "calibrated (the emulated module's F, I and W timed on every rank)")
+    parser.add_argument("--timer-slack-ns", type=int, default=None,
+                        help="Linux timer slack of every rank (both runtimes alike), set before "
+                             "the ranks start: how late a sleep may end (kernel default 50000 "
+                             "ns); default: leave it")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only configurations whose label contains one of these words")
@@ -764,6 +810,9 @@ def main(argv=None) -> int:
         print(simulated_report(simulated_table(args.depths, args.counts, times_for, given)))
         return 0
     sizes = (args.param_floats, args.activation_floats)
+    if args.timer_slack_ns is not None:
+        previous = set_timer_slack(args.timer_slack_ns)
+        print(f"timer slack {args.timer_slack_ns} ns on every rank (was {previous} ns)")
     for depth in args.depths:
         times = times_for(depth)
         per_rank = measure(depth, args.counts, times, sizes, args.rounds, args.only,

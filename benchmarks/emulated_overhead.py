@@ -233,6 +233,9 @@ def parse_args(argv=None):
                         help="PyTorch schedules to run for comparison (per-iteration columns)")
     parser.add_argument("--param-floats", type=int, default=1 << 20)
     parser.add_argument("--activation-floats", type=int, default=1 << 14)
+    parser.add_argument("--timer-slack-ns", type=int, default=None,
+                        help="Linux timer slack of every rank, set before they start "
+                             "(see emulated_depth.py); default: leave it")
     args = parser.parse_args(argv)
     if args.depth < 2 or args.depth % 2 or args.count < 1 or args.iterations < 1:
         parser.error("--depth must be even >= 2, --count and --iterations >= 1")
@@ -254,6 +257,8 @@ def main(argv=None) -> int:
     for name in args.torch:
         plans[f"torch {name}"] = emulated_depth.simulate_torch(name, depth, count, times)[0]
     torch.set_num_threads(1)
+    if args.timer_slack_ns is not None:
+        _emulated_stages.set_timer_slack(args.timer_slack_ns)
     load = os.getloadavg()[0]
     per_rank = run_distributed(_rank, depth, labels, args.torch, times,
                                (args.param_floats, args.activation_floats), count,

@@ -216,3 +216,46 @@ def test_reference_timeline_charges_a_message_latency_between_ranks_only():
     end = lambda timeline: max(stop for rank in timeline for _, stop in rank)  # noqa: E731
     assert end(free) == 6 and end(late) == 6.5  # two hops, each 0.25 later
     assert late[1][1][0] - late[1][0][1] == 0  # rank 1's backward follows its own forward at once
+
+
+def _sync_orders(lowered):
+    return [[(s.pipeline, s.stage) for s in ops if isinstance(s, GradSyncStart)]
+            for ops in lowered]
+
+
+@pytest.mark.parametrize("name, options", [("chimera", {}),
+                                           ("chimera", {"variant": "interleaved"}),
+                                           ("chimera", {"num_pipelines": 4})])
+@pytest.mark.parametrize("policy", ["eager-opt", "eager", "end"])
+def test_split_backward_syncs_follow_one_readiness_order_on_every_rank(name, options, policy):
+    from megatron.core.pipeline_parallel.planning.plan import make_plan
+    plan = make_plan(name, 4, 8, options, grad_sync_policy=policy, split_backward=0)
+    stage_order = {}
+    for rank, order in enumerate(_sync_orders(plan.lowered)):
+        stages = [stage for _, stage in order]
+        assert sorted(order) == sorted(plan.layout.hosted(rank))
+        # ranks sharing stages issue them in the same relative order
+        for first, second in zip(stages, stages[1:]):
+            assert stage_order.setdefault((first, second), True)
+            assert (second, first) not in stage_order
+        for index, op in enumerate(plan.lowered[rank]):  # after the module's last backward
+            if isinstance(op, GradSyncStart):
+                assert not any(isinstance(later, Instruction) and later.module == op_module(op)
+                               for later in plan.lowered[rank][index:])
+        assert [op for op in plan.lowered[rank] if isinstance(op, Instruction)] == \
+            list(plan.schedule[rank])
+
+
+def test_split_chimera_d4_overlaps_one_sync_with_the_last_weight_half():
+    # Each rank's gradient of one stage is complete one weight half before the end: eager-opt
+    # starts that stage's sync there (a weight half sends nothing), whichever stage it is.
+    from megatron.core.pipeline_parallel.planning.plan import make_plan
+    plan = make_plan("chimera", 4, 8, grad_sync_policy="eager-opt", split_backward=0)
+    for ops in plan.lowered:
+        last = max(i for i, op in enumerate(ops) if isinstance(op, Instruction))
+        assert ops[last].kind.name == "BACKWARD_WEIGHT"
+        assert len(syncs_before_last_compute(ops)) == 1
+    assert [syncs_before_last_compute(ops) for ops in plan.lowered] == \
+        [["S0.0"], ["S1.2.1"], ["S0.2"], ["S1.0.1"]]
+    plan = make_plan("chimera", 4, 8, grad_sync_policy="end", split_backward=0)
+    assert [syncs_before_last_compute(ops) for ops in plan.lowered] == [[], [], [], []]

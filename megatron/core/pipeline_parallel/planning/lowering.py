@@ -36,12 +36,17 @@ are sorted by (peer, send before receive, message kind, pipeline, stage, micro-b
 every directed link the send order therefore equals the receive order.
 
 Gradient synchronisation policies (chimera.md §5): ``eager-opt`` (default): start a module's sync
-right after the communication that follows its last backward, unless at most one compute op
-follows on the rank (the two middle Chimera workers; nothing to overlap with), in which case it
-goes to the end; ``eager``: always right after the last backward; ``end``: all at the end.
-Every rank issues its syncs late stage first (descending stage; with 2f > 2 pipelines a sync
-waits for the higher-stage syncs of its rank), so ranks that share one process group for
-several stages issue them in the same order. Non-Chimera schedules always sync at the end.
+right after the communication that follows its last backward, unless only one compute op
+follows on the rank and it is a backward or input-gradient op (the two middle Chimera workers:
+nothing to overlap with but that op, whose gradient message is on the critical path), in which
+case it goes to the end; a single weight-gradient op that follows (split backward) exchanges no
+message, so the sync overlaps it; ``eager``: always right after the last backward; ``end``: all
+at the end. Every rank issues its syncs in one global order: by the planned time at which the
+stage's gradient is complete on all its replicas (:func:`stage_ready_times`, from the plan's
+reference timeline), ties late stage first (unsplit Chimera: always late stage first, as the
+paper); a sync waits for the syncs before it in that order on its rank, so ranks that share one
+process group for several stages issue them in the same order. Non-Chimera schedules always
+sync at the end.
 
 No torch import.
 """
@@ -278,6 +283,13 @@ def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
     times = reference_timeline(schedule, layout.num_stages, plan_forward_cost, plan_backward_cost,
                                doubling_unit, stage_costs)
     groups = _p2p_groups(schedule, layout, times, doubling_unit, eager_sends)
+    ready = stage_ready_times(schedule, times)
+
+    def sync_order(module) -> tuple:
+        # One order on every rank (from the global plan): stages whose gradients are complete
+        # earlier first, ties (and unsplit Chimera, whose late stage finishes first) late stage
+        # first; a stage without backward this iteration last.
+        return (ready.get(module[1], float("inf")), -module[1], module[0])
     lowered = []
     for rank, ops in enumerate(schedule):
         rank_ops = []
@@ -288,8 +300,19 @@ def lower_schedule(schedule, layout, grad_sync_policy: str = "eager-opt",
                     rank_ops.append(P2PGroup(tuple(sorted(group_ops, key=_p2p_sort_key))))
             if position < len(ops):
                 rank_ops.append(ops[position])
-        lowered.append(_add_grad_sync(rank, rank_ops, layout, grad_sync_policy))
+        lowered.append(_add_grad_sync(rank, rank_ops, layout, grad_sync_policy, sync_order))
     return lowered
+
+
+def stage_ready_times(schedule, times) -> dict:
+    """{stage: planned end of its last backward-type op on any rank} (``times`` from
+    :func:`reference_timeline`): when every replica of the stage has its gradient."""
+    ready: dict = {}
+    for ops, rank_times in zip(schedule, times):
+        for op, (_, end) in zip(ops, rank_times):
+            if op.kind is not Kind.FORWARD:
+                ready[op.stage] = max(ready.get(op.stage, end), end)
+    return ready
 
 
 def _p2p_sort_key(op: P2POp):
@@ -367,29 +390,40 @@ def _count_at_most(sorted_values, limit) -> int:
     return low
 
 
-def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str) -> list:
-    """Insert one GradSyncStart per module hosted by ``rank`` (per policy), then GradSyncWait."""
+def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str, sync_order=None) -> list:
+    """Insert one GradSyncStart per module hosted by ``rank`` (per policy), then GradSyncWait.
+
+    ``sync_order`` (module -> sort key, the same on every rank) orders the syncs; default: late
+    stage first."""
+    if sync_order is None:
+        def sync_order(module):
+            return (-module[1], module[0])
     compute_positions = [i for i, op in enumerate(rank_ops) if isinstance(op, Instruction)]
     last_backward = {}  # module -> index in rank_ops of its last backward-type op
     for index in compute_positions:
         op = rank_ops[index]
         if op.kind is not Kind.FORWARD:
             last_backward[op.module] = index
-    # Syncs are issued in descending stage order on every rank (so ranks sharing a process
-    # group for several stages pair the right buckets): a sync goes at its eager position or
-    # right after the previous (higher-stage) sync, whichever is later.
+    # Syncs are issued in one order on every rank (so ranks sharing a process group for several
+    # stages pair the right buckets): a sync goes at its eager position or right after the
+    # previous sync in that order, whichever is later.
     insert_at_by_module = {}
     earliest = 0
-    for module in sorted(layout.hosted(rank), key=lambda m: -m[1]):
+    for module in sorted(layout.hosted(rank), key=sync_order):
         if module not in last_backward:
             # A module with no micro-batch this iteration (e.g. N < number of pipelines) still
             # joins its stage's all-reduce (zero gradient), or the replicas would hang.
             insert_at_by_module[module] = earliest = len(rank_ops)
             continue
         index = last_backward[module]
-        later_compute = len(compute_positions) - bisect.bisect_right(compute_positions, index)
-        eager = layout.has_stage_replicas and later_compute > 0 and (
-            policy == "eager" or (policy == "eager-opt" and later_compute > 1))
+        later = [rank_ops[i] for i in compute_positions[bisect.bisect_right(compute_positions,
+                                                                             index):]]
+        # eager-opt skips the eager launch where a single backward follows (the paper's middle
+        # workers: it would share the link with that backward's gradient message); weight
+        # halves exchange nothing, so a sync overlaps them.
+        eager = layout.has_stage_replicas and len(later) > 0 and (
+            policy == "eager" or (policy == "eager-opt" and (
+                len(later) > 1 or later[0].kind is Kind.BACKWARD_WEIGHT)))
         if eager:
             # After the communication that directly follows the backward (its gradient send).
             insert_at = index + 1
@@ -404,10 +438,10 @@ def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str) -> list:
         eager_after.setdefault(insert_at, []).append(module)
     result: list = []
     for index, op in enumerate(rank_ops):
-        for module in sorted(eager_after.get(index, []), key=lambda m: -m[1]):
+        for module in sorted(eager_after.get(index, []), key=sync_order):
             result.append(_sync_start(module, layout))
         result.append(op)
-    for module in sorted(eager_after.get(len(rank_ops), []), key=lambda m: -m[1]):
+    for module in sorted(eager_after.get(len(rank_ops), []), key=sync_order):
         result.append(_sync_start(module, layout))
     result.append(GradSyncWait())
     return result
