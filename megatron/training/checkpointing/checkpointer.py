@@ -74,6 +74,7 @@ class Checkpointer:
         self.config = config
         self.log = log
         self._background: Optional[BackgroundSaver] = None  # --async-save, at the first save
+        self._run_fields: dict = {}  # torch_dist metadata fields of the run, at the first one
         self._noted_sync = False
 
     @property
@@ -161,8 +162,10 @@ class Checkpointer:
             self._background = BackgroundSaver(
                 self.log, bool(getattr(self.config.checkpoint, "use_persistent_ckpt_worker",
                                        False)))
-        header = {**_checkpoint_header(components, state),
-                  **torch_dist.metadata_fields(components, self.config.checkpoint)}
+            # the run's layout and model flags: the same at every save of the run
+            self._run_fields = torch_dist.metadata_fields(components, self.config.checkpoint)
+        header = {**_checkpoint_header(components, state), **self._run_fields} \
+            if components.parallel_state.rank == 0 else {}  # only rank 0 publishes
         retain = self.config.checkpoint.save_retain_interval
         started = time.perf_counter()
         iteration = state.iteration  # training advances ``state`` while this is written

@@ -54,10 +54,16 @@ class PieceSavePlanner(DefaultSavePlanner):
     makes this rank's local planning fail, so every rank's save fails with it inside DCP's own
     agreement instead of this rank leaving its peers waiting in DCP's collectives.
     ``serialized`` (``{key: bytes}``): objects already ``torch.save``-d (a background save keeps
-    the run's config so from save to save), written as they are."""
+    the run's config so from save to save), written as they are. ``packed_objects``: a dict the
+    caller keeps while the packed pieces are the same objects in the same buffers (a background
+    save's staged pieces), ``{this rank's boxes: packed object}``: a packed object that copied
+    nothing (its buffers are the pieces' own) is kept there and reused. ``known_plan_key``: what
+    :meth:`plan_key` returns, when the caller knows it from an earlier save of the same
+    pieces and object keys."""
 
     def __init__(self, pieces, objects: dict, *, packed=(), packed_key: Optional[str] = None,
-                 error: Optional[str] = None, serialized: Optional[dict] = None):
+                 error: Optional[str] = None, serialized: Optional[dict] = None,
+                 packed_objects: Optional[dict] = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {piece.index: piece for piece in pieces}
         self.objects = dict(objects)
@@ -65,6 +71,8 @@ class PieceSavePlanner(DefaultSavePlanner):
         self.packed_key = packed_key
         self.error = error
         self.serialized = dict(serialized or {})
+        self.packed_objects = packed_objects
+        self.known_plan_key: Optional[tuple] = None
         self.central_plan: Optional[SavePlan] = None  # this rank's part of the global plan
         self.global_metadata = None  # the coordinator's: DCP's index of the checkpoint
         if self.packed and not packed_key:
@@ -130,7 +138,13 @@ class PieceSavePlanner(DefaultSavePlanner):
         self.central_plan = new_plan  # what a later save of the same plan reuses (background)
         if new_plan.planner_data is not None and new_plan.planner_data[1]:
             key, mine = new_plan.planner_data
-            self.objects[key] = pack_boxes([self.packed[tuple(index)] for index in mine])
+            boxes = tuple(tuple(index) for index in mine)
+            packed = None if self.packed_objects is None else self.packed_objects.get(boxes)
+            if packed is None:
+                packed, copied = _pack(self.packed[index] for index in boxes)
+                if self.packed_objects is not None and not copied:
+                    self.packed_objects[boxes] = packed
+            self.objects[key] = packed
         return super().finish_plan(new_plan)
 
     def plan_key(self) -> Optional[tuple]:
@@ -139,6 +153,8 @@ class PieceSavePlanner(DefaultSavePlanner):
         still fits; None when this rank cannot save (``error``)."""
         if self.error is not None:
             return None
+        if self.known_plan_key is not None:
+            return self.known_plan_key
         plan = self.create_local_plan()
         items = tuple((item.index.fqn, None if item.index.offset is None
                        else tuple(item.index.offset), item.type.value,
@@ -167,7 +183,13 @@ def pack_boxes(pieces) -> dict:
     it pickles (tens of microseconds each: most of a small model's save), so the boxes travel as
     one buffer per dtype and an index; and it pays a few microseconds per Python object it
     pickles (its ``persistent_id`` hook runs for each), so the index is one string."""
+    return _pack(pieces)[0]
+
+
+def _pack(pieces) -> tuple[dict, bool]:
+    """:func:`pack_boxes`, and whether it copied the pieces (else its buffers are theirs)."""
     groups: dict = {}
+    copied = False
     for piece in pieces:
         groups.setdefault(piece.tensor.dtype, []).append(piece)
     buffers, boxes = [], []
@@ -179,9 +201,10 @@ def pack_boxes(pieces) -> dict:
             start += piece.tensor.numel()
         tensors = [piece.tensor.detach() for piece in group]
         joined = _joined(tensors)
+        copied = copied or joined is None
         buffers.append(torch.cat([tensor.reshape(-1) for tensor in tensors]) if joined is None
                        else joined)
-    return {"buffers": buffers, "boxes": json.dumps(boxes, separators=(",", ":"))}
+    return {"buffers": buffers, "boxes": json.dumps(boxes, separators=(",", ":"))}, copied
 
 
 def _joined(tensors: list) -> Optional[torch.Tensor]:
