@@ -304,7 +304,7 @@ class SaveJob:
         writer = torch_dist.writer_for(self.staging_dir)
         if plans.fits(key):
             outcome = self.complete(lambda: _write_planned(planner, writer, plans, self.rank),
-                                    writer, plans.metadata)
+                                    writer, plans.metadata, recorded_by=writer)
         elif self.no_dist:
             outcome = Outcome(replan=True)
         else:
@@ -321,23 +321,25 @@ class SaveJob:
             dcp.save({}, storage_writer=writer, planner=planner, process_group=self.group,
                      no_dist=self.no_dist)
             plans.remember(key, planner)
-        return self.complete(plan_and_write)
+        return self.complete(plan_and_write, recorded_by=writer)
 
-    def complete(self, write: Optional[Callable[[], object]], writer=None,
-                 metadata=None) -> Outcome:
+    def complete(self, write: Optional[Callable[[], object]], writer=None, metadata=None,
+                 recorded_by=None) -> Outcome:
         """``write()`` this rank's files, record them (size, CRC-32) and gather every rank's on
         rank 0 over ``group``; rank 0 publishes when all succeeded (else removes the staging
         directory) and broadcasts the outcome. ``write()`` returns this rank's DCP write results
         when rank 0 still has to write DCP's ``.metadata`` (with ``writer``, from ``metadata``),
         else None (DCP's save wrote it). ``write`` None: this rank's cached plan does not fit,
-        it wrote nothing, and the outcome (on every rank) is to plan again."""
+        it wrote nothing, and the outcome (on every rank) is to plan again. ``recorded_by``:
+        the writer whose records of the files it wrote give their sizes and CRC-32s
+        (:func:`.torch_dist.own_files`; else they are read back)."""
         error, files, results = None, {}, None
         if write is not None:
             try:
                 results = write()
-                files = torch_dist.own_files(self.staging_dir, self.rank) if results is None \
-                    else torch_dist.own_files(self.staging_dir, self.rank,
-                                              with_dcp_metadata=False)
+                files = torch_dist.own_files(self.staging_dir, self.rank,
+                                             with_dcp_metadata=results is None,
+                                             writer=recorded_by)
             except (Exception, CheckpointException) as caught:
                 error = torch_dist.describe_failure(caught)
         if self.no_dist:

@@ -10,19 +10,25 @@ size and CRC-32 before DCP reads from it.
   was saved in (DCP computes the overlaps: that is the resharding), and reads into them.
 - :class:`VerifyingReader` verifies a file against ``metadata.json`` the first time it is read, so
   a truncated or flipped file fails with a message naming it instead of loading wrong numbers.
+- :class:`ChecksummingFileSystem` records the size and CRC-32 of every file DCP's writer writes,
+  from the bytes as they are written (what ``metadata.json`` records, without reading the file
+  back).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import math
 import os
+import zlib
 from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    MetadataIndex, TensorProperties,
@@ -95,7 +101,8 @@ class PieceSavePlanner(DefaultSavePlanner):
                     properties=TensorProperties.create_from_tensor(piece.tensor),
                     size=torch.Size(piece.global_shape))))
         for key in self.objects:
-            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+            if key != self.packed_key:  # (finish_plan adds it: a planner that planned before)
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         packing = None
         if self.packed:
             items.append(WriteItem(index=MetadataIndex(self.packed_key),
@@ -327,3 +334,53 @@ class VerifyingReader(FileSystemReader):
                                   f"metadata.json; the checkpoint is incomplete or mixed up")
         _verify_file(path, recorded)
         self.verified.add(relative)
+
+
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, recording in :attr:`written` (``{path: {size, crc32}}``) each
+    file it wrote completely, its CRC-32 computed from the bytes as they were written."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: dict = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            checksummed = _ChecksummingStream(stream)
+            yield checksummed
+            self.written[os.path.normpath(path)] = {"size": checksummed.size,
+                                                    "crc32": checksummed.crc32}
+
+
+class _ChecksummingStream:
+    """A binary file being written, with the size and CRC-32 of what was written to it."""
+
+    def __init__(self, raw):
+        self._raw = raw
+        self.size = 0
+        self.crc32 = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.crc32 = zlib.crc32(view, self.crc32)
+        self.size += view.nbytes
+        return self._raw.write(data)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def writable(self) -> bool:
+        return True

@@ -26,6 +26,7 @@ import glob
 import logging
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megatron.core.distributed.reduction import load_reducer_states, reducer_states
 from megatron.training.checkpointing.collectives import (_all_gather, _raise_for_failures,
                                                         _raise_if_any_failed)
-from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME, PieceLoadPlanner,
+from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME,
+                                                   ChecksummingFileSystem, PieceLoadPlanner,
                                                    PieceSavePlanner, VerifyingReader,
                                                    unpack_boxes)
 from megatron.training.checkpointing.files import (CheckpointError, _describe, file_crc32,
@@ -199,18 +201,27 @@ def is_packed(global_shape, dtype) -> bool:
 
 
 def writer_for(staging_dir: str) -> FileSystemWriter:
-    """One file per rank, fsynced (the staging directory is renamed only after all are)."""
-    return FileSystemWriter(staging_dir, single_file_per_rank=True, sync_files=True,
-                            thread_count=1)
+    """One file per rank, fsynced (the staging directory is renamed only after all are); each
+    file's size and CRC-32 recorded as it is written (:class:`.dcp_io.ChecksummingFileSystem`,
+    read by :func:`own_files`)."""
+    writer = FileSystemWriter(staging_dir, single_file_per_rank=True, sync_files=True,
+                              thread_count=1)
+    writer.fs = ChecksummingFileSystem()
+    return writer
 
 
-def own_files(staging_dir: str, rank: int, with_dcp_metadata: bool = True) -> dict:
+def own_files(staging_dir: str, rank: int, with_dcp_metadata: bool = True,
+              writer: Optional[FileSystemWriter] = None) -> dict:
     """``{relative path: {size, crc32}}`` of the files this rank's DCP writer produced (rank 0
-    also records DCP's ``.metadata`` unless ``with_dcp_metadata`` is False: not written yet)."""
+    also records DCP's ``.metadata`` unless ``with_dcp_metadata`` is False: not written yet).
+    ``writer``: the writer of this save (:func:`writer_for`), whose records of the files it
+    wrote are used instead of reading them back."""
     found = sorted(glob.glob(os.path.join(staging_dir, own_file_pattern(rank))))
     if rank == 0 and with_dcp_metadata:
         found.append(os.path.join(staging_dir, DCP_METADATA_FILENAME))
-    return {os.path.relpath(path, staging_dir): file_record(path) for path in found}
+    written = getattr(getattr(writer, "fs", None), "written", {})
+    return {os.path.relpath(path, staging_dir):
+            written.get(os.path.normpath(path)) or file_record(path) for path in found}
 
 
 def own_file_pattern(rank: int) -> str:
