@@ -174,6 +174,39 @@ def test_a_packed_object_is_kept_only_when_its_buffers_are_the_staged_ones():
     assert first["buffers"][0].data_ptr() == staged[0].tensor.data_ptr()
 
 
+def test_the_packed_object_is_written_as_it_is_and_read_back_as_before():
+    """The packed object travels as its own bytes (no torch.save); loading reads that form and
+    the torch.save form of checkpoints written before; a damaged header is named."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from megatron.training.checkpointing.dcp_io import (RAW_PACKED_MAGIC, PieceLoadPlanner,
+                                                       raw_packed_bytes, read_raw_packed)
+
+    pieces = [_piece("w", torch.randn(3, 2)), _piece("half", torch.randn(4).bfloat16()),
+              _piece("mask", torch.tensor([True, False])), _piece("none", torch.zeros(0)),
+              _piece("count", torch.tensor([4, 2], dtype=torch.int64))]
+    packed = pack_boxes(pieces)
+    data = raw_packed_bytes(packed)
+    assert data.startswith(RAW_PACKED_MAGIC)
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("packed"),
+                    dest_offsets=torch.Size((0,)), storage_index=MetadataIndex("packed"),
+                    storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
+    saved_before = io.BytesIO()
+    torch.save(packed, saved_before)
+    for form in (data, saved_before.getvalue()):
+        planner = PieceLoadPlanner([], ["packed"])
+        planner.load_bytes(item, io.BytesIO(form))
+        loaded = {key: tensor for key, _, _, tensor in unpack_boxes(planner.objects["packed"])}
+        for piece in pieces:
+            assert loaded[piece.key].dtype == piece.tensor.dtype and \
+                torch.equal(loaded[piece.key], piece.tensor), piece.key
+    with pytest.raises(CheckpointError, match="unknown dtype 'nonsense'"):
+        read_raw_packed(data.replace(b'"bfloat16"', b'"nonsense"'))
+    with pytest.raises(CheckpointError, match="shorter"):
+        read_raw_packed(data[:-4])
+
+
 def test_a_planner_with_an_error_fails_its_local_plan_naming_it():
     planner = PieceSavePlanner([], {}, error="rank 2 could not copy its state: out of memory")
     planner.set_up_planner({}, is_coordinator=False)
