@@ -491,7 +491,8 @@ def publish_checkpoint(root: str, staging_dir: str, final_dir: str, header: dict
         json.dump(metadata, handle, indent=2)
         handle.flush()
         os.fsync(handle.fileno())
-    for directory in {os.path.dirname(os.path.join(staging_dir, name)) for name in files}:
+    subdirectories = {os.path.dirname(os.path.join(staging_dir, name)) for name in files}
+    for directory in subdirectories - {staging_dir}:  # the legacy layout's mp_rank_* folders
         _fsync_directory(directory)
     _fsync_directory(staging_dir)
     _move_into_place(staging_dir, final_dir)
