@@ -10,17 +10,19 @@ collective of its own:
 3. hand the save to this rank's background thread (:class:`SaveJob`); return.
 
 The background thread uses a gloo group of its own (:func:`background_group`, so its collectives
-never interleave with training's). It first agrees, in one collective, whether every rank's local
-plan is the one the cached plans were made for (:class:`PlanCache`). If not (the first save, a
-changed state), DCP's ``save`` plans (four collectives; its global planning also decides which
-rank packs each small tensor, :class:`.dcp_io.PieceSavePlanner`) and writes, and its plans are
-kept. If so, each rank writes its file with its cached part of the global plan, and rank 0 writes
-DCP's ``.metadata`` from every rank's write results. A rank that could not copy its state enters
-DCP's save with a planner that fails: DCP's own agreement then fails the save on every rank.
+never interleave with training's). A rank whose local plan is the one the cached plans were made
+for (:class:`PlanCache`) writes its file with its cached part of the global plan (rank 0 writes
+DCP's ``.metadata`` from every rank's write results later); a rank whose plan is not (the first
+save, a changed state) writes nothing. The thread then records this rank's files (size, CRC-32,
+computed while writing) and gathers them, with whether its plan fitted, on rank 0 over the same
+group. If some rank's plan did not fit, rank 0 says so in its broadcast, every rank removes what
+it wrote and DCP's ``save`` plans (four collectives; its global planning also decides which rank
+packs each small tensor, :class:`.dcp_io.PieceSavePlanner`) and writes, its plans are kept, and
+the files are gathered again. A rank that could not copy its state enters DCP's save with a
+planner that fails: DCP's own agreement then fails the save on every rank.
 
-The thread then records this rank's files (size, CRC-32) and gathers them on rank 0 over the same
-group; only when every rank's write succeeded does rank 0 publish (``.metadata`` if still to
-write, anything this save did not write removed, ``metadata.json``, rename, tracker); rank 0 then
+Only when every rank's write succeeded does rank 0 publish (``.metadata`` if still to write,
+anything this save did not write removed, ``metadata.json``, rename, tracker); rank 0 then
 broadcasts the outcome, so every rank's job ends with the same verdict. The tracker therefore
 names a checkpoint only after every rank's write finished, and a rank killed during a background
 save leaves the staging directory unpublished and the previous checkpoint, which the tracker
@@ -32,7 +34,8 @@ rank instead (it plans every save); the completion part is the same.
 
 Before, the training thread did the waiting, the gather of files, rank 0's publishing (fsyncs and
 renames) with its agreement, and agreements on the staging directory and on the copied state
-(docs/checkpointing.md, "What --async-save costs"); and every save paid DCP's planning.
+(docs/checkpointing.md, "What --async-save costs"); every save paid DCP's planning; and later
+a collective of its own agreed on reusing the plans before writing.
 """
 
 from __future__ import annotations
