@@ -253,8 +253,8 @@ class BackgroundSaver:
 @dataclasses.dataclass
 class _KeptPieces:
     """What a background save derives from the staged pieces, kept while they are the same (the
-    :class:`.staging.StagingBuffers` generation): their split into packed and unpacked, the
-    packed objects (their buffers are the staged ones) and the local plan's key."""
+    :class:`.staging.StagingBuffers` generation): their split into packed and unpacked (dicts by
+    index), the packed objects (their buffers are the staged ones) and the local plan's key."""
 
     generation: int = -1
     split: Optional[tuple] = None
@@ -269,7 +269,10 @@ class _KeptPieces:
             return torch_dist.planner_for(parallel_state, pieces, objects, error,
                                           serialized=serialized)
         if generation != self.generation:
-            self.generation, self.split = generation, torch_dist.split_packed(pieces)
+            packed, unpacked = torch_dist.split_packed(pieces)
+            self.generation = generation
+            self.split = ({piece.index: piece for piece in packed},
+                          {piece.index: piece for piece in unpacked})
             self.packed_objects, self.plan_keys = {}, {}
         planner = torch_dist.planner_for(parallel_state, pieces, objects, serialized=serialized,
                                          split=self.split, packed_objects=self.packed_objects)

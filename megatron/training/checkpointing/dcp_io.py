@@ -49,8 +49,8 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
 
 
 class PieceSavePlanner(DefaultSavePlanner):
-    """Write ``pieces`` (a :class:`~.global_keys.PieceSet` or list of pieces) and ``objects``
-    (``{key: picklable value}``, saved with ``torch.save``).
+    """Write ``pieces`` (a :class:`~.global_keys.PieceSet`, a list of pieces, or a dict of them
+    by index) and ``objects`` (``{key: picklable value}``, saved with ``torch.save``).
 
     ``packed`` (small pieces) travel as ONE object of this rank, ``packed_key``: one buffer per
     dtype and an index (:func:`pack_boxes`; DCP pays about a millisecond per item it writes). Which rank
@@ -71,9 +71,9 @@ class PieceSavePlanner(DefaultSavePlanner):
                  error: Optional[str] = None, serialized: Optional[dict] = None,
                  packed_objects: Optional[dict] = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = {piece.index: piece for piece in pieces}
+        self.pieces = _by_index(pieces)
         self.objects = dict(objects)
-        self.packed = {piece.index: piece for piece in packed}
+        self.packed = _by_index(packed)
         self.packed_key = packed_key
         self.error = error
         self.serialized = dict(serialized or {})
@@ -184,6 +184,12 @@ class PieceSavePlanner(DefaultSavePlanner):
             return self.objects[index.fqn]
         # torch.save of a view writes its whole storage (a flat buffer): save a compact copy
         return _compact(self.pieces[(index.fqn, tuple(index.offset))].tensor)
+
+
+def _by_index(pieces) -> dict:
+    """``{piece.index: piece}``; a dict of that form (kept by the caller from save to save, never
+    changed here) is used as it is."""
+    return pieces if isinstance(pieces, dict) else {piece.index: piece for piece in pieces}
 
 
 def pack_boxes(pieces) -> dict:

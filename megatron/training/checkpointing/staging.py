@@ -39,21 +39,19 @@ def source_signature(model_states: list, optimizer_states: Optional[list]) -> li
     tensors, per optimizer parameter (None: the optimizer state is not saved) its state's names
     and tensors; each tensor as (address, shape, strides, dtype, device). Equal signatures give
     equal pieces reading the same memory."""
-    signature: list = []
-    for state in model_states:
-        signature.append(tuple((name, _tensor_signature(value)) for name, value in state.items()))
+    signature: list = [_state_signature(state) for state in model_states]
     if optimizer_states is not None:
-        for state in optimizer_states:
-            signature.append(None if not state else
-                             tuple((name, _tensor_signature(value))
-                                   for name, value in state.items()))
+        signature += [None if not state else _state_signature(state)
+                      for state in optimizer_states]
     return signature
 
 
-def _tensor_signature(value) -> tuple:
-    if not isinstance(value, torch.Tensor):
-        return ("object", type(value).__name__)
-    return (value.data_ptr(), value.shape, value.stride(), value.dtype, value.device)
+def _state_signature(state: dict) -> list:
+    """(name, address, shape, strides, dtype, device) of each tensor of ``state`` (a list
+    comprehension: this runs for every tensor at every save)."""
+    return [(name, value.data_ptr(), value.shape, value.stride(), value.dtype, value.device)
+            if isinstance(value, torch.Tensor) else (name, "object", type(value).__name__)
+            for name, value in state.items()]
 
 
 class StagingBuffers:

@@ -179,8 +179,8 @@ def planner_for(parallel_state, pieces, objects: dict, error=None, serialized=No
     DCP's global planning picks the rank that packs a box several ranks hold), the others DCP
     items. ``error``: this rank cannot save, and every rank's DCP save fails naming it.
     ``serialized``: ``{key: bytes}`` of objects already ``torch.save``-d. ``split``:
-    :func:`split_packed` of ``pieces``, when the caller keeps it; ``packed_objects``: see
-    :class:`.dcp_io.PieceSavePlanner`."""
+    :func:`split_packed` of ``pieces`` (or the same as dicts by index), when the caller keeps
+    it; ``packed_objects``: see :class:`.dcp_io.PieceSavePlanner`."""
     packed, unpacked = split_packed(pieces) if split is None else split
     return PieceSavePlanner(unpacked, objects, packed=packed,
                             packed_key=rank_key(PACKED, parallel_state.rank), error=error,
