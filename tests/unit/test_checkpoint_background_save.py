@@ -347,3 +347,18 @@ def test_the_sizes_and_crcs_recorded_while_writing_are_those_of_the_files(tmp_pa
     data.write_bytes(bytes(damaged))
     with pytest.raises(CheckpointError, match="__0_0.distcp"):
         _verify_file(str(data), files["__0_0.distcp"])
+
+
+def test_the_crc32_in_use_is_zlibs_checksum(tmp_path):
+    """Checkpoint CRC-32s use ISA-L's when installed (faster): the same checksum as zlib's, in
+    one call and continued over blocks, so files recorded either way verify either way."""
+    import zlib
+
+    from megatron.training.checkpointing.files import crc32, file_crc32
+
+    data = torch.randn(100_003).numpy().tobytes()
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[5000:], crc32(data[:5000])) == zlib.crc32(data)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert file_crc32(str(path)) == zlib.crc32(data)

@@ -23,7 +23,6 @@ import io
 import json
 import math
 import os
-import zlib
 from typing import Optional
 
 import torch
@@ -38,7 +37,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
-from megatron.training.checkpointing.files import CheckpointError, _verify_file
+from megatron.training.checkpointing.files import CheckpointError, _verify_file, crc32
 
 DCP_METADATA_FILENAME = ".metadata"  # written by DCP's FileSystemWriter
 
@@ -420,7 +419,7 @@ class _ChecksummingStream:
 
     def write(self, data) -> int:
         view = memoryview(data)
-        self.crc32 = zlib.crc32(view, self.crc32)
+        self.crc32 = crc32(view, self.crc32)
         self.size += view.nbytes
         return self._raw.write(data)
 
