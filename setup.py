@@ -75,7 +75,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.1", "numpy", "regex", "sentencepiece", "pybind11"],
     extras_require={"test": ["pytest", "matplotlib", "transformers", "safetensors",
-                             "tensorboard", "wandb", "ruff==0.17.5", "mypy==2.4.1"],
+                             "tensorboard", "wandb", "ruff==0.17.5", "mypy==2.4.1", "isal"],
+                    "fast-crc": ["isal"],  # checkpoint CRC-32s with ISA-L (else zlib's)
                     "tensorboard": ["tensorboard"], "wandb": ["wandb"], "plot": ["matplotlib"],
                     "hf": ["safetensors", "transformers"]},
     ext_modules=ext_modules,

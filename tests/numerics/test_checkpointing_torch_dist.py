@@ -204,10 +204,10 @@ def test_a_background_save_that_never_finishes_leaves_the_previous_checkpoint(tm
     written, release = threading.Event(), threading.Event()
     record_files = torch_dist.own_files
 
-    def held_after_writing(staging_dir, rank):
+    def held_after_writing(staging_dir, rank, **options):
         written.set()
         assert release.wait(60)
-        return record_files(staging_dir, rank)
+        return record_files(staging_dir, rank, **options)
 
     monkeypatch.setattr(torch_dist, "own_files", held_after_writing)
     checkpointer.save(components, state)

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from megatron.training.checkpointing.dcp_io import PieceSavePlanner, pack_boxes, unpack_boxes
 from megatron.training.checkpointing.files import CheckpointError
 from megatron.training.checkpointing.global_keys import Piece
-from megatron.training.checkpointing.staging import StagingBuffers
+from megatron.training.checkpointing.staging import StagingBuffers, source_signature
 
 
 def _piece(key: str, tensor: torch.Tensor) -> Piece:
@@ -53,6 +53,41 @@ def test_staging_copies_into_buffers_kept_from_save_to_save():
     staging.stage(third, _small)
     assert third[0].tensor.untyped_storage().nbytes() == (12 + 3 + 5) * 4
     assert torch.equal(third[3].tensor, third[3].tensor) and torch.equal(third[4].tensor, large)
+
+
+def test_kept_pieces_are_restaged_only_while_their_sources_are_the_same_tensors():
+    """A save whose sources have the signature of the kept pieces' refills them (nothing is
+    built); a tensor replaced (new memory, same shape), reshaped, of another dtype, or a state
+    that appeared gives another signature, and the pieces are built anew."""
+    model = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    optimizer = [{"exp_avg": torch.randn(4, 3), "step": torch.tensor(1.0)}, None]
+
+    def signature(model_state=None, optimizer_states=None):
+        return source_signature([model_state or model], optimizer_states or optimizer)
+
+    staging = StagingBuffers()
+    pieces = [_piece(name, tensor) for name, tensor in
+              [*model.items(), *optimizer[0].items()]]
+    staging.stage(pieces, _small, signature=signature())
+    model["w"].add_(1)  # training goes on in place: the same tensors
+    optimizer[0]["step"].add_(1)
+    kept = staging.restage(signature())
+    assert kept is pieces and staging.generation == 1
+    assert torch.equal(kept[0].tensor, model["w"]) and torch.equal(kept[3].tensor,
+                                                                   optimizer[0]["step"])
+    assert kept[0].tensor.data_ptr() != model["w"].data_ptr()  # still a copy
+    assert staging.restage(signature(), packed_here={("w", (0, 0))}) is None
+    changed = [{**model, "w": model["w"].clone()},            # same shape, new memory
+               {**model, "w": model["w"].view(3, 4)},         # another shape
+               {**model, "w": model["w"].double()},           # another dtype
+               {**model, "extra": torch.zeros(2)}]            # another entry
+    for state in changed:
+        assert staging.restage(signature(model_state=state)) is None
+    assert staging.restage(signature(optimizer_states=[optimizer[0], {"step": 1}])) is None
+    assert staging.restage(source_signature([model], None)) is None  # no optimizer state
+    unsigned = StagingBuffers()
+    unsigned.stage([_piece("w", model["w"])], _small)
+    assert unsigned.restage(source_signature([{"w": model["w"]}], None)) is None
 
 
 class _Plans:
@@ -113,6 +148,63 @@ def test_the_packed_object_is_one_buffer_per_dtype_and_round_trips():
             by_key[piece.key].dtype == piece.tensor.dtype
     old_form = [("w", [3, 2], [0, 0], pieces[0].tensor)]  # checkpoints written before
     assert unpack_boxes(old_form) is old_form
+
+
+def test_a_packed_object_is_kept_only_when_its_buffers_are_the_staged_ones():
+    """A packed object whose buffers are the staged buffers (refilled in place at every save) is
+    kept and reused; one that had to copy the pieces (a snapshot of that moment) is not."""
+    def finish(pieces, kept):
+        planner = PieceSavePlanner([], {}, packed=pieces, packed_key="packed_tensors.rank_00000",
+                                   packed_objects=kept)
+        planner.set_up_planner({}, is_coordinator=True)
+        local = planner.create_local_plan()
+        central, _ = planner.create_global_plan([local])
+        planner.finish_plan(central[0])
+        return planner.objects["packed_tensors.rank_00000"]
+
+    sources = [torch.randn(3), torch.randn(2, 2)]
+    loose = [_piece(name, tensor) for name, tensor in zip("ab", sources)]
+    kept: dict = {}
+    finish(loose, kept)
+    assert kept == {}  # copied by torch.cat: never reused
+    staged = [_piece(name, tensor) for name, tensor in zip("ab", sources)]
+    StagingBuffers().stage(staged, _small, packed_here={piece.index for piece in staged})
+    first = finish(staged, kept)
+    assert len(kept) == 1 and finish(staged, kept) is first
+    assert first["buffers"][0].data_ptr() == staged[0].tensor.data_ptr()
+
+
+def test_the_packed_object_is_written_as_it_is_and_read_back_as_before():
+    """The packed object travels as its own bytes (no torch.save); loading reads that form and
+    the torch.save form of checkpoints written before; a damaged header is named."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from megatron.training.checkpointing.dcp_io import (RAW_PACKED_MAGIC, PieceLoadPlanner,
+                                                       raw_packed_bytes, read_raw_packed)
+
+    pieces = [_piece("w", torch.randn(3, 2)), _piece("half", torch.randn(4).bfloat16()),
+              _piece("mask", torch.tensor([True, False])), _piece("none", torch.zeros(0)),
+              _piece("count", torch.tensor([4, 2], dtype=torch.int64))]
+    packed = pack_boxes(pieces)
+    data = raw_packed_bytes(packed)
+    assert data.startswith(RAW_PACKED_MAGIC)
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("packed"),
+                    dest_offsets=torch.Size((0,)), storage_index=MetadataIndex("packed"),
+                    storage_offsets=torch.Size((0,)), lengths=torch.Size((0,)))
+    saved_before = io.BytesIO()
+    torch.save(packed, saved_before)
+    for form in (data, saved_before.getvalue()):
+        planner = PieceLoadPlanner([], ["packed"])
+        planner.load_bytes(item, io.BytesIO(form))
+        loaded = {key: tensor for key, _, _, tensor in unpack_boxes(planner.objects["packed"])}
+        for piece in pieces:
+            assert loaded[piece.key].dtype == piece.tensor.dtype and \
+                torch.equal(loaded[piece.key], piece.tensor), piece.key
+    with pytest.raises(CheckpointError, match="unknown dtype 'nonsense'"):
+        read_raw_packed(data.replace(b'"bfloat16"', b'"nonsense"'))
+    with pytest.raises(CheckpointError, match="shorter"):
+        read_raw_packed(data[:-4])
 
 
 def test_a_planner_with_an_error_fails_its_local_plan_naming_it():
@@ -232,3 +324,41 @@ def test_the_rng_state_round_trips_as_saved_now_and_as_saved_before():
     expected = random.random()
     restore_rng_state({**state, "random": old_form})
     assert random.random() == expected
+
+
+def test_the_sizes_and_crcs_recorded_while_writing_are_those_of_the_files(tmp_path):
+    """A background save records its files' sizes and CRC-32s from the bytes it wrote (not read
+    back): they equal the files' own, so a file damaged afterwards still fails its check."""
+    from megatron.training.checkpointing import torch_dist
+    from megatron.training.checkpointing.background import PlanCache, SaveJob
+    from megatron.training.checkpointing.files import CheckpointError, _verify_file
+
+    tensors = {"model.w": torch.randn(20, 10), "model.b": torch.randn(10)}
+    plans = PlanCache()
+    for iteration in (1, 2):  # planned by DCP, then with the cached plan
+        directory = tmp_path / f"iter_{iteration}"
+        files = _save_with(SaveJob(0, None, True, str(directory), None), plans, tensors,
+                           iteration)
+        for name, record in files.items():
+            assert record == torch_dist.file_record(str(directory / name)), name
+    data = directory / "__0_0.distcp"
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match="__0_0.distcp"):
+        _verify_file(str(data), files["__0_0.distcp"])
+
+
+def test_the_crc32_in_use_is_zlibs_checksum(tmp_path):
+    """Checkpoint CRC-32s use ISA-L's when installed (faster): the same checksum as zlib's, in
+    one call and continued over blocks, so files recorded either way verify either way."""
+    import zlib
+
+    from megatron.training.checkpointing.files import crc32, file_crc32
+
+    data = torch.randn(100_003).numpy().tobytes()
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[5000:], crc32(data[:5000])) == zlib.crc32(data)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert file_crc32(str(path)) == zlib.crc32(data)

@@ -10,17 +10,19 @@ collective of its own:
 3. hand the save to this rank's background thread (:class:`SaveJob`); return.
 
 The background thread uses a gloo group of its own (:func:`background_group`, so its collectives
-never interleave with training's). It first agrees, in one collective, whether every rank's local
-plan is the one the cached plans were made for (:class:`PlanCache`). If not (the first save, a
-changed state), DCP's ``save`` plans (four collectives; its global planning also decides which
-rank packs each small tensor, :class:`.dcp_io.PieceSavePlanner`) and writes, and its plans are
-kept. If so, each rank writes its file with its cached part of the global plan, and rank 0 writes
-DCP's ``.metadata`` from every rank's write results. A rank that could not copy its state enters
-DCP's save with a planner that fails: DCP's own agreement then fails the save on every rank.
+never interleave with training's). A rank whose local plan is the one the cached plans were made
+for (:class:`PlanCache`) writes its file with its cached part of the global plan (rank 0 writes
+DCP's ``.metadata`` from every rank's write results later); a rank whose plan is not (the first
+save, a changed state) writes nothing. The thread then records this rank's files (size, CRC-32,
+computed while writing) and gathers them, with whether its plan fitted, on rank 0 over the same
+group. If some rank's plan did not fit, rank 0 says so in its broadcast, every rank removes what
+it wrote and DCP's ``save`` plans (four collectives; its global planning also decides which rank
+packs each small tensor, :class:`.dcp_io.PieceSavePlanner`) and writes, its plans are kept, and
+the files are gathered again. A rank that could not copy its state enters DCP's save with a
+planner that fails: DCP's own agreement then fails the save on every rank.
 
-The thread then records this rank's files (size, CRC-32) and gathers them on rank 0 over the same
-group; only when every rank's write succeeded does rank 0 publish (``.metadata`` if still to
-write, anything this save did not write removed, ``metadata.json``, rename, tracker); rank 0 then
+Only when every rank's write succeeded does rank 0 publish (``.metadata`` if still to write,
+anything this save did not write removed, ``metadata.json``, rename, tracker); rank 0 then
 broadcasts the outcome, so every rank's job ends with the same verdict. The tracker therefore
 names a checkpoint only after every rank's write finished, and a rank killed during a background
 save leaves the staging directory unpublished and the previous checkpoint, which the tracker
@@ -32,7 +34,8 @@ rank instead (it plans every save); the completion part is the same.
 
 Before, the training thread did the waiting, the gather of files, rank 0's publishing (fsyncs and
 renames) with its agreement, and agreements on the staging directory and on the copied state
-(docs/checkpointing.md, "What --async-save costs"); and every save paid DCP's planning.
+(docs/checkpointing.md, "What --async-save costs"); every save paid DCP's planning; and later
+a collective of its own agreed on reusing the plans before writing.
 """
 
 from __future__ import annotations
@@ -65,10 +68,12 @@ from megatron.training.checkpointing.staging import StagingBuffers
 @dataclasses.dataclass
 class Outcome:
     """The verdict on one background save, the same on every rank: None, or why it failed; and
-    rank 0's lines to log."""
+    rank 0's lines to log. ``replan``: a rank's cached save plan did not fit, nothing was
+    published, every rank saves again through DCP's planning."""
 
     error: Optional[str] = None
     log_lines: list = dataclasses.field(default_factory=list)
+    replan: bool = False
 
 
 @dataclasses.dataclass
@@ -168,6 +173,7 @@ class BackgroundSaver:
         self._plans = PlanCache()
         self._config_dict: Optional[dict] = None  # the run's config, as every save records it
         self._serialized: dict = {}  # {"config": its torch.save bytes}, made at the first save
+        self._pieces_kept = _KeptPieces()  # what the staged pieces give, while they are kept
 
     def start(self, components, state, checkpoint_config, root: str, staging_dir: str,
               publish: Callable[[dict], list]) -> None:
@@ -196,8 +202,8 @@ class BackgroundSaver:
             self._group = background_group(parallel_state)
             self._group_ready = True
         no_dist = torch_dist._no_dist(parallel_state)
-        planner = torch_dist.planner_for(parallel_state, pieces, objects, error,
-                                         serialized=self._serialized)
+        planner = self._pieces_kept.planner(parallel_state, self._staging.generation, pieces,
+                                            objects, error, self._serialized)
         if self._jobs is None:
             self._jobs = ThreadPoolExecutor(max_workers=1,
                                             thread_name_prefix="checkpoint-completion")
@@ -245,6 +251,39 @@ class BackgroundSaver:
 
 
 @dataclasses.dataclass
+class _KeptPieces:
+    """What a background save derives from the staged pieces, kept while they are the same (the
+    :class:`.staging.StagingBuffers` generation): their split into packed and unpacked (dicts by
+    index), the packed objects (their buffers are the staged ones) and the local plan's key."""
+
+    generation: int = -1
+    split: Optional[tuple] = None
+    packed_objects: dict = dataclasses.field(default_factory=dict)
+    plan_keys: dict = dataclasses.field(default_factory=dict)  # object keys -> plan key
+
+    def planner(self, parallel_state, generation: int, pieces: list, objects: dict,
+                error: Optional[str], serialized: dict):
+        """This save's planner (:func:`.torch_dist.planner_for`), from what is kept when the
+        pieces are those of ``generation``."""
+        if error is not None:
+            return torch_dist.planner_for(parallel_state, pieces, objects, error,
+                                          serialized=serialized)
+        if generation != self.generation:
+            packed, unpacked = torch_dist.split_packed(pieces)
+            self.generation = generation
+            self.split = ({piece.index: piece for piece in packed},
+                          {piece.index: piece for piece in unpacked})
+            self.packed_objects, self.plan_keys = {}, {}
+        planner = torch_dist.planner_for(parallel_state, pieces, objects, serialized=serialized,
+                                         split=self.split, packed_objects=self.packed_objects)
+        object_keys = tuple(objects)
+        if object_keys not in self.plan_keys:
+            self.plan_keys[object_keys] = planner.plan_key()
+        planner.known_plan_key = self.plan_keys[object_keys]
+        return planner
+
+
+@dataclasses.dataclass
 class SaveJob:
     """The background part of one save on one rank (run by the completion thread). Never raises:
     the :class:`Outcome` says what failed, the same on every rank."""
@@ -256,72 +295,111 @@ class SaveJob:
     publish: Callable[[dict], list]
 
     def write_and_complete(self, planner, plans: PlanCache) -> Outcome:
-        """Write this rank's files, then :meth:`complete`. When every rank's local plan is the
-        one ``plans`` were made for (agreed in one collective), each rank writes with its cached
-        part of the global plan and rank 0 writes DCP's ``.metadata`` from every rank's write
-        results (gathered in :meth:`complete`); otherwise DCP's own save plans again (its
-        collectives) and ``plans`` keep the new plans."""
+        """Write this rank's files, then :meth:`complete`. A rank whose local plan is the one
+        ``plans`` were made for writes with its cached part of the global plan (rank 0 then
+        writes DCP's ``.metadata`` from every rank's write results, gathered in
+        :meth:`complete`); a rank whose plan is not (the first save, a changed state) writes
+        nothing and says so in the same gather. If any rank said so, rank 0 publishes nothing
+        and every rank removes what it wrote and saves through DCP's own planning (its
+        collectives), and ``plans`` keep the new plans: a cached plan is used only when every
+        rank's is, without a collective of its own."""
         try:
             key = planner.plan_key()
         except Exception:  # noqa: BLE001 - DCP's planning below fails with it on every rank
             key = None
-        try:
-            reuse = plans.fits(key)
-            if not self.no_dist:
-                votes = [None] * dist.get_world_size(self.group)
-                dist.all_gather_object(votes, reuse, group=self.group)
-                reuse = all(votes)
-        except Exception as caught:  # a peer died or the group failed
-            return Outcome(f"agreeing on the save plan: {_describe(caught)}")
         writer = torch_dist.writer_for(self.staging_dir)
-        if reuse:
-            return self.complete(lambda: _write_planned(planner, writer, plans, self.rank),
-                                 writer, plans.metadata)
+        if plans.fits(key):
+            outcome = self.complete(lambda: _write_planned(planner, writer, plans, self.rank),
+                                    writer, plans.metadata, recorded_by=writer)
+        elif self.no_dist:
+            outcome = Outcome(replan=True)
+        else:
+            outcome = self.complete(None)
+        if not outcome.replan:
+            return outcome
         plans.forget()  # until this save's planning succeeds
+        try:
+            remove_own_leftovers(self.staging_dir, self.rank)  # written with the cached plan
+        except OSError:
+            pass  # the write below replaces the file, or fails naming it
 
         def plan_and_write():
             dcp.save({}, storage_writer=writer, planner=planner, process_group=self.group,
                      no_dist=self.no_dist)
             plans.remember(key, planner)
-        return self.complete(plan_and_write)
+        return self.complete(plan_and_write, recorded_by=writer)
 
-    def complete(self, write: Callable[[], object], writer=None, metadata=None) -> Outcome:
+    def complete(self, write: Optional[Callable[[], object]], writer=None, metadata=None,
+                 recorded_by=None) -> Outcome:
         """``write()`` this rank's files, record them (size, CRC-32) and gather every rank's on
         rank 0 over ``group``; rank 0 publishes when all succeeded (else removes the staging
         directory) and broadcasts the outcome. ``write()`` returns this rank's DCP write results
         when rank 0 still has to write DCP's ``.metadata`` (with ``writer``, from ``metadata``),
-        else None (DCP's save wrote it)."""
+        else None (DCP's save wrote it). ``write`` None: this rank's cached plan does not fit,
+        it wrote nothing, and the outcome (on every rank) is to plan again. ``recorded_by``:
+        the writer whose records of the files it wrote give their sizes and CRC-32s
+        (:func:`.torch_dist.own_files`; else they are read back)."""
         error, files, results = None, {}, None
-        try:
-            results = write()
-            files = torch_dist.own_files(self.staging_dir, self.rank) if results is None \
-                else torch_dist.own_files(self.staging_dir, self.rank, with_dcp_metadata=False)
-        except (Exception, CheckpointException) as caught:
-            error = torch_dist.describe_failure(caught)
+        if write is not None:
+            try:
+                results = write()
+                files = torch_dist.own_files(self.staging_dir, self.rank,
+                                             with_dcp_metadata=results is None,
+                                             writer=recorded_by)
+            except (Exception, CheckpointException) as caught:
+                error = torch_dist.describe_failure(caught)
         if self.no_dist:
-            return self._publish([(error, files, results)], writer, metadata)
+            return self._publish([(error, files, results, write is None)], writer, metadata)
         try:
             gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
-            dist.gather_object((error, files, results), gathered, dst=0, group=self.group)
-            verdict = [self._publish(gathered, writer, metadata) if self.rank == 0 else None]
-            dist.broadcast_object_list(verdict, src=0, group=self.group)
+            dist.gather_object((error, files, results, write is None), gathered, dst=0,
+                               group=self.group)
+            verdict = self._publish(gathered, writer, metadata) if self.rank == 0 else None
+            return _broadcast_outcome(verdict, self.group)
         except Exception as caught:  # a peer died or the group failed: this rank's own verdict
             return Outcome(f"agreeing on the written files: {_describe(caught)}")
-        return verdict[0]
 
     def _publish(self, gathered: list, writer, metadata) -> Outcome:
-        """Rank 0: DCP's ``.metadata`` (when the ranks wrote with a cached plan), then
-        :func:`_publish_if_written`."""
-        if writer is not None and not any(message for message, _, _ in gathered):
+        """Rank 0: nothing when a rank must plan again; else DCP's ``.metadata`` (when the ranks
+        wrote with a cached plan), then :func:`_publish_if_written`."""
+        if any(must_plan for _, _, _, must_plan in gathered):
+            return Outcome(replan=True)
+        if writer is not None and not any(message for message, _, _, _ in gathered):
             try:
-                writer.finish(metadata=metadata, results=[results for _, _, results in gathered])
+                writer.finish(metadata=metadata,
+                              results=[results for _, _, results, _ in gathered])
                 path = os.path.join(self.staging_dir, DCP_METADATA_FILENAME)
                 gathered[0][1][DCP_METADATA_FILENAME] = torch_dist.file_record(path)
             except Exception as caught:
                 gathered[0] = (f"writing {DCP_METADATA_FILENAME}: {_describe(caught)}",) + \
                     tuple(gathered[0][1:])
-        return _publish_if_written([(message, files) for message, files, _ in gathered],
+        return _publish_if_written([(message, files) for message, files, _, _ in gathered],
                                    self.staging_dir, self.publish)
+
+
+def _broadcast_outcome(outcome: Optional[Outcome], group) -> Outcome:
+    """Rank 0's ``outcome`` on every rank of ``group`` (others pass None): one broadcast of two
+    numbers (success, plan again or failure; the message's length), a second one of the message
+    only after a failure. The log lines stay on rank 0, which logs them."""
+    header = torch.zeros(2, dtype=torch.int64)
+    message = b""
+    if outcome is not None:
+        message = (outcome.error or "").encode()
+        header[0] = 2 if outcome.error is not None else int(outcome.replan)
+        header[1] = len(message)
+    dist.broadcast(header, src=0, group=group)
+    if outcome is not None:
+        if header[1]:
+            dist.broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), src=0,
+                           group=group)
+        return outcome
+    code, length = header.tolist()
+    if code == 2:
+        text = torch.empty(length, dtype=torch.uint8)
+        if length:
+            dist.broadcast(text, src=0, group=group)
+        return Outcome(text.numpy().tobytes().decode(errors="replace"))
+    return Outcome(replan=code == 1)
 
 
 def _serialize(value) -> bytes:

@@ -74,6 +74,7 @@ class Checkpointer:
         self.config = config
         self.log = log
         self._background: Optional[BackgroundSaver] = None  # --async-save, at the first save
+        self._run_fields: dict = {}  # torch_dist metadata fields of the run, at the first one
         self._noted_sync = False
 
     @property
@@ -161,8 +162,10 @@ class Checkpointer:
             self._background = BackgroundSaver(
                 self.log, bool(getattr(self.config.checkpoint, "use_persistent_ckpt_worker",
                                        False)))
-        header = {**_checkpoint_header(components, state),
-                  **torch_dist.metadata_fields(components, self.config.checkpoint)}
+            # the run's layout and model flags: the same at every save of the run
+            self._run_fields = torch_dist.metadata_fields(components, self.config.checkpoint)
+        header = {**_checkpoint_header(components, state), **self._run_fields} \
+            if components.parallel_state.rank == 0 else {}  # only rank 0 publishes
         retain = self.config.checkpoint.save_retain_interval
         started = time.perf_counter()
         iteration = state.iteration  # training advances ``state`` while this is written
@@ -488,7 +491,8 @@ def publish_checkpoint(root: str, staging_dir: str, final_dir: str, header: dict
         json.dump(metadata, handle, indent=2)
         handle.flush()
         os.fsync(handle.fileno())
-    for directory in {os.path.dirname(os.path.join(staging_dir, name)) for name in files}:
+    subdirectories = {os.path.dirname(os.path.join(staging_dir, name)) for name in files}
+    for directory in subdirectories - {staging_dir}:  # the legacy layout's mp_rank_* folders
         _fsync_directory(directory)
     _fsync_directory(staging_dir)
     _move_into_place(staging_dir, final_dir)

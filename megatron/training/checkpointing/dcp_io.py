@@ -10,10 +10,14 @@ size and CRC-32 before DCP reads from it.
   was saved in (DCP computes the overlaps: that is the resharding), and reads into them.
 - :class:`VerifyingReader` verifies a file against ``metadata.json`` the first time it is read, so
   a truncated or flipped file fails with a message naming it instead of loading wrong numbers.
+- :class:`ChecksummingFileSystem` records the size and CRC-32 of every file DCP's writer writes,
+  from the bytes as they are written (what ``metadata.json`` records, without reading the file
+  back).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -23,6 +27,7 @@ from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    MetadataIndex, TensorProperties,
@@ -32,7 +37,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
-from megatron.training.checkpointing.files import CheckpointError, _verify_file
+from megatron.training.checkpointing.files import CheckpointError, _verify_file, crc32
 
 DCP_METADATA_FILENAME = ".metadata"  # written by DCP's FileSystemWriter
 
@@ -43,8 +48,8 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
 
 
 class PieceSavePlanner(DefaultSavePlanner):
-    """Write ``pieces`` (a :class:`~.global_keys.PieceSet` or list of pieces) and ``objects``
-    (``{key: picklable value}``, saved with ``torch.save``).
+    """Write ``pieces`` (a :class:`~.global_keys.PieceSet`, a list of pieces, or a dict of them
+    by index) and ``objects`` (``{key: picklable value}``, saved with ``torch.save``).
 
     ``packed`` (small pieces) travel as ONE object of this rank, ``packed_key``: one buffer per
     dtype and an index (:func:`pack_boxes`; DCP pays about a millisecond per item it writes). Which rank
@@ -54,17 +59,25 @@ class PieceSavePlanner(DefaultSavePlanner):
     makes this rank's local planning fail, so every rank's save fails with it inside DCP's own
     agreement instead of this rank leaving its peers waiting in DCP's collectives.
     ``serialized`` (``{key: bytes}``): objects already ``torch.save``-d (a background save keeps
-    the run's config so from save to save), written as they are."""
+    the run's config so from save to save), written as they are. ``packed_objects``: a dict the
+    caller keeps while the packed pieces are the same objects in the same buffers (a background
+    save's staged pieces), ``{this rank's boxes: packed object}``: a packed object that copied
+    nothing (its buffers are the pieces' own) is kept there and reused. ``known_plan_key``: what
+    :meth:`plan_key` returns, when the caller knows it from an earlier save of the same
+    pieces and object keys."""
 
     def __init__(self, pieces, objects: dict, *, packed=(), packed_key: Optional[str] = None,
-                 error: Optional[str] = None, serialized: Optional[dict] = None):
+                 error: Optional[str] = None, serialized: Optional[dict] = None,
+                 packed_objects: Optional[dict] = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = {piece.index: piece for piece in pieces}
+        self.pieces = _by_index(pieces)
         self.objects = dict(objects)
-        self.packed = {piece.index: piece for piece in packed}
+        self.packed = _by_index(packed)
         self.packed_key = packed_key
         self.error = error
         self.serialized = dict(serialized or {})
+        self.packed_objects = packed_objects
+        self.known_plan_key: Optional[tuple] = None
         self.central_plan: Optional[SavePlan] = None  # this rank's part of the global plan
         self.global_metadata = None  # the coordinator's: DCP's index of the checkpoint
         if self.packed and not packed_key:
@@ -87,7 +100,8 @@ class PieceSavePlanner(DefaultSavePlanner):
                     properties=TensorProperties.create_from_tensor(piece.tensor),
                     size=torch.Size(piece.global_shape))))
         for key in self.objects:
-            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+            if key != self.packed_key:  # (finish_plan adds it: a planner that planned before)
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         packing = None
         if self.packed:
             items.append(WriteItem(index=MetadataIndex(self.packed_key),
@@ -130,7 +144,13 @@ class PieceSavePlanner(DefaultSavePlanner):
         self.central_plan = new_plan  # what a later save of the same plan reuses (background)
         if new_plan.planner_data is not None and new_plan.planner_data[1]:
             key, mine = new_plan.planner_data
-            self.objects[key] = pack_boxes([self.packed[tuple(index)] for index in mine])
+            boxes = tuple(tuple(index) for index in mine)
+            packed = None if self.packed_objects is None else self.packed_objects.get(boxes)
+            if packed is None:
+                packed, copied = _pack(self.packed[index] for index in boxes)
+                if self.packed_objects is not None and not copied:
+                    self.packed_objects[boxes] = packed
+            self.objects[key] = packed
         return super().finish_plan(new_plan)
 
     def plan_key(self) -> Optional[tuple]:
@@ -139,6 +159,8 @@ class PieceSavePlanner(DefaultSavePlanner):
         still fits; None when this rank cannot save (``error``)."""
         if self.error is not None:
             return None
+        if self.known_plan_key is not None:
+            return self.known_plan_key
         plan = self.create_local_plan()
         items = tuple((item.index.fqn, None if item.index.offset is None
                        else tuple(item.index.offset), item.type.value,
@@ -152,6 +174,8 @@ class PieceSavePlanner(DefaultSavePlanner):
     def transform_object(self, write_item: WriteItem, object):
         if write_item.type == WriteItemType.BYTE_IO and write_item.index.fqn in self.serialized:
             return io.BytesIO(self.serialized[write_item.index.fqn])
+        if write_item.type == WriteItemType.BYTE_IO and write_item.index.fqn == self.packed_key:
+            return io.BytesIO(raw_packed_bytes(object))
         return super().transform_object(write_item, object)
 
     def lookup_object(self, index: MetadataIndex):
@@ -161,13 +185,25 @@ class PieceSavePlanner(DefaultSavePlanner):
         return _compact(self.pieces[(index.fqn, tuple(index.offset))].tensor)
 
 
+def _by_index(pieces) -> dict:
+    """``{piece.index: piece}``; a dict of that form (kept by the caller from save to save, never
+    changed here) is used as it is."""
+    return pieces if isinstance(pieces, dict) else {piece.index: piece for piece in pieces}
+
+
 def pack_boxes(pieces) -> dict:
     """A packed object: ``{"buffers": [one flat tensor per dtype], "boxes": JSON text of [[key,
     global shape, offsets, sizes, buffer number, start], ...]}``. ``torch.save`` pays per tensor
     it pickles (tens of microseconds each: most of a small model's save), so the boxes travel as
     one buffer per dtype and an index; and it pays a few microseconds per Python object it
     pickles (its ``persistent_id`` hook runs for each), so the index is one string."""
+    return _pack(pieces)[0]
+
+
+def _pack(pieces) -> tuple[dict, bool]:
+    """:func:`pack_boxes`, and whether it copied the pieces (else its buffers are theirs)."""
     groups: dict = {}
+    copied = False
     for piece in pieces:
         groups.setdefault(piece.tensor.dtype, []).append(piece)
     buffers, boxes = [], []
@@ -179,9 +215,10 @@ def pack_boxes(pieces) -> dict:
             start += piece.tensor.numel()
         tensors = [piece.tensor.detach() for piece in group]
         joined = _joined(tensors)
+        copied = copied or joined is None
         buffers.append(torch.cat([tensor.reshape(-1) for tensor in tensors]) if joined is None
                        else joined)
-    return {"buffers": buffers, "boxes": json.dumps(boxes, separators=(",", ":"))}
+    return {"buffers": buffers, "boxes": json.dumps(boxes, separators=(",", ":"))}, copied
 
 
 def _joined(tensors: list) -> Optional[torch.Tensor]:
@@ -197,6 +234,47 @@ def _joined(tensors: list) -> Optional[torch.Tensor]:
     if start * tensors[0].element_size() != storage.nbytes():
         return None
     return torch.empty(0, dtype=tensors[0].dtype).set_(storage, 0, (start,))
+
+
+#: What a packed object written as it is (:func:`raw_packed_bytes`) begins with; a ``torch.save``
+#: (the packed objects of checkpoints written before) begins with a zip header instead.
+RAW_PACKED_MAGIC = b"megatron-chimera packed boxes v1\n"
+
+
+def raw_packed_bytes(packed: dict) -> bytes:
+    """A packed object (:func:`pack_boxes`) as DCP writes it: :data:`RAW_PACKED_MAGIC`, the
+    header's length (8 bytes, little-endian), the header (JSON: the boxes' index and each
+    buffer's dtype and length), then each buffer's bytes. ``torch.save`` would copy the buffers
+    into a zip record and compute that record's CRC-32 (which torch's reader does not check;
+    the file's own CRC-32 in ``metadata.json`` covers these bytes): about four times the CPU."""
+    buffers = [buffer.detach().contiguous().reshape(-1) for buffer in packed["buffers"]]
+    header = json.dumps({"boxes": packed["boxes"],
+                         "buffers": [[str(buffer.dtype).removeprefix("torch."), buffer.numel()]
+                                     for buffer in buffers]},
+                        separators=(",", ":")).encode()
+    return b"".join([RAW_PACKED_MAGIC, len(header).to_bytes(8, "little"), header,
+                     *(buffer.view(torch.uint8).numpy().data for buffer in buffers)])
+
+
+def read_raw_packed(data: bytes) -> dict:
+    """Inverse of :func:`raw_packed_bytes`: ``{"buffers": [...], "boxes": JSON text}``."""
+    start = len(RAW_PACKED_MAGIC)
+    length = int.from_bytes(data[start:start + 8], "little")
+    header = json.loads(data[start + 8:start + 8 + length])
+    position = start + 8 + length
+    buffers = []
+    for dtype_name, numel in header["buffers"]:
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"a packed object names the unknown dtype {dtype_name!r}")
+        size = numel * dtype.itemsize
+        if position + size > len(data):
+            raise CheckpointError("a packed object is shorter than its header says")
+        raw = bytearray(data[position:position + size])
+        buffers.append(torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if size
+                       else torch.empty(0, dtype=dtype))
+        position += size
+    return {"buffers": buffers, "boxes": header["boxes"]}
 
 
 def unpack_boxes(packed) -> list:
@@ -254,6 +332,11 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        is_raw_packed = value.read(len(RAW_PACKED_MAGIC)) == RAW_PACKED_MAGIC
+        value.seek(0)
+        if is_raw_packed:  # a packed object written as it is
+            self.objects[read_item.dest_index.fqn] = read_raw_packed(value.getvalue())
+            return
         self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
     def resolve_tensor(self, read_item: ReadItem):
@@ -304,3 +387,53 @@ class VerifyingReader(FileSystemReader):
                                   f"metadata.json; the checkpoint is incomplete or mixed up")
         _verify_file(path, recorded)
         self.verified.add(relative)
+
+
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, recording in :attr:`written` (``{path: {size, crc32}}``) each
+    file it wrote completely, its CRC-32 computed from the bytes as they were written."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: dict = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            checksummed = _ChecksummingStream(stream)
+            yield checksummed
+            self.written[os.path.normpath(path)] = {"size": checksummed.size,
+                                                    "crc32": checksummed.crc32}
+
+
+class _ChecksummingStream:
+    """A binary file being written, with the size and CRC-32 of what was written to it."""
+
+    def __init__(self, raw):
+        self._raw = raw
+        self.size = 0
+        self.crc32 = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.crc32 = crc32(view, self.crc32)
+        self.size += view.nbytes
+        return self._raw.write(data)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def writable(self) -> bool:
+        return True

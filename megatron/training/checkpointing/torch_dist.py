@@ -26,6 +26,7 @@ import glob
 import logging
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megatron.core.distributed.reduction import load_reducer_states, reducer_states
 from megatron.training.checkpointing.collectives import (_all_gather, _raise_for_failures,
                                                         _raise_if_any_failed)
-from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME, PieceLoadPlanner,
+from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME,
+                                                   ChecksummingFileSystem, PieceLoadPlanner,
                                                    PieceSavePlanner, VerifyingReader,
                                                    unpack_boxes)
 from megatron.training.checkpointing.files import (CheckpointError, _describe, file_crc32,
@@ -48,6 +50,7 @@ from megatron.training.checkpointing.global_keys import (MODEL_PREFIX, OPTIMIZER
                                                         model_pieces, optimizer_params,
                                                         optimizer_pieces,
                                                         scalar_state_fallbacks)
+from megatron.training.checkpointing.staging import source_signature
 from megatron.training.checkpointing.state import (ARCHITECTURE_FLAGS, _check_model_flags,
                                                   _load_optimizer_state, capture_rng_state,
                                                   describe_layout, parallel_layout,
@@ -110,21 +113,44 @@ def snapshot(components, state, checkpoint_config, *, copy: bool, staging=None,
              config_dict=None, packed_here=None):
     """(pieces, objects) of this rank; ``copy`` clones every tensor (for a background save, so
     training may change the weights meanwhile), into ``staging``'s reused buffers when given
-    (:class:`.staging.StagingBuffers`; ``packed_here``: the small pieces this rank packs, see
-    there). ``config_dict``: ``dataclasses.asdict`` of the config, when the caller keeps it from
-    save to save."""
+    (:class:`.staging.StagingBuffers`, which also keeps the pieces from save to save while their
+    sources are the same tensors; ``packed_here``: the small pieces this rank packs, see there).
+    ``config_dict``: ``dataclasses.asdict`` of the config, when the caller keeps it from save to
+    save."""
     parallel_state = components.parallel_state
     tp_rank, tp_size = parallel_state.tp_rank, parallel_state.tp_size
     chunks = components.model_chunks
-    pieces = list(model_pieces(chunks, [chunk.state_dict() for chunk in chunks], tp_rank,
-                               tp_size))
+    model_states = [chunk.state_dict() for chunk in chunks]
+    with_optimizer = not checkpoint_config.no_save_optim
+    pieces, signature = None, None
+    if copy and staging is not None:
+        optimizer_states = None
+        if with_optimizer:
+            states = components.optimizer.optimizer.state
+            optimizer_states = [states.get(param)
+                                for param in optimizer_params(components.optimizer)]
+        signature = source_signature(model_states, optimizer_states)
+        pieces = staging.restage(signature, packed_here)
+    if pieces is None:
+        pieces = list(model_pieces(chunks, model_states, tp_rank, tp_size))
+        if with_optimizer:
+            pieces += list(optimizer_pieces(components.optimizer, chunks, tp_rank, tp_size))
+        if copy and staging is not None:
+            staging.stage(pieces, lambda piece: is_packed(piece.global_shape, piece.tensor.dtype),
+                          packed_here, signature)
+        elif copy:
+            for piece in pieces:
+                piece.tensor = piece.tensor.detach().to("cpu", copy=True)
+        else:
+            for piece in pieces:
+                if piece.tensor.device.type != "cpu":
+                    piece.tensor = piece.tensor.detach().cpu()
     objects = {"progress": {"iteration": int(state.iteration),
                             "consumed_train_samples": int(state.consumed_train_samples),
                             "consumed_valid_samples": int(state.consumed_valid_samples)},
                "config": config_dict if config_dict is not None
                else dataclasses.asdict(components.config)}
-    if not checkpoint_config.no_save_optim:
-        pieces += list(optimizer_pieces(components.optimizer, chunks, tp_rank, tp_size))
+    if with_optimizer:
         objects["opt_param_scheduler"] = components.lr_scheduler.state_dict()
         if components.optimizer.grad_scaler is not None:
             objects["optimizer.grad_scaler"] = components.optimizer.grad_scaler.state_dict()
@@ -133,16 +159,6 @@ def snapshot(components, state, checkpoint_config, *, copy: bool, staging=None,
             objects[rank_key("gradient_reducer_state", parallel_state.rank)] = reducer_state
     if not checkpoint_config.no_save_rng:
         objects[rank_key("rng_state", parallel_state.rank)] = capture_rng_state()
-    if copy and staging is not None:
-        staging.stage(pieces, lambda piece: is_packed(piece.global_shape, piece.tensor.dtype),
-                      packed_here)
-    elif copy:
-        for piece in pieces:
-            piece.tensor = piece.tensor.detach().to("cpu", copy=True)
-    else:
-        for piece in pieces:
-            if piece.tensor.device.type != "cpu":
-                piece.tensor = piece.tensor.detach().cpu()
     return pieces, objects
 
 
@@ -157,18 +173,26 @@ def collect(components, state, checkpoint_config, copy: bool, **snapshot_options
     return pieces, objects, None
 
 
-def planner_for(parallel_state, pieces, objects: dict, error=None,
-                serialized=None) -> PieceSavePlanner:
+def planner_for(parallel_state, pieces, objects: dict, error=None, serialized=None,
+                split=None, packed_objects=None) -> PieceSavePlanner:
     """The DCP planner of this rank's save: small tensors packed (see :data:`PACK_LIMIT_BYTES`;
     DCP's global planning picks the rank that packs a box several ranks hold), the others DCP
     items. ``error``: this rank cannot save, and every rank's DCP save fails naming it.
-    ``serialized``: ``{key: bytes}`` of objects already ``torch.save``-d."""
+    ``serialized``: ``{key: bytes}`` of objects already ``torch.save``-d. ``split``:
+    :func:`split_packed` of ``pieces`` (or the same as dicts by index), when the caller keeps
+    it; ``packed_objects``: see :class:`.dcp_io.PieceSavePlanner`."""
+    packed, unpacked = split_packed(pieces) if split is None else split
+    return PieceSavePlanner(unpacked, objects, packed=packed,
+                            packed_key=rank_key(PACKED, parallel_state.rank), error=error,
+                            serialized=serialized, packed_objects=packed_objects)
+
+
+def split_packed(pieces) -> tuple[list, list]:
+    """(packed, unpacked) pieces: see :data:`PACK_LIMIT_BYTES`."""
     packed, unpacked = [], []
     for piece in pieces:
         (packed if is_packed(piece.global_shape, piece.tensor.dtype) else unpacked).append(piece)
-    return PieceSavePlanner(unpacked, objects, packed=packed,
-                            packed_key=rank_key(PACKED, parallel_state.rank), error=error,
-                            serialized=serialized)
+    return packed, unpacked
 
 
 def is_packed(global_shape, dtype) -> bool:
@@ -177,18 +201,27 @@ def is_packed(global_shape, dtype) -> bool:
 
 
 def writer_for(staging_dir: str) -> FileSystemWriter:
-    """One file per rank, fsynced (the staging directory is renamed only after all are)."""
-    return FileSystemWriter(staging_dir, single_file_per_rank=True, sync_files=True,
-                            thread_count=1)
+    """One file per rank, fsynced (the staging directory is renamed only after all are); each
+    file's size and CRC-32 recorded as it is written (:class:`.dcp_io.ChecksummingFileSystem`,
+    read by :func:`own_files`)."""
+    writer = FileSystemWriter(staging_dir, single_file_per_rank=True, sync_files=True,
+                              thread_count=1)
+    writer.fs = ChecksummingFileSystem()
+    return writer
 
 
-def own_files(staging_dir: str, rank: int, with_dcp_metadata: bool = True) -> dict:
+def own_files(staging_dir: str, rank: int, with_dcp_metadata: bool = True,
+              writer: Optional[FileSystemWriter] = None) -> dict:
     """``{relative path: {size, crc32}}`` of the files this rank's DCP writer produced (rank 0
-    also records DCP's ``.metadata`` unless ``with_dcp_metadata`` is False: not written yet)."""
+    also records DCP's ``.metadata`` unless ``with_dcp_metadata`` is False: not written yet).
+    ``writer``: the writer of this save (:func:`writer_for`), whose records of the files it
+    wrote are used instead of reading them back."""
     found = sorted(glob.glob(os.path.join(staging_dir, own_file_pattern(rank))))
     if rank == 0 and with_dcp_metadata:
         found.append(os.path.join(staging_dir, DCP_METADATA_FILENAME))
-    return {os.path.relpath(path, staging_dir): file_record(path) for path in found}
+    written = getattr(getattr(writer, "fs", None), "written", {})
+    return {os.path.relpath(path, staging_dir):
+            written.get(os.path.normpath(path)) or file_record(path) for path in found}
 
 
 def own_file_pattern(rank: int) -> str:
