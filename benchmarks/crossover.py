@@ -306,17 +306,20 @@ def _calibrated_compute(model, reducer, ratio: float, communication: float, floo
                         corrections: int = 2):
     """The sleep whose iterations have M / C = ``ratio``: first ``communication / ratio - floor``
     (``communication``: one all-reduce alone, ``floor``: C without sleep), then ``corrections``
-    times moved by ``M / ratio - C`` with the C and M measured in job iterations with it (the
-    sleeps' wake-up overshoot, the write that the device timeline absorbs, and the all-reduce as it
-    runs after a compute rather than after a barrier). Below the floor the sleep is 0 and C stays
-    at the floor."""
+    times moved by ``M / ratio - C``, with C measured in job iterations with the current sleep (the
+    sleeps' wake-up overshoot, the write that the device timeline absorbs) and M the median of
+    ``communication`` and the exposed waits measured so far (the all-reduce as it runs after a
+    compute rather than after a barrier; the median keeps one disturbed measurement from moving
+    the target). Below the floor the sleep is 0 and C stays at the floor."""
     from _emulated_compute import ComputeTime
     sleep = max(communication / ratio - floor, 0.0)
+    waits = [communication]
     for _ in range(corrections):
         if sleep == 0.0:
             break
         compute, exposed = _measured_iteration(model, reducer, ComputeTime(sleep))
-        sleep = max(sleep + exposed / ratio - compute, 0.0)
+        waits.append(exposed)
+        sleep = max(sleep + statistics.median(waits) / ratio - compute, 0.0)
     return ComputeTime(sleep)
 
 
