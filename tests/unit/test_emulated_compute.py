@@ -120,3 +120,11 @@ def test_the_device_timeline_absorbs_host_work_between_shares_and_the_serial_one
 def test_an_unknown_timeline_names_the_choices():
     with pytest.raises(ValueError, match="serial, device"):
         EmulatedModel(6, tensors=3, timeline="wall")
+
+
+def test_the_finite_run_ceiling_exposes_one_min_c_m_and_tends_to_the_bound():
+    from crossover import finite_run_ceiling
+    assert finite_run_ceiling(1.0, 1.0, 8) == pytest.approx(32 / 17)  # 94% of the bound 2
+    assert finite_run_ceiling(2.0, 1.0, 8) == pytest.approx(48 / 33)  # M < C: the last M exposed
+    assert finite_run_ceiling(1.0, 2.0, 8) == pytest.approx(48 / 33)  # M > C: the first C exposed
+    assert finite_run_ceiling(1.0, 1.0, 10_000) == pytest.approx(2.0, rel=1e-4)
