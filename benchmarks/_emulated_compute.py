@@ -36,6 +36,21 @@ Two ways to produce the gradient (``gradient_write``):
   (the gradient does not go through autograd's accumulation), so it does not suit overlapping
   reducers.
 
+Two ways to time the sleeps (``timeline``):
+
+* ``"serial"`` (the default; ``benchmarks/a2sgd.py``): each sleep lasts its share from when it is
+  called, so a step takes the sleeps *plus* everything the host does between them (the gradient
+  writes, autograd, each sleep's wake-up latency), and whatever slows the host (another job's gloo
+  threads holding the cores) lengthens the compute.
+* ``"device"`` (``benchmarks/crossover.py``): the shares are laid out on a fixed timeline from the
+  step's start, as an accelerator runs the kernels the host queued: the forward ends at
+  ``start + forward_seconds`` and the k-th backward share ``k * share`` later; each sleep waits
+  until its end, and tensor k's gradient is written once share k has ended (the device produced
+  it). Host work and late wake-ups inside the step are absorbed while they fit in the next share;
+  only what follows the last share (the last tensor's write, a wake-up) adds to the step. Every
+  gradient byte is still written by the CPU each step, on the same cores as any concurrent
+  all-reduce.
+
 Used by ``benchmarks/a2sgd.py --emulate-compute`` and ``benchmarks/crossover.py --emulate-compute``;
 deliberately independent of the emulated pipeline stages of ``benchmarks/emulated_depth.py``.
 """
@@ -65,34 +80,67 @@ class ComputeTime:
         return self.seconds - self.forward_seconds
 
 
+class _ComputeClock:
+    """When one step's sleeps end (see ``timeline`` in the module docstring).
+
+    ``"serial"``: each sleep lasts its share from whenever it is called, so a late wake-up or a slow
+    gradient write before it moves every later one. ``"device"``: the shares are laid out on a fixed
+    timeline from the step's start (the forward ends at ``start + forward_seconds``, the k-th
+    backward share at ``start + forward_seconds + k * share``) and each sleep waits until its end,
+    so host work and wake-up latency between them are absorbed while they fit in the next share.
+    """
+
+    def __init__(self, timeline: str, compute: ComputeTime, shares: int):
+        self.timeline = timeline
+        self.forward_seconds = compute.forward_seconds
+        self.share = compute.backward_seconds / shares
+        self.deadline = time.perf_counter()
+
+    def _sleep(self, seconds: float) -> None:
+        if self.timeline == "serial":
+            if seconds > 0:
+                time.sleep(seconds)
+            return
+        self.deadline += seconds
+        remaining = self.deadline - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def forward(self) -> None:
+        self._sleep(self.forward_seconds)
+
+    def backward_share(self) -> None:
+        self._sleep(self.share)
+
+
 class _SleepingGradient(torch.autograd.Function):
-    """Forward: a zero scalar that depends on ``param``. Backward: sleep, then ``gradient``."""
+    """Forward: a zero scalar that depends on ``param``. Backward: sleep one share of ``clock``,
+    then ``gradient``."""
 
     @staticmethod
-    def forward(ctx, param, gradient, backward_seconds):
-        ctx.gradient, ctx.backward_seconds = gradient, backward_seconds
+    def forward(ctx, param, gradient, clock):
+        ctx.gradient, ctx.clock = gradient, clock
         return param.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.backward_seconds > 0:
-            time.sleep(ctx.backward_seconds)
+        ctx.clock.backward_share()
         return ctx.gradient, None, None  # the loss is the sum: grad_output is 1
 
 
 class _SleepingFill(torch.autograd.Function):
-    """Forward: a zero scalar that depends on ``param``. Backward: sleep, then overwrite
-    ``param.grad`` with ``value`` (one write-only pass); no gradient flows through autograd."""
+    """Forward: a zero scalar that depends on ``param``. Backward: sleep one share of ``clock``,
+    then overwrite ``param.grad`` with ``value`` (one write-only pass); no gradient flows through
+    autograd."""
 
     @staticmethod
-    def forward(ctx, param, value, backward_seconds):
-        ctx.param, ctx.value, ctx.backward_seconds = param, value, backward_seconds
+    def forward(ctx, param, value, clock):
+        ctx.param, ctx.value, ctx.clock = param, value, clock
         return param.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.backward_seconds > 0:
-            time.sleep(ctx.backward_seconds)
+        ctx.clock.backward_share()
         ctx.param.grad.fill_(ctx.value)
         return None, None, None
 
@@ -105,19 +153,24 @@ class EmulatedModel(torch.nn.Module):
         tensors: how many tensors they are split into (the backward produces them one by one).
         seed: seeds this rank's gradient pattern (use a different one per rank).
         gradient_write: ``"accumulate"`` or ``"fill"`` (see the module docstring).
+        timeline: ``"serial"`` or ``"device"``: how the sleeps are timed (see the module
+            docstring).
     """
 
     GRADIENT_WRITES = ("accumulate", "fill")
+    TIMELINES = ("serial", "device")
 
     def __init__(self, numel: int, tensors: int = 8, seed: int = 0,
-                 gradient_write: str = "accumulate"):
+                 gradient_write: str = "accumulate", timeline: str = "serial"):
         super().__init__()
         if numel < tensors:
             raise ValueError(f"{numel} parameters cannot fill {tensors} tensors; use fewer tensors")
         if gradient_write not in self.GRADIENT_WRITES:
             raise ValueError(f"gradient_write={gradient_write!r}: choose one of "
                              f"{', '.join(self.GRADIENT_WRITES)}")
-        self.gradient_write = gradient_write
+        if timeline not in self.TIMELINES:
+            raise ValueError(f"timeline={timeline!r}: choose one of {', '.join(self.TIMELINES)}")
+        self.gradient_write, self.timeline = gradient_write, timeline
         sizes = [numel // tensors + (1 if index < numel % tensors else 0)
                  for index in range(tensors)]
         generator = torch.Generator().manual_seed(seed)
@@ -157,18 +210,18 @@ class EmulatedModel(torch.nn.Module):
         """Sleep the forward, then backpropagate: each tensor sleeps its share of the backward and
         then produces its gradient: ``"accumulate"`` adds :meth:`gradients` into ``.grad``
         (autograd's accumulation, one pass); ``"fill"`` overwrites ``.grad`` with
-        :meth:`fill_values` (a write-only pass; a missing ``.grad`` is allocated first)."""
-        if compute.forward_seconds > 0:
-            time.sleep(compute.forward_seconds)
-        share = compute.backward_seconds / len(self.weights)
+        :meth:`fill_values` (a write-only pass; a missing ``.grad`` is allocated first). The
+        sleeps follow the model's ``timeline``."""
+        clock = _ComputeClock(self.timeline, compute, len(self.weights))
+        clock.forward()
         if self.gradient_write == "fill":
             for weight in self.weights:
                 if weight.grad is None:
                     weight.grad = torch.empty_like(weight)
-            loss = sum(_SleepingFill.apply(weight, value, share)
+            loss = sum(_SleepingFill.apply(weight, value, clock)
                        for weight, value in zip(self.weights, self.fill_values(step)))
         else:
-            loss = sum(_SleepingGradient.apply(weight, gradient, share)
+            loss = sum(_SleepingGradient.apply(weight, gradient, clock)
                        for weight, gradient in zip(self.weights, self.gradients(step)))
         loss.backward()
 

@@ -16,22 +16,26 @@ speedup (C + M) / max(C, M) from the compute time C (forward, backward, optimize
 exposed communication M (time waiting for the gradient all-reduce) of one job measured alone.
 
     python benchmarks/crossover.py --emulate-compute [--sizes 1e6 1e7] [--ratios 0.1 0.5 1 2 10]
-        [--gradients fill accumulate] [--profile]
+        [--gradients fill accumulate] [--timelines device serial] [--profile]
 
 runs the same comparison with emulated compute (benchmarks/_emulated_compute.py): each job's
 forward and backward sleep (freeing the core, as a rank waiting for its accelerator would) while its
 gradient of ``--sizes`` float32 entries is really all-reduced over gloo; the sleep is chosen so the
 all-reduce / compute ratio M / C of one job alone sweeps ``--ratios`` (from the slowest rank's
-all-reduce time and C without sleep, then corrected once by a measured C). ``--gradients``: how the
-emulated backward writes the gradient, ``fill`` (default: overwritten, one write-only pass, the
-reducer sums) or ``accumulate`` (zeroed, accumulated and divided by the reducer: three passes);
-several are interleaved in the same rounds. Per point: back to back and crossover wall time of the
-pair (median and min-max over interleaved rounds), speed-up, the bound (C + M) / max(C, M) from the
-median C and M of the back-to-back iterations, and speed-up / bound. ``--profile`` adds, from
-per-iteration timestamps of both jobs on one timeline (rank 0, last round), where the time goes: C
-and its CPU time, the all-reduce, the exposed wait, the hand-off latency between the jobs, the share
-of time the link is busy, the process's CPU time per iteration, and the share of the bound that CPU
-time leaves reachable on this machine.
+all-reduce time and C without sleep, then corrected twice by the C and M of job iterations).
+``--gradients``: how the emulated backward writes the gradient, ``fill`` (default: overwritten, one
+write-only pass, the reducer sums) or ``accumulate`` (zeroed, accumulated and divided by the
+reducer: three passes). ``--timelines``: how the sleeps are timed, ``device`` (default: on a fixed
+timeline from the step's start, as an accelerator runs queued kernels, so host work and late
+wake-ups inside the step are absorbed) or ``serial`` (each sleep after the host work before it).
+Several writes and timelines are interleaved in the same rounds. Per point: back to back and
+crossover wall time of the pair (median and min-max over interleaved rounds), speed-up, the bound
+(C + M) / max(C, M) from the median C and M of the back-to-back iterations, the most a run of
+``--iterations`` iterations can reach (:func:`finite_run_ceiling`), and speed-up / bound.
+``--profile`` adds, from per-iteration timestamps of both jobs on one timeline (rank 0, last
+round), where the time goes: C and its CPU time, the all-reduce, the exposed wait, the hand-off
+latency between the jobs, the share of time the link is busy, the process's CPU time per
+iteration, and the share of the bound that CPU time leaves reachable on this machine.
 """
 
 from __future__ import annotations
@@ -186,51 +190,56 @@ def _traced_iteration(reducer, trace, iteration: int):
 
 
 def _emulated_rank(rank: int, world_size: int, sizes: list, ratios: list, writes: list,
-                   iterations: int, rounds: int, profile: bool) -> dict:
-    """The emulated-compute sweep on one rank: per (size, gradient write, ratio) the pair's wall
-    times, the C, M of job a's back-to-back iterations and (``profile``) the per-iteration traces
-    of the last round and the process CPU seconds of each pair run. The gradient writes (and the
-    ratios) are interleaved round by round, so their comparison shares the same minutes."""
+                   iterations: int, rounds: int, profile: bool, timelines: tuple = ("device",)
+                   ) -> dict:
+    """The emulated-compute sweep on one rank: per (size, gradient write, timeline, ratio) the
+    pair's wall times, the C, M of job a's back-to-back iterations and (``profile``) the
+    per-iteration traces of the last round and the process CPU seconds of each pair run. The
+    gradient writes and timelines (and the ratios) are interleaved round by round, so their
+    comparison shares the same minutes."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     groups = {name: dist.new_group(list(range(world_size))) for name in JOB_NAMES}  # one per job
     results = {}
+    variants = [(write, timeline) for write in writes for timeline in timelines]
     for numel in sizes:
-        setups = {write: _emulated_setup(rank, world_size, numel, write, groups, ratios, profile)
-                  for write in writes}
+        setups = {variant: _emulated_setup(rank, world_size, numel, *variant, groups, ratios,
+                                           profile)
+                  for variant in variants}
         for round_index in range(rounds):
             last = profile and round_index == rounds - 1
             for ratio in ratios:
-                for write in writes:
-                    models, reducers, computes, points = setups[write]
+                for variant in variants:
+                    models, reducers, computes, points = setups[variant]
                     _emulated_pair(models, reducers, computes[ratio], iterations, points[ratio],
                                    traced=last)
-        for write in writes:
-            results[(numel, write)] = setups[write][3]
+        for variant in variants:
+            results[(numel, *variant)] = setups[variant][3]
     return results
 
 
 
-def _emulated_setup(rank: int, world_size: int, numel: int, write: str, groups: dict,
-                    ratios: list, profile: bool) -> tuple:
-    """Both jobs' models and reducers for one (size, gradient write), the calibrated compute per
-    ratio and the empty per-ratio results: ``(models, reducers, computes, points)``."""
+def _emulated_setup(rank: int, world_size: int, numel: int, write: str, timeline: str,
+                    groups: dict, ratios: list, profile: bool) -> tuple:
+    """Both jobs' models and reducers for one (size, gradient write, timeline), the calibrated
+    compute per ratio and the empty per-ratio results: ``(models, reducers, computes, points)``."""
     import torch.distributed as dist
     from _emulated_compute import ComputeTime, EmulatedModel, median_seconds
     from megatron.core.distributed.gradient_reducer import GradientReducer
     # "fill" stands for gradients already divided by P: the reducer sums (see
     # benchmarks/_emulated_compute.py); "accumulate" divides, as training does
     divide_by = world_size if write == "accumulate" else 1
-    models = {name: EmulatedModel(numel, seed=100 * index + rank, gradient_write=write)
+    models = {name: EmulatedModel(numel, seed=100 * index + rank, gradient_write=write,
+                                  timeline=timeline)
               for index, name in enumerate(JOB_NAMES)}
     reducers = {name: GradientReducer(models[name].parameters(), groups[name],
                                       divide_by=divide_by) for name in JOB_NAMES}
     models["a"].forward_backward(ComputeTime(0.0), 0)
     communication = _slowest_rank(median_seconds(
         lambda: (reducers["a"].start(), reducers["a"].wait()), 5, dist.barrier))
-    fixed = _measured_compute(models["a"], reducers["a"], ComputeTime(0.0))
-    computes = {ratio: _calibrated_compute(models["a"], reducers["a"], communication / ratio,
+    fixed = _measured_iteration(models["a"], reducers["a"], ComputeTime(0.0))[0]
+    computes = {ratio: _calibrated_compute(models["a"], reducers["a"], ratio, communication,
                                            fixed)
                 for ratio in ratios}
     communication_cpu = _all_reduce_cpu(reducers["a"]) if profile else None
@@ -281,27 +290,37 @@ def _slowest_rank(seconds: float) -> float:
     return float(value)
 
 
-def _measured_compute(model, reducer, compute, iterations: int = 3) -> float:
-    """C as the benchmark measures it (everything but the all-reduce wait: zeroing, the sleeping
-    forward/backward, the gradient write, launching the all-reduce): the median over
-    ``iterations`` of job a alone, the slowest rank's."""
+def _measured_iteration(model, reducer, compute, iterations: int = 4) -> tuple[float, float]:
+    """(C, M) as the benchmark measures them, in seconds: C everything but the all-reduce wait
+    (zeroing, the sleeping forward/backward, the gradient write, launching the all-reduce), M the
+    exposed wait; the medians over ``iterations`` of job a alone, the slowest rank's."""
     import torch.distributed as dist
     timings: list = []
     dist.barrier()
     _emulated_job(model, reducer, compute, iterations, lambda: None, timings)
-    return _slowest_rank(statistics.median(timing[0] for timing in timings))
+    return (_slowest_rank(statistics.median(timing[0] for timing in timings)),
+            _slowest_rank(statistics.median(timing[1] for timing in timings)))
 
 
-def _calibrated_compute(model, reducer, target: float, floor: float):
-    """The sleep whose measured C is ``target`` seconds: ``target - floor`` (``floor``: C without
-    sleep), then corrected once by the C measured with it (the sleeps' wake-up overshoot). Below
-    the floor the sleep is 0 and C stays at the floor."""
+def _calibrated_compute(model, reducer, ratio: float, communication: float, floor: float,
+                        corrections: int = 2):
+    """The sleep whose iterations have M / C = ``ratio``: first ``communication / ratio - floor``
+    (``communication``: one all-reduce alone, ``floor``: C without sleep), then ``corrections``
+    times moved by ``M / ratio - C``, with C measured in job iterations with the current sleep (the
+    sleeps' wake-up overshoot, the write that the device timeline absorbs) and M the median of
+    ``communication`` and the exposed waits measured so far (the all-reduce as it runs after a
+    compute rather than after a barrier; the median keeps one disturbed measurement from moving
+    the target). Below the floor the sleep is 0 and C stays at the floor."""
     from _emulated_compute import ComputeTime
-    sleep = max(target - floor, 0.0)
-    if sleep == 0.0:
-        return ComputeTime(0.0)
-    measured = _measured_compute(model, reducer, ComputeTime(sleep))
-    return ComputeTime(max(sleep + target - measured, 0.0))
+    sleep = max(communication / ratio - floor, 0.0)
+    waits = [communication]
+    for _ in range(corrections):
+        if sleep == 0.0:
+            break
+        compute, exposed = _measured_iteration(model, reducer, ComputeTime(sleep))
+        waits.append(exposed)
+        sleep = max(sleep + statistics.median(waits) / ratio - compute, 0.0)
+    return ComputeTime(sleep)
 
 
 def _all_reduce_cpu(reducer, repeats: int = 3) -> float:
@@ -323,39 +342,31 @@ def emulated_main(args) -> int:
     sizes = [int(size) for size in args.sizes]
     iterations, rounds = args.iterations or 6, args.rounds or 3
     per_rank = run_distributed(_emulated_rank, WORLD_SIZE, sizes, args.ratios, args.gradients,
-                               iterations, rounds, args.profile, timeout=7200)
+                               iterations, rounds, args.profile, tuple(args.timelines),
+                               timeout=7200)
     rows, profile_rows = [], []
     for numel in sizes:
         for write in args.gradients:
-            for ratio in args.ratios:
-                point = per_rank[-1][(numel, write)][ratio]
-                back = [max(r[(numel, write)][ratio]["back_to_back"][i] for r in per_rank)
-                        for i in range(rounds)]
-                cross = [max(r[(numel, write)][ratio]["crossover"][i] for r in per_rank)
-                         for i in range(rounds)]
-                compute = statistics.median(t[0] for t in point["timings"])
-                exposed = statistics.median(t[1] for t in point["timings"])
-                bound = (compute + exposed) / max(compute, exposed)
-                speedup = statistics.median(back) / statistics.median(cross)
-                per_round = sorted(b / c for b, c in zip(back, cross))
-                rows.append([f"{numel:,}", write, f"{ratio:g}", f"{exposed / compute:.2f}",
-                             f"{compute * 1e3:.0f}", f"{exposed * 1e3:.0f}",
-                             _spread([1e3 * b / (2 * iterations) for b in back]),
-                             _spread([1e3 * c / (2 * iterations) for c in cross]),
-                             f"{speedup:.2f} ({per_round[0]:.2f}-{per_round[-1]:.2f})",
-                             f"{bound:.2f}", f"{speedup / bound:.0%}"])
-                if args.profile:
-                    profile_rows.extend(_profile_rows(f"{numel:,} {write} {ratio:g}", point,
-                                                      compute, exposed, iterations))
-    print(format_table(["floats", "gradients", "target M/C", "M/C", "C ms", "M ms",
+            for timeline in args.timelines:
+                key = (numel, write, timeline)
+                for ratio in args.ratios:
+                    row, profile = _emulated_rows(per_rank, key, ratio, iterations, rounds,
+                                                  args.profile)
+                    rows.append(row)
+                    profile_rows.extend(profile)
+    print(format_table(["floats", "gradients", "timeline", "target M/C", "M/C", "C ms", "M ms",
                         "back to back ms/iter", "crossover ms/iter", "speed-up (round min-max)",
-                        "bound", "speed-up / bound"], rows))
+                        "bound", f"{iterations}-iteration ceiling", "speed-up / bound"], rows))
     print(f"Emulated compute (sleep), real gloo all-reduce; two DP {WORLD_SIZE} jobs, "
           f"{iterations} iterations each, {rounds} interleaved round(s); ms per iteration of one "
           f"job (pair time / {2 * iterations}), median (min-max) over rounds; C and M are job a's "
           f"back-to-back medians. Gradients: 'fill' overwrites .grad (one write pass, summed), "
-          f"'accumulate' zeroes, accumulates and divides (three passes); see "
-          f"benchmarks/_emulated_compute.py.")
+          f"'accumulate' zeroes, accumulates and divides (three passes); timeline 'serial': "
+          f"each sleep starts after the host's work before it, 'device': the sleeps end on a "
+          f"fixed timeline from the step's start; see benchmarks/_emulated_compute.py. "
+          f"{iterations}-iteration ceiling: the most a run of {iterations} iterations per job "
+          f"can reach, 2n(C + M) / (2n max(C, M) + min(C, M)) with n = {iterations} (the first "
+          f"compute and the last all-reduce of the pair cannot overlap anything).")
     if profile_rows:
         print()
         print(format_table(["point", "run", "C ms", "of it CPU ms", "sleep ms", "all-reduce ms",
@@ -374,6 +385,43 @@ def emulated_main(args) -> int:
               "this rank's CPU time for one all-reduce.")
     print(oversubscription_note(WORLD_SIZE))
     return 0
+
+
+def _emulated_rows(per_rank: list, key: tuple, ratio: float, iterations: int, rounds: int,
+                   profile: bool) -> tuple[list, list]:
+    """The results-table row of one point (``key``: size, gradient write, timeline) and, with
+    ``profile``, its profile rows. Pair times are the slowest rank's per round."""
+    point = per_rank[-1][key][ratio]
+    back = [max(r[key][ratio]["back_to_back"][i] for r in per_rank) for i in range(rounds)]
+    cross = [max(r[key][ratio]["crossover"][i] for r in per_rank) for i in range(rounds)]
+    compute = statistics.median(t[0] for t in point["timings"])
+    exposed = statistics.median(t[1] for t in point["timings"])
+    bound = (compute + exposed) / max(compute, exposed)
+    ceiling = finite_run_ceiling(compute, exposed, iterations)
+    speedup = statistics.median(back) / statistics.median(cross)
+    per_round = sorted(b / c for b, c in zip(back, cross))
+    numel, write, timeline = key
+    row = [f"{numel:,}", write, timeline, f"{ratio:g}", f"{exposed / compute:.2f}",
+           f"{compute * 1e3:.0f}", f"{exposed * 1e3:.0f}",
+           _spread([1e3 * b / (2 * iterations) for b in back]),
+           _spread([1e3 * c / (2 * iterations) for c in cross]),
+           f"{speedup:.2f} ({per_round[0]:.2f}-{per_round[-1]:.2f})",
+           f"{bound:.2f}", f"{ceiling:.2f} ({ceiling / bound:.0%})", f"{speedup / bound:.0%}"]
+    profile_rows = _profile_rows(f"{numel:,} {write} {timeline} {ratio:g}", point, compute,
+                                 exposed, iterations) if profile else []
+    return row, profile_rows
+
+
+def finite_run_ceiling(compute: float, exposed: float, iterations: int) -> float:
+    """The largest speed-up two jobs of ``iterations`` iterations each can reach under crossover
+    over running back to back, with compute C and exposed communication M per iteration and the
+    link carrying one all-reduce at a time: back to back takes 2n (C + M); crossover at best
+    2n max(C, M) + min(C, M), because min(C, M) cannot overlap anything: at M >= C the first
+    compute of the pair (no all-reduce is in flight yet), at M < C the last all-reduce (no compute
+    is left). It tends to the bound (C + M) / max(C, M) as n grows (at M = C it is
+    2n / (n + 1/2): 94% of the bound at n = 8, 98% at n = 24)."""
+    return 2 * iterations * (compute + exposed) / (
+        2 * iterations * max(compute, exposed) + min(compute, exposed))
 
 
 def _profile_rows(label: str, point: dict, compute: float, exposed: float, iterations: int
@@ -449,6 +497,15 @@ def main(argv=None) -> int:
                              "gradient: 'fill' overwrites it (one write pass, summed by the "
                              "reducer), 'accumulate' zeroes, accumulates and divides it (three "
                              "passes); several are interleaved in the same rounds")
+    parser.add_argument("--timelines", nargs="+", choices=("serial", "device"),
+                        default=["device"],
+                        help="with --emulate-compute: how the emulated compute's sleeps are "
+                             "timed: 'device' (default) ends them on a fixed timeline from the "
+                             "step's start, as an accelerator's queued kernels would, so the "
+                             "host's gradient writes and late wake-ups inside the compute do not "
+                             "lengthen it; 'serial' starts each sleep after the host's work "
+                             "before it (host delays add up); several are interleaved in the "
+                             "same rounds")
     parser.add_argument("--profile", action="store_true",
                         help="with --emulate-compute: also print where each iteration's time "
                              "goes (compute CPU, all-reduce, exposed wait, hand-off latency)")

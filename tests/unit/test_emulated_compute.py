@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
-from _emulated_compute import ComputeTime, EmulatedModel  # noqa: E402
+from _emulated_compute import ComputeTime, EmulatedModel, _ComputeClock  # noqa: E402
 from megatron.core.distributed.gradient_reducer import GradientReducer  # noqa: E402
 
 
@@ -89,3 +89,42 @@ def test_gradient_write_mistakes_name_the_fix():
         EmulatedModel(6, tensors=3, gradient_write="fill").gradients(0)
     with pytest.raises(ValueError, match="gradient_write='fill'"):
         EmulatedModel(6, tensors=3).fill_values(0)
+
+
+@pytest.mark.parametrize("gradient_write", ["accumulate", "fill"])
+def test_the_device_timeline_absorbs_host_work_between_shares_and_the_serial_one_adds_it(
+        gradient_write, monkeypatch):
+    """Host work before the 2nd and 3rd backward shares (0.1 s each, less than a 0.133 s share)
+    lengthens a serial step by 0.2 s and a device-timeline step not at all; every gradient is
+    still written."""
+    backward_share = _ComputeClock.backward_share
+    elapsed = {}
+    for timeline in EmulatedModel.TIMELINES:
+        model = EmulatedModel(6, tensors=3, gradient_write=gradient_write, timeline=timeline)
+        shares = []
+
+        def slow_share(clock, shares=shares):
+            if shares:
+                time.sleep(0.1)  # the host busy between two shares
+            shares.append(time.perf_counter())
+            backward_share(clock)
+        monkeypatch.setattr(_ComputeClock, "backward_share", slow_share)
+        started = time.perf_counter()
+        model.forward_backward(ComputeTime(0.6), step=0)
+        elapsed[timeline] = time.perf_counter() - started
+        assert len(shares) == 3 and all(weight.grad is not None for weight in model.weights)
+    assert elapsed["serial"] >= 0.6 + 0.2, elapsed
+    assert 0.6 <= elapsed["device"] < 0.6 + 0.15, elapsed
+
+
+def test_an_unknown_timeline_names_the_choices():
+    with pytest.raises(ValueError, match="serial, device"):
+        EmulatedModel(6, tensors=3, timeline="wall")
+
+
+def test_the_finite_run_ceiling_exposes_one_min_c_m_and_tends_to_the_bound():
+    from crossover import finite_run_ceiling
+    assert finite_run_ceiling(1.0, 1.0, 8) == pytest.approx(32 / 17)  # 94% of the bound 2
+    assert finite_run_ceiling(2.0, 1.0, 8) == pytest.approx(48 / 33)  # M < C: the last M exposed
+    assert finite_run_ceiling(1.0, 2.0, 8) == pytest.approx(48 / 33)  # M > C: the first C exposed
+    assert finite_run_ceiling(1.0, 1.0, 10_000) == pytest.approx(2.0, rel=1e-4)
