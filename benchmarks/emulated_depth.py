@@ -165,6 +165,12 @@ def _config_flags(depth: int, count: int) -> list:
             f"--pipeline-model-parallel-size {depth}").split()
 
 
+def equal_unit_times(depth: int, unit_ms: float) -> StageTimes:
+    """Every stage's forward, input-gradient and weight-gradient halves ``unit_ms`` each."""
+    unit = unit_ms / 1e3
+    return uniform_times(depth, LAYERS_PER_STAGE, unit, unit, unit)
+
+
 def stage_costs_of(times: StageTimes, num_stages: int):
     """Our planner's table for ``num_stages`` stages of equal layer counts (seconds)."""
     from megatron.core.pipeline_parallel.planning.op_costs import StageCosts

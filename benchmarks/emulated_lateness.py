@@ -328,9 +328,7 @@ def main(argv=None) -> int:
     from dist_harness import run_distributed
     args = parse_args(argv)
     depth, count = args.depth, args.count * args.depth
-    unit = args.unit_ms / 1e3
-    times = _emulated_stages.uniform_times(depth, emulated_depth.LAYERS_PER_STAGE, unit, unit,
-                                           unit)
+    times = emulated_depth.equal_unit_times(depth, args.unit_ms)
     variants = dict(emulated_depth.our_variants(depth))
     labels = [label for label in variants
               if args.only is None or any(word in label for word in args.only)]

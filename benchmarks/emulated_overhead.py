@@ -246,9 +246,7 @@ def main(argv=None) -> int:
     from dist_harness import run_distributed
     args = parse_args(argv)
     depth, count = args.depth, args.count * args.depth
-    unit = args.unit_ms / 1e3
-    times = _emulated_stages.uniform_times(depth, emulated_depth.LAYERS_PER_STAGE, unit, unit,
-                                           unit)
+    times = emulated_depth.equal_unit_times(depth, args.unit_ms)
     labels = [label for label, _ in emulated_depth.our_variants(depth)
               if (args.only is None and "4-pipe" not in label)
               or (args.only is not None and any(word in label for word in args.only))]
