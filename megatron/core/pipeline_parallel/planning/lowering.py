@@ -390,14 +390,10 @@ def _count_at_most(sorted_values, limit) -> int:
     return low
 
 
-def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str, sync_order=None) -> list:
+def _add_grad_sync(rank: int, rank_ops: list, layout, policy: str, sync_order) -> list:
     """Insert one GradSyncStart per module hosted by ``rank`` (per policy), then GradSyncWait.
 
-    ``sync_order`` (module -> sort key, the same on every rank) orders the syncs; default: late
-    stage first."""
-    if sync_order is None:
-        def sync_order(module):
-            return (-module[1], module[0])
+    ``sync_order`` (module -> sort key, the same on every rank) orders the syncs."""
     compute_positions = [i for i, op in enumerate(rank_ops) if isinstance(op, Instruction)]
     last_backward = {}  # module -> index in rank_ops of its last backward-type op
     for index in compute_positions:
