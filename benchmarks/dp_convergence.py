@@ -53,6 +53,7 @@ def variants(short: int, long: int) -> dict:
     """name -> (optimizer label, flags); the A2SGD sync intervals are ``short`` and ``long``."""
     a2sgd = "--dp-gradient-reducer a2sgd --a2sgd-sync-interval"
     per_tensor = "--a2sgd-granularity tensor"
+    flush = "--a2sgd-sync-flushes-errors"
     return {
         "allreduce adam": ("adam", ADAM),
         "allreduce sgd": ("sgd", SGD),
@@ -62,6 +63,10 @@ def variants(short: int, long: int) -> dict:
         f"a2sgd sgd sync {long}": ("sgd", f"{SGD} {a2sgd} {long}"),
         f"a2sgd adam tensor sync {short}": ("adam", f"{ADAM} {a2sgd} {short} {per_tensor}"),
         f"a2sgd sgd tensor sync {short}": ("sgd", f"{SGD} {a2sgd} {short} {per_tensor}"),
+        f"a2sgd adam flush sync {short}": ("adam", f"{ADAM} {a2sgd} {short} {flush}"),
+        f"a2sgd adam flush sync {long}": ("adam", f"{ADAM} {a2sgd} {long} {flush}"),
+        f"a2sgd sgd flush sync {short}": ("sgd", f"{SGD} {a2sgd} {short} {flush}"),
+        f"a2sgd sgd flush sync {long}": ("sgd", f"{SGD} {a2sgd} {long} {flush}"),
         "topk adam": ("adam", f"{ADAM} --dp-gradient-reducer topk --topk-ratio 0.01"),
         "qsgd adam": ("adam", f"{ADAM} --dp-gradient-reducer qsgd --qsgd-levels 127"),
     }

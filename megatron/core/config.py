@@ -260,6 +260,11 @@ class ParallelConfig:
                  "the whole model chunk (the paper's; 32 bytes per step), buckets of 4096 "
                  "entries, or each tensor (see docs/a2sgd.md).",
         choices=("model", "bucket", "tensor"))
+    a2sgd_sync_flushes_errors: bool = option(
+        False, "With --dp-gradient-reducer a2sgd: every sync also hands each rank's unapplied "
+               "error to the optimizer: the step after a sync all-reduces the error-corrected "
+               "gradient exactly (one gradient-sized all-reduce) and clears the error (see "
+               "docs/a2sgd.md).")
     topk_ratio: float = option(
         0.01, "With --dp-gradient-reducer topk: the fraction of gradient entries (largest in "
               "magnitude, after error feedback) each data-parallel rank sends.")

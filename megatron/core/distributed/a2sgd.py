@@ -197,6 +197,10 @@ class A2SGDReducer(GradientReduction):
         granularity: ``model`` (paper, default), ``bucket`` or ``tensor``.
         bucket_size: elements per segment for ``bucket``.
         sync_interval: ``synchronize()`` every this many iterations (``--a2sgd-sync-interval``).
+        flush_errors_at_sync: every ``synchronize()`` also makes the next step an exact one: it
+            all-reduces ``p = g + e`` (the mean over the data-parallel group is applied) and
+            clears the error, so every rank's unapplied error reaches the optimizer
+            (``--a2sgd-sync-flushes-errors``).
         overlap: once armed by ``start_when_ready()``, form ``p``, its sign indicator and its
             statistics tensor by tensor during the backward, as each gradient is complete, on a
             worker thread (whole-model granularity without a direction group; otherwise
@@ -213,7 +217,7 @@ class A2SGDReducer(GradientReduction):
                  data_group: Any = None, exact_params: Iterable[torch.nn.Parameter] = (),
                  exact_group: Any = None, dp_size: int = 1, granularity: str = "model",
                  bucket_size: int = 1_000_000, sync_interval: int = 0, overlap: bool = False,
-                 arithmetic: str = "auto"):
+                 arithmetic: str = "auto", flush_errors_at_sync: bool = False):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of "
                              f"{GRANULARITIES}")
@@ -229,6 +233,8 @@ class A2SGDReducer(GradientReduction):
         self.granularity = granularity
         self.bucket_size = int(bucket_size)
         self.sync_interval = int(sync_interval)
+        self.flush_errors_at_sync = bool(flush_errors_at_sync)
+        self.exact_next_step = False  # set by synchronize() with flush_errors_at_sync
         self.loss_scale: Callable[[], float] = lambda: 1.0
         self._optimizer_state: Optional[dict] = None  # the torch optimizer's state, once attached
         self.feedback = ErrorFeedback(
@@ -361,7 +367,11 @@ class A2SGDReducer(GradientReduction):
         overlapped = self._armed and all(n == 0 for n in self._pending.values())
         self._armed = False
         self.overlapped_last_step = overlapped
+        exact, self.exact_next_step = self.exact_next_step, False
         for dtype, buffer in self.inner.buffers.items():
+            if exact:
+                self._reduce_exactly(dtype, buffer, scale, formed=overlapped)
+                continue
             corrected, scratch = self._work_buffers(dtype, buffer)
             error = self.errors[dtype]
             runs = self._segment_runs(dtype)
@@ -393,6 +403,27 @@ class A2SGDReducer(GradientReduction):
                 applied.mul_(scale)
             if applied is not buffer:
                 buffer.copy_(applied)
+
+    def _reduce_exactly(self, dtype: torch.dtype, buffer: torch.Tensor, scale: float,
+                        formed: bool) -> None:
+        """The step after a flushing sync: the data-parallel mean of ``p = g / scale + e``
+        becomes the applied gradient and the staged error is zero (``formed``: the backward's
+        hooks already wrote ``p``)."""
+        if not formed:
+            self._form_corrected(dtype, 0, buffer.numel(), scale)
+        corrected = self._work_buffers(dtype, buffer)[0]
+        size = group_size(self.data_group)
+        if size > 1:
+            dist.all_reduce(corrected, group=self.data_group)
+            corrected.div_(size)
+        self.bytes_last_step += corrected.numel() * corrected.element_size()
+        if scale != 1.0:
+            corrected.mul_(scale)
+        buffer.copy_(corrected)
+        corrected.zero_()  # the new error
+        error = self.errors[dtype]
+        self.feedback.stage(dtype, corrected if corrected.dtype == error.dtype
+                            else corrected.to(error.dtype))
 
     def _segment_runs(self, dtype: torch.dtype) -> SegmentRuns:
         """The segment layout of ``dtype``'s buffer, computed once per granularity."""
@@ -431,8 +462,11 @@ class A2SGDReducer(GradientReduction):
         self.finish_step(ok)
 
     def synchronize(self) -> None:
-        """The exact replica average of the parameters and the optimizer state (collective)."""
+        """The exact replica average of the parameters and the optimizer state (collective);
+        with ``flush_errors_at_sync`` the next step then reduces exactly (see :meth:`wait`)."""
         self.average_parameters(self._optimizer_state)
+        if self.flush_errors_at_sync:
+            self.exact_next_step = True
 
     def finish_step(self, update_successful: bool) -> None:
         """Commit the staged error when the optimizer stepped; drop it on an overflow step. The
@@ -448,11 +482,13 @@ class A2SGDReducer(GradientReduction):
             self.exact.zero_grad()
 
     def state_dict(self) -> dict:
-        """The error buffers (per dtype, in this reducer's flat layout)."""
-        return self.feedback.state_dict()
+        """The error buffers (per dtype, in this reducer's flat layout) and whether the next step
+        reduces exactly (a checkpoint is saved right after a sync)."""
+        return {**self.feedback.state_dict(), "exact_next_step": self.exact_next_step}
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state)
+        self.exact_next_step = bool(state.get("exact_next_step", False))  # absent: older files
 
     def average_parameters(self, optimizer_state: Optional[dict] = None) -> None:
         """Make the replicas identical: the exact mean over the data-parallel group of every
@@ -479,13 +515,15 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
         return request.tensor_parallel and not getattr(param, "tensor_model_parallel", False)
     interval = request.parallel.a2sgd_sync_interval if request.parallel is not None else 0
     granularity = request.parallel.a2sgd_granularity if request.parallel is not None else "model"
+    flush = request.parallel.a2sgd_sync_flushes_errors if request.parallel is not None else False
     return A2SGDReducer([p for p in request.params if not exact(p)],
                         direction_group=request.direction_group(),
                         data_group=request.data_group,
                         exact_params=[p for p in request.params if exact(p)],
                         exact_group=request.replica_group, dp_size=int(request.divide_by),
                         granularity=granularity, bucket_size=FLAG_BUCKET_SIZE,
-                        sync_interval=interval, overlap=request.overlap)
+                        sync_interval=interval, overlap=request.overlap,
+                        flush_errors_at_sync=flush)
 
 
 def check_a2sgd_flags(parallel) -> None:
