@@ -2,7 +2,8 @@
 numbers docs/performance_model.md quotes for them ("Checked and not adopted").
 
 ``python benchmarks/paper_mechanism_checks.py [--skip-slow]``. No torch, no processes; about
-3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02), ``--skip-slow`` only the first two (seconds).
+3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02),
+``--skip-slow`` only the first two (seconds).
 
 Each check is a variant of the shipped model written here, next to it, so the model itself
 stays as it is:
