@@ -107,3 +107,25 @@ def test_whole_stage_recompute_reruns_only_the_recomputing_last_stages_output_la
             assert after[label] == pytest.approx(before[label], rel=1e-12), label
         else:
             assert after[label] < before[label], label
+
+
+def test_split_sync_is_the_shipped_model_with_one_tensor_and_slower_with_the_authors_split(
+        checks, hardware, monkeypatch):
+    model = checks.rp.GPT2_PAPER
+    assert [checks.split_sync_tensors(model, 32, s) for s in (0, 1, 30, 31)] == [4, 3, 3, 4]
+    runs = [paper.SWEEP_512[1], paper.COMPARISON_2048[0], paper.COMPARISON_2048[2],
+            paper.COMPARISON_2048[3], paper.COMPARISON_2048[1], paper.COMPARISON_2048[5]]
+    split = {run.label: checks._predict_split_sync(hardware, run) for run in runs}
+    monkeypatch.setattr(checks, "SPLIT_SYNC_MIDDLE", 1)
+    monkeypatch.setattr(checks, "SPLIT_SYNC_END", 1)
+    for run in runs:
+        shipped = checks.rp.predict(hardware, run)
+        assert checks._predict_split_sync(hardware, run) == pytest.approx(shipped, rel=1e-9)
+        if run.scheme in ("pipedream-2bw", "gems"):
+            assert split[run.label] == pytest.approx(shipped, rel=1e-12)
+        else:
+            # the extra ring latencies cost more where the ring is longer (2,048 nodes)
+            assert split[run.label] < shipped
+    loss_512 = 1 - split["W=16 D=32"] / checks.rp.predict(hardware, paper.SWEEP_512[1])
+    loss_2048 = 1 - split["Chimera"] / checks.rp.predict(hardware, paper.COMPARISON_2048[0])
+    assert loss_2048 > loss_512
