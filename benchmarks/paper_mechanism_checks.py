@@ -2,7 +2,8 @@
 numbers docs/performance_model.md quotes for them ("Checked and not adopted").
 
 ``python benchmarks/paper_mechanism_checks.py [--skip-slow]``. No torch, no processes; about
-2 minutes on a quiet 2-core machine (the refits), ``--skip-slow`` only the first two (seconds).
+3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02),
+``--skip-slow`` only the first two (seconds).
 
 Each check is a variant of the shipped model written here, next to it, so the model itself
 stays as it is:
@@ -28,11 +29,27 @@ stays as it is:
 5. ``op_overhead``: a fixed per-op overhead (a fourth constant, which the issue does not
    allow): the o at which the 512-node sweep's best would change, refitted in-sample, and the
    planner's first choice there.
+6. ``p2p_handoff``: a delay δ on every point-to-point message. The authors' ``_send``
+   (``communication.py``) runs in a helper thread that needs the GIL, and its
+   ``tensor.cpu()`` copies on the default CUDA stream behind whatever the main thread queued
+   meanwhile; CPython hands the GIL to a waiting thread after at most its switch interval
+   (``sys.getswitchinterval()``, 5 ms by default). δ = 2 and 5 ms, refitted in-sample.
+7. ``whole_stage_recompute``: the authors' Chimera runtime recomputes by re-running the whole
+   stage (``run_backward``: ``self._run_forward(tensors, recompute_step=False)`` over every
+   module of the stage), so with ``--recompute_step`` the last stage also re-runs the output
+   layer and the loss (three layers' FLOPs at GPT-2), which the shipped model does not
+   recompute; at the in-sample constants and refitted.
+8. ``split_sync``: the authors' ``AdamW.grads_sync`` (``transformers/optimization.py``)
+   all-reduces a stage's gradient as 3 tensors, 4 on the first and last stage (its
+   ``boundaries`` table), each paying the ring's 2(r − 1)α; applied to Chimera, 1F1B and GPipe
+   (which would use the same ``AdamW``), refitted, with the weak-scaling efficiency held out
+   as the report holds it out (one fit without both end points).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -261,6 +278,93 @@ def _with_elementwise(original):
     return stage_compute_times
 
 
+#: Check 6: CPython's default thread switch interval (``sys.getswitchinterval()``), the
+#: longest a thread waiting for the GIL waits before the holder is asked to drop it.
+CPYTHON_SWITCH_INTERVAL = 5e-3
+
+
+def with_p2p_handoff(delay):
+    """Check 6: ``timing.p2p_time`` with ``delay`` seconds added to every message (a
+    context manager; 0 is the shipped model)."""
+    original = cost_terms.p2p_time
+    return mock.patch.object(timing, "p2p_time",
+                             lambda hardware, size: original(hardware, size) + delay)
+
+
+_SHIPPED_RECOMPUTE_FLOPS = cost_terms.recompute_flops
+
+
+def whole_stage_recompute_flops(model, num_stages, micro_batch_size, recompute, stage=0):
+    """Check 7: the recomputed forward FLOPs when recomputation re-runs the whole stage, as
+    the authors' runtime does: with ``full``, the last stage's output layer as well."""
+    flops = _SHIPPED_RECOMPUTE_FLOPS(model, num_stages, micro_batch_size, recompute, stage)
+    if cost_terms.recompute_mode(recompute) == "full" and stage == num_stages - 1:
+        flops += cost_terms.output_layer_forward_flops(model, micro_batch_size)
+    return flops
+
+
+def with_whole_stage_recompute():
+    """Check 7 as a context manager, in both modules that call ``recompute_flops`` (the
+    compute times in ``costs``; the PipeDream last stage's skipped recomputation in
+    ``timing``, which then skips the output layer's too: that stage still never recomputes)."""
+    stack = contextlib.ExitStack()
+    for module in (cost_terms, timing):
+        stack.enter_context(mock.patch.object(module, "recompute_flops",
+                                              whole_stage_recompute_flops))
+    return stack
+
+
+#: Check 8: tensors per stage sync in the authors' ``grads_sync`` (D = 8 ... 64).
+SPLIT_SYNC_MIDDLE, SPLIT_SYNC_END = 3, 4
+
+
+def split_sync_tensors(model, num_stages, stage) -> int:
+    """Check 8: all-reduces the authors' ``grads_sync`` issues for one stage's gradient."""
+    return SPLIT_SYNC_END if stage in (0, num_stages - 1) else SPLIT_SYNC_MIDDLE
+
+
+def _predict_split_sync(hardware, run):
+    """Check 8: the shipped prediction with each schedule-backed stage sync split into
+    :func:`split_sync_tensors` all-reduces (the extra ones add only their latency)."""
+    result = rp.estimate(hardware, run)
+    if run.scheme in ANALYTIC_SCHEMES:
+        return result.throughput
+    replicas = num_replicas(run.scheme, run.data_parallel, run.pipeline)
+    extra = tuple(time + (split_sync_tensors(rp.GPT2_PAPER, run.pipeline, stage) - 1)
+                  * 2 * (replicas - 1) * hardware.alpha
+                  for stage, time in enumerate(result.costs.allreduce))
+    costs = dataclasses.replace(result.costs, allreduce=extra)
+    _, count = schedule_microbatches(run.scheme, run.pipeline, run.micro_batch_size,
+                                     run.num_microbatches)
+    period = timing.simulated_iteration_time(run.scheme, run.pipeline, count, costs)
+    return run.global_batch_size / period
+
+
+def check_split_sync() -> list:
+    """Check 8: refitted in-sample, and the weak scaling from one fit without both of its end
+    points."""
+    lines, _ = _refit_lines("8. Each stage sync split into 3-4 all-reduces (the authors' "
+                            "grads_sync)", _predict_split_sync)
+    with mock.patch.object(rp, "predict", _predict_split_sync):
+        left_out = rp.WEAK_SCALING_HELD_OUT["end points"]
+        fitted = rp.fit(tuple(r for r in rp.FIT_POINTS if r.label not in left_out), START,
+                        rp.P100_ARIES, 30, {})
+        hardware = rp.hardware_of(fitted)
+        held_out = (rp.predict(hardware, paper.WEAK_SCALING[2])
+                    / (4 * rp.predict(hardware, paper.WEAK_SCALING[0])))
+    lines.append(f"   weak scaling held out as a pair (one fit without both end points): "
+                 f"{held_out:.1%}")
+    return lines
+
+
+def _speedup_line(hardware) -> str:
+    values = {run.label: rp.predict(hardware, run) for run in paper.COMPARISON_2048}
+    chimera = values[paper.COMPARISON_2048[0].label]
+    return "   speedups (in-sample): " + ", ".join(
+        f"{label} {chimera / values[label]:.2f}x (paper {published:.2f}x)"
+        for label, published in paper.PUBLISHED_SPEEDUPS.items())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-slow", action="store_true", help="only checks 1 and 2")
@@ -284,6 +388,22 @@ def main(argv=None) -> int:
                      f"D={top.pipeline} B={top.micro_batch_size} recompute={top.recompute} "
                      f"{top.throughput:.0f} seq/s")
         out += lines
+        for delay in (2e-3, CPYTHON_SWITCH_INTERVAL):
+            with with_p2p_handoff(delay):
+                lines, handoff_hw = _refit_lines(
+                    f"6. Point-to-point hand-off delay {delay * 1e3:.0f} ms per message")
+                lines.append(_speedup_line(handoff_hw))
+            out += lines
+        with with_whole_stage_recompute():
+            fixed = ["7. Whole-stage recomputation (output layer re-run), at the shipped "
+                     "constants: " + ", ".join(
+                         f"{run.label} {rp.predict(hardware, run):.1f}"
+                         for run in rp.FIT_POINTS if run.recompute == "full"),
+                     _speedup_line(hardware)]
+            lines, recompute_hw = _refit_lines("7. Whole-stage recomputation, refitted")
+            lines.append(_speedup_line(recompute_hw))
+        out += fixed + lines
+        out += check_split_sync()
     print("\n".join(out))
     return 0
 

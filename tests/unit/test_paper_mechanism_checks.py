@@ -66,3 +66,66 @@ def test_elementwise_bytes_grow_with_the_layers_and_recomputation(checks):
     assert recomputed[1] == pytest.approx(one[1] + one[0])
     last = checks.elementwise_bytes(model, 1, 64, 63, "none")
     assert last[0] > one[0] and last[1] > one[1]
+
+
+def test_p2p_handoff_delay_adds_to_every_message_and_zero_is_the_shipped_model(checks, hardware):
+    chimera = paper.COMPARISON_2048[0]
+    shipped = checks.rp.estimate(hardware, chimera)
+    with checks.with_p2p_handoff(0.0):
+        assert checks.rp.predict(hardware, chimera) == pytest.approx(shipped.throughput,
+                                                                      rel=1e-12)
+    with checks.with_p2p_handoff(checks.CPYTHON_SWITCH_INTERVAL):
+        delayed = checks.rp.estimate(hardware, chimera)
+    assert checks.CPYTHON_SWITCH_INTERVAL == 5e-3
+    assert delayed.costs.p2p == pytest.approx(shipped.costs.p2p + 5e-3)
+    assert delayed.throughput < shipped.throughput
+    # deeper pipelines have more hops on the critical path: W=16 D=32 loses more than W=64 D=8
+    deep, shallow = paper.SWEEP_512[1], paper.SWEEP_512[3]
+    with checks.with_p2p_handoff(checks.CPYTHON_SWITCH_INTERVAL):
+        ratio = checks.rp.predict(hardware, shallow) / checks.rp.predict(hardware, deep)
+    assert ratio > checks.rp.predict(hardware, shallow) / checks.rp.predict(hardware, deep)
+
+
+def test_whole_stage_recompute_reruns_only_the_recomputing_last_stages_output_layer(
+        checks, hardware):
+    model = checks.rp.GPT2_PAPER
+    output = checks.cost_terms.output_layer_forward_flops(model, 1)
+    shipped = checks.cost_terms.recompute_flops
+    assert checks.whole_stage_recompute_flops(model, 16, 1, "full", 15) == pytest.approx(
+        shipped(model, 16, 1, "full", 15) + output)
+    assert checks.whole_stage_recompute_flops(model, 16, 1, "full", 3) == shipped(
+        model, 16, 1, "full", 3)
+    assert checks.whole_stage_recompute_flops(model, 16, 1, "none", 15) == 0.0
+    by_label = {run.label: run for run in checks.rp.FIT_POINTS}
+    before = {label: checks.rp.predict(hardware, run) for label, run in by_label.items()}
+    with checks.with_whole_stage_recompute():
+        after = {label: checks.rp.predict(hardware, run) for label, run in by_label.items()}
+    for label, run in by_label.items():
+        if run.recompute == "none" or run.scheme in ("pipedream", "pipedream-2bw"):
+            # nothing recomputed, or the authors' PipeDream runtime never recomputes the last
+            # stage (the only one with the output layer)
+            assert after[label] == pytest.approx(before[label], rel=1e-12), label
+        else:
+            assert after[label] < before[label], label
+
+
+def test_split_sync_is_the_shipped_model_with_one_tensor_and_slower_with_the_authors_split(
+        checks, hardware, monkeypatch):
+    model = checks.rp.GPT2_PAPER
+    assert [checks.split_sync_tensors(model, 32, s) for s in (0, 1, 30, 31)] == [4, 3, 3, 4]
+    runs = [paper.SWEEP_512[1], paper.COMPARISON_2048[0], paper.COMPARISON_2048[2],
+            paper.COMPARISON_2048[3], paper.COMPARISON_2048[1], paper.COMPARISON_2048[5]]
+    split = {run.label: checks._predict_split_sync(hardware, run) for run in runs}
+    monkeypatch.setattr(checks, "SPLIT_SYNC_MIDDLE", 1)
+    monkeypatch.setattr(checks, "SPLIT_SYNC_END", 1)
+    for run in runs:
+        shipped = checks.rp.predict(hardware, run)
+        assert checks._predict_split_sync(hardware, run) == pytest.approx(shipped, rel=1e-9)
+        if run.scheme in ("pipedream-2bw", "gems"):
+            assert split[run.label] == pytest.approx(shipped, rel=1e-12)
+        else:
+            # the extra ring latencies cost more where the ring is longer (2,048 nodes)
+            assert split[run.label] < shipped
+    loss_512 = 1 - split["W=16 D=32"] / checks.rp.predict(hardware, paper.SWEEP_512[1])
+    loss_2048 = 1 - split["Chimera"] / checks.rp.predict(hardware, paper.COMPARISON_2048[0])
+    assert loss_2048 > loss_512

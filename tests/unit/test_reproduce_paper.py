@@ -50,9 +50,35 @@ def test_every_point_has_its_own_leave_one_out_fit(reproduce, fits):
     assert len(set(labels)) == len(labels) == 11
     assert set(fits["leave_one_out"]) == set(labels)
     assert set(fits["leave_pair_out"]) == set(paper.PUBLISHED_SPEEDUPS)
+    assert set(fits["weak_scaling_held_out"]) == set(reproduce.WEAK_SCALING_HELD_OUT)
     # Leaving a point out changes the constants (the fit did not see it).
     assert any(fits["leave_one_out"][label]["efficiency"] != fits["in_sample"]["efficiency"]
                for label in labels)
+
+
+def test_weak_scaling_is_held_out_like_a_speedup(reproduce, fits):
+    """The efficiency divides two measurements, so its held-out value comes from one fit that
+    saw neither (the 512-node W=16 D=32 row and the 2,048-node Chimera row; the wider one
+    also not the 1,024-node row), and each of those fits really left them out."""
+    held_out = reproduce.WEAK_SCALING_HELD_OUT
+    assert set(held_out["end points"]) == {"W=16 D=32", "Chimera"}
+    assert set(held_out["all three"]) == {"W=16 D=32", "1,024 nodes", "Chimera"}
+    assert paper.WEAK_SCALING[0].nodes == 512 and paper.WEAK_SCALING[2].nodes == 2048
+    labels = {run.label for run in reproduce.FIT_POINTS}
+    for name, left_out in held_out.items():
+        assert set(left_out) <= labels
+        rest = tuple(r for r in reproduce.FIT_POINTS if r.label not in left_out)
+        values = reproduce.residuals(
+            {key: fits["weak_scaling_held_out"][name][key] for key in reproduce.FITTED}, rest)
+        rms = math.sqrt(sum(v * v for v in values) / len(values))
+        assert rms == pytest.approx(fits["weak_scaling_held_out"][name]["rms_log_error"],
+                                    rel=1e-3)
+    efficiency = reproduce.weak_scaling_efficiency(fits)
+    one_fit = reproduce.hardware_of(fits["weak_scaling_held_out"]["end points"])
+    assert efficiency["leave_one_out"] == pytest.approx(
+        reproduce.predict(one_fit, paper.WEAK_SCALING[2])
+        / (4 * reproduce.predict(one_fit, paper.WEAK_SCALING[0])), rel=1e-12)
+    assert efficiency["per_point_leave_one_out"] != efficiency["leave_one_out"]
 
 
 def test_stored_planner_result_is_reproduced_and_beats_the_papers_choice(fits):
@@ -76,6 +102,8 @@ def test_json_output_has_the_agreed_shape(reproduce, capsys):
         assert value["predicted"] > 0 and value["leave_one_out"] > 0
     assert {"scheme", "W", "D"} <= set(data["planner_top"])
     assert data["weak_scaling_efficiency"]["published"] == 0.914
+    assert {"in_sample", "leave_one_out", "without_any_weak_scaling_point",
+            "per_point_leave_one_out"} <= set(data["weak_scaling_efficiency"])
     assert len(data["points"]) == 11
     assert all(row["fits_memory"] for row in data["points"])
     # Bert-48 Chimera (never fitted): transcribed from chimera.md §8, predicted by two fits
@@ -99,7 +127,7 @@ def test_every_stored_fit_stays_inside_what_the_hardware_allows(reproduce, fits)
     assert box["bandwidth"][1] == ARIES_INJECTION_BANDWIDTH == pytest.approx(10.2e9)
     assert box["efficiency"][1] == 1.0 and box["global_bandwidth_fraction"][1] == 1.0
     every = [fits["in_sample"], *fits["leave_one_out"].values(),
-             *fits["leave_pair_out"].values()]
+             *fits["leave_pair_out"].values(), *fits["weak_scaling_held_out"].values()]
     for constants in every:
         for name in reproduce.FITTED:
             low, high = box[name]
