@@ -13,6 +13,13 @@ the input half never touches the weight path and the weight half never the input
 stage ``h = x * gain`` (a one-element parameter), so its input path is needed for ``gain``: like a
 real first stage (whose layers' input gradients lead to the embedding), its whole backward, I + W,
 runs in the weight half.
+
+Every op's sleep comes last and is shortened by the module's own work in that op (building the
+graph, cloning, writing the gradient), measured from the op's start: F, I and W are whole ops, as a
+measured profile times them, and the only time an op spends beyond its charge is the sleep's
+wake-up. (On this 2-core virtual machine the first tensor operations after a sleep run 5-20x
+slower than warm ones, ~0.1 ms each, so work done after the sleep cost 0.5-0.9 ms per op on both
+runtimes; docs/benchmarks.md §9, "Per-op overhead, cut".)
 """
 
 from __future__ import annotations
@@ -44,19 +51,25 @@ def set_timer_slack(nanoseconds: int) -> Optional[int]:
     return previous
 
 
+def sleep_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``deadline`` (at once if it has)."""
+    time.sleep(max(0.0, deadline - time.perf_counter()))
+
+
 class _InputPath(torch.autograd.Function):
-    """Identity; forward sleeps F, backward sleeps I."""
+    """Identity; backward sleeps I (the module's forward sleeps F, after its graph is built)."""
 
     @staticmethod
-    def forward(ctx, hidden, forward_seconds, input_seconds):
+    def forward(ctx, hidden, input_seconds):
         ctx.input_seconds = input_seconds
-        time.sleep(forward_seconds)
         return hidden.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.input_seconds)
-        return grad.clone(), None, None
+        deadline = time.perf_counter() + ctx.input_seconds
+        grad_input = grad.clone()
+        sleep_until(deadline)
+        return grad_input, None
 
 
 class _WeightPath(torch.autograd.Function):
@@ -78,14 +91,14 @@ class _WeightPath(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        start = time.perf_counter()
+        deadline = time.perf_counter() + ctx.weight_seconds
         (weight,) = ctx.saved_tensors
         weight_grad = torch.full_like(weight, float(grad.mean()) * 1e-6)
         accumulated, weight.grad = weight.grad, None
         if accumulated is not None:
             weight_grad = accumulated.add_(weight_grad)
         # Writing (and accumulating) a large gradient takes time of its own: it counts towards W.
-        time.sleep(max(0.0, ctx.weight_seconds - (time.perf_counter() - start)))
+        sleep_until(deadline)
         return None, weight_grad, None
 
 
@@ -166,11 +179,14 @@ class EmulatedStage(torch.nn.Module):
 
     def forward(self, x):
         forward, input_half, weight_half = self.seconds
+        deadline = time.perf_counter() + forward  # the whole forward is F (module docstring)
         hidden = x if self.pre_process or self.input_tensor is None else self.input_tensor
         if self.pre_process:
             hidden = hidden * self.gain
-        return (_InputPath.apply(hidden, forward, input_half)
-                + _WeightPath.apply(hidden.detach(), self.weight, weight_half))
+        output = (_InputPath.apply(hidden, input_half)
+                  + _WeightPath.apply(hidden.detach(), self.weight, weight_half))
+        sleep_until(deadline)
+        return output
 
 
 def emulated_loss(output, target=None):

@@ -30,7 +30,7 @@ def test_emulated_stage_sleeps_input_and_weight_halves_apart(first, monkeypatch)
                           param_floats=8, activation_floats=4)
     x = torch.ones(1, 4, requires_grad=not first)
     output = stage(x)
-    assert slept == [0.1]
+    assert slept == pytest.approx([0.1], abs=0.05)  # less the module's own work
     grad = torch.ones_like(output)
     input_grad, deferred = backward_input(output, grad, None if first else x,
                                           list(stage.parameters()))
@@ -41,7 +41,7 @@ def test_emulated_stage_sleeps_input_and_weight_halves_apart(first, monkeypatch)
         assert sorted(slept) == pytest.approx([0.2, 0.3], abs=0.05)
         assert stage.gain.grad is not None
     else:
-        assert input_grad is not None and input_half == [0.2]
+        assert input_grad is not None and input_half == pytest.approx([0.2], abs=0.05)
         assert slept == pytest.approx([0.3], abs=0.05)  # less the time writing the gradient
     assert stage.weight.grad is not None
 
