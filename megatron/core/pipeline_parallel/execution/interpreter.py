@@ -234,6 +234,12 @@ class Interpreter:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_stored = 0
+        # Fixed for the iteration, so read once (every op would read them again otherwise; the
+        # first Python after a sleep runs several times slower than warm, docs/benchmarks.md §9).
+        self._measuring = context.record_timeline or context.instruction_seconds is not None
+        self._chunk_cache: dict = {}  # (pipeline, stage) -> (chunk, is first stage, is last stage)
+        self._signatures: dict = {}  # micro-batch index -> _shape_signature of its tensors
+        self._op_start = 0.0
         self._parameter_pointers = {p.data_ptr() for chunk in context.chunks.values()
                                     for p in _parameters(chunk)}
 
@@ -247,14 +253,19 @@ class Interpreter:
         self._origin = self._now()
         handlers = [self._handler(op) for op in ops]
         prefetch = _prefetch_plan(ops, handlers)
-        for index, op in enumerate(ops):
+        measuring, last = self._measuring, len(ops) - 1
+        # Everything an op needs from the plan is resolved here, before the first op runs.
+        steps = [(op, handler.run, prefetch.get(index, ())) for index, (op, handler)
+                 in enumerate(zip(ops, handlers))]
+        for index, (op, run_op, prefetch_groups) in enumerate(steps):
             try:
-                for group in prefetch.get(index, ()):
+                for group in prefetch_groups:
                     self._post_receives(group, prefetch=True)
                 # A compute op's record starts once its inputs are in (see _take_received).
-                self._op_start = self._now()
-                handlers[index].run(self, op)
-                if index == len(ops) - 1:
+                if measuring:
+                    self._op_start = self._now()
+                run_op(self, op)
+                if index == last:
                     self._complete_sends()
             except Exception as error:
                 raise PipelineExecutionError(
@@ -263,19 +274,16 @@ class Interpreter:
                         [[str(o) for o in rank_ops] for rank_ops in lowered], {(rank, index)},
                         title=f"lowered schedule (rank x step), failing step of rank {rank} "
                               f"marked")) from error
-            self._record(op, self._op_start, handlers[index].lane, handlers[index].timer)
-            if self.context.record_timeline and handlers[index].computes:
-                self._note_produced(op)
+            if measuring:
+                self._record(op, self._op_start, handlers[index].lane, handlers[index].timer)
+                if self.context.record_timeline and handlers[index].computes:
+                    self._note_produced(op)
         leftovers = [key for key in (*self.received, *self.produced, *self.stored,
                                      *self.deferred)]
         if leftovers:
             raise PipelineExecutionError(f"the schedule left unconsumed tensors {leftovers[:8]}; "
                                          f"the lowered list is inconsistent")
         return self.loss_dicts
-
-    @property
-    def _measuring(self) -> bool:
-        return self.context.record_timeline or self.context.instruction_seconds is not None
 
     def _now(self) -> float:
         clock = self.context.instruction_seconds
@@ -327,12 +335,21 @@ class Interpreter:
         for reducer in self.context.final_reducers:
             reducer.start()
 
+    def _chunk(self, pipeline: int, stage: int) -> tuple:
+        """(chunk, is first stage, is last stage) of module (pipeline, stage), looked up once."""
+        entry = self._chunk_cache.get((pipeline, stage))
+        if entry is None:
+            layout = self.context.layout
+            entry = self._chunk_cache[(pipeline, stage)] = (
+                self.context.chunks[ModuleKey(pipeline, stage)], layout.is_first_stage(stage),
+                layout.is_last_stage(stage))
+        return entry
+
     def _forward(self, op: Instruction) -> None:
         context = self.context
-        chunk = context.chunks[ModuleKey(op.pipeline, op.stage)]
-        is_last = context.layout.is_last_stage(op.stage)
+        chunk, is_first, is_last = self._chunk(op.pipeline, op.stage)
         input_tensor = None
-        if not context.layout.is_first_stage(op.stage):
+        if not is_first:
             input_tensor = self._take_received((ACTIVATION, op.pipeline, op.stage - 1,
                                                 op.microbatch))
             if not context.forward_only:
@@ -340,20 +357,31 @@ class Interpreter:
         # What autograd saves depends only on the module and the input shapes: it is counted
         # (with a per-tensor Python hook) once per module and micro-batch shape, then reused.
         microbatch = context.microbatches[op.microbatch]
-        bytes_key = (op.pipeline, op.stage, _shape_signature(microbatch))
+        signature = self._signatures.get(op.microbatch)
+        if signature is None:
+            signature = self._signatures[op.microbatch] = _shape_signature(microbatch)
+        bytes_key = (op.pipeline, op.stage, signature)
         counter = None
         if not context.forward_only and bytes_key not in context.saved_bytes_cache:
             counter = _SavedActivationCounter(self._parameter_pointers)
-        grad_mode = torch.no_grad() if context.forward_only else contextlib.nullcontext()
-        hooks = counter.hooks() if counter is not None else contextlib.nullcontext()
         chunk.set_input_tensor(input_tensor)
-        with grad_mode, hooks:
+        if counter is None and not context.forward_only:  # every forward after the first
             with context.autocast():
                 output, loss_func = context.forward_step_func(microbatch, chunk)
             if is_last:
                 loss, loss_dict = loss_func(output)
                 self.loss_dicts.append(loss_dict)
                 output = context.scale_loss(loss / context.loss_divisor)
+        else:
+            grad_mode = torch.no_grad() if context.forward_only else contextlib.nullcontext()
+            hooks = counter.hooks() if counter is not None else contextlib.nullcontext()
+            with grad_mode, hooks:
+                with context.autocast():
+                    output, loss_func = context.forward_step_func(microbatch, chunk)
+                if is_last:
+                    loss, loss_dict = loss_func(output)
+                    self.loss_dicts.append(loss_dict)
+                    output = context.scale_loss(loss / context.loss_divisor)
         chunk.set_input_tensor(None)
         if not is_last:
             self.produced[(ACTIVATION, op.pipeline, op.stage, op.microbatch)] = output
@@ -376,24 +404,24 @@ class Interpreter:
         else:
             backward_from(output, grad)
         self.live_bytes -= nbytes
-        if not self.context.layout.is_first_stage(op.stage):
+        if not self._chunk(op.pipeline, op.stage)[1]:
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_tensor.grad
 
     def _output_gradient(self, op: Instruction, output: torch.Tensor) -> Optional[torch.Tensor]:
         """The gradient arriving for ``output`` (None on a last stage: the output is the loss)."""
-        if self.context.layout.is_last_stage(op.stage):
+        if self._chunk(op.pipeline, op.stage)[2]:
             return None
         grad = self._take_received((GRADIENT, op.pipeline, op.stage + 1, op.microbatch))
-        return grad.to(output.dtype)
+        return grad if grad.dtype == output.dtype else grad.to(output.dtype)
 
     def _backward_input(self, op: Instruction) -> None:
         """Input half of a split backward: the gradient message now, the weight work kept."""
         key = (op.pipeline, op.stage, op.microbatch)
         input_tensor, output, _ = self.stored[key]
-        chunk = self.context.chunks[ModuleKey(op.pipeline, op.stage)]
+        chunk, is_first, _ = self._chunk(op.pipeline, op.stage)
         input_grad, self.deferred[key] = backward_input(
             output, self._output_gradient(op, output), input_tensor, _parameters(chunk))
-        if not self.context.layout.is_first_stage(op.stage):
+        if not is_first:
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_grad
 
     def _backward_weight(self, op: Instruction) -> None:
@@ -417,8 +445,12 @@ class Interpreter:
             tensor = self.produced.pop(key)
             if message.kind == ACTIVATION and not context.forward_only:
                 sent_outputs.append(tensor)
-            sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
-                                        .contiguous(), describe_message(p2p)))
+            wire = tensor.detach()
+            if wire.dtype != context.wire_dtype:
+                wire = wire.to(context.wire_dtype)
+            if not wire.is_contiguous():
+                wire = wire.contiguous()
+            sends.append(OutgoingTensor(p2p.peer, wire, describe_message(p2p)))
         if sends:
             posted = self._now() if context.record_timeline else 0.0
             self.pending_sends.append(self._transport().start(sends, []))
