@@ -168,6 +168,9 @@ class ExecutionContext:
     autocast: Callable = contextlib.nullcontext
     record_timeline: bool = False
     instruction_seconds: Optional[InstructionSeconds] = None  # --timing-log-level 2
+    # id(P2PGroup) -> (group, _GroupPlan): what each group of the lowered lists sends and receives,
+    # resolved once (kept by the runtime across iterations, like saved_bytes_cache).
+    group_plans: dict = field(default_factory=dict)
 
 
 def describe_message(p2p) -> str:
@@ -176,6 +179,32 @@ def describe_message(p2p) -> str:
     message = p2p.message
     return (f"the {message.kind} of micro-batch {message.microbatch} (pipeline "
             f"{message.pipeline}, stage {message.stage}) [{p2p}]")
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """One P2P group's messages, resolved once from the lowered op: ``sends`` are (key, peer,
+    activation?, description), ``receives`` (key, peer, message, description); ``gradient_keys``
+    are the (pipeline, stage, micro-batch) of the activations whose gradients it receives (a
+    prefetch needs their shapes)."""
+
+    sends: tuple
+    receives: tuple
+    gradient_keys: tuple
+
+
+def _plan_group(group: P2PGroup) -> _GroupPlan:
+    sends, receives, gradient_keys = [], [], []
+    for p2p in group.ops:
+        message = p2p.message
+        key = (message.kind, message.pipeline, message.stage, message.microbatch)
+        if p2p.direction == SEND:
+            sends.append((key, p2p.peer, message.kind == ACTIVATION, describe_message(p2p)))
+        elif p2p.direction == RECV:
+            receives.append((key, p2p.peer, message, describe_message(p2p)))
+            if message.kind == GRADIENT:
+                gradient_keys.append(Interpreter._producing_key(message))
+    return _GroupPlan(tuple(sends), tuple(receives), tuple(gradient_keys))
 
 
 @dataclass(frozen=True)
@@ -431,55 +460,55 @@ class Interpreter:
         _, _, nbytes = self.stored.pop(key)
         self.live_bytes -= nbytes
 
+    def _group_plan(self, group: P2PGroup) -> _GroupPlan:
+        entry = self.context.group_plans.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = self.context.group_plans[id(group)] = (group, _plan_group(group))
+        return entry[1]
+
     def _communicate(self, group: P2PGroup) -> None:
-        """Post the group's sends (and its receives, unless prefetched); wait for nothing."""
+        """Post the group's sends, then its receives unless prefetched (a peer may be waiting for
+        what this rank just computed; the receives are for later ops); wait for nothing."""
         context = self.context
-        self._post_receives(group)
-        sends, sent_outputs, keys = [], [], []
-        for p2p in group.ops:
-            if p2p.direction != SEND:
-                continue
-            message = p2p.message
-            key = (message.kind, message.pipeline, message.stage, message.microbatch)
-            keys.append(key)
-            tensor = self.produced.pop(key)
-            if message.kind == ACTIVATION and not context.forward_only:
-                sent_outputs.append(tensor)
-            wire = tensor.detach()
-            if wire.dtype != context.wire_dtype:
-                wire = wire.to(context.wire_dtype)
-            if not wire.is_contiguous():
-                wire = wire.contiguous()
-            sends.append(OutgoingTensor(p2p.peer, wire, describe_message(p2p)))
-        if sends:
+        plan = self._group_plan(group)
+        if plan.sends:
+            sends, sent_outputs = [], []
+            for key, peer, is_activation, what in plan.sends:
+                tensor = self.produced.pop(key)
+                if is_activation and not context.forward_only:
+                    sent_outputs.append(tensor)
+                wire = tensor.detach()
+                if wire.dtype != context.wire_dtype:
+                    wire = wire.to(context.wire_dtype)
+                if not wire.is_contiguous():
+                    wire = wire.contiguous()
+                sends.append(OutgoingTensor(peer, wire, what))
             posted = self._now() if context.record_timeline else 0.0
             self.pending_sends.append(self._transport().start(sends, []))
             if context.record_timeline:
                 returned = self._now()
                 self.messages.extend(MessageRecord(key, "send", self._produced_at.pop(key, None),
-                                                   posted, returned) for key in keys)
-        for output in sent_outputs:
-            # The send buffer keeps the storage alive until the send completes.
-            free_tensor_data(output)
+                                                   posted, returned) for key, *_ in plan.sends)
+            for output in sent_outputs:
+                # The send buffer keeps the storage alive until the send completes.
+                free_tensor_data(output)
+        self._post_receives(group)
 
     def _post_receives(self, group: P2PGroup, prefetch: bool = False) -> None:
         """Post the group's receives once. A prefetch is skipped when a gradient's shape is not
         known yet (its activation is produced by the op about to run); the group posts it."""
         if id(group) in self.prefetched:
             return
-        if prefetch and any(p2p.direction == RECV and p2p.message.kind == GRADIENT
-                            and self._producing_key(p2p.message) not in self.output_shapes
-                            for p2p in group.ops):
+        plan = self._group_plan(group)
+        if prefetch and any(key not in self.output_shapes for key in plan.gradient_keys):
             return
         self.prefetched.add(id(group))
-        keys, receives = [], []
-        for p2p in group.ops:
-            if p2p.direction != RECV:
-                continue
-            message = p2p.message
-            keys.append((message.kind, message.pipeline, message.stage, message.microbatch))
-            receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
-                                           self.context.wire_dtype, describe_message(p2p)))
+        if not plan.receives:
+            return
+        wire_dtype = self.context.wire_dtype
+        keys = [key for key, *_ in plan.receives]
+        receives = [ExpectedTensor(peer, self._incoming_shape(message), wire_dtype, what)
+                    for _, peer, message, what in plan.receives]
         if receives:
             if self.context.record_timeline:
                 self._produced_at.update((key, self._now()) for key in keys)
