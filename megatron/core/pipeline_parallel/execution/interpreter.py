@@ -12,7 +12,11 @@ backward of the other, is one more handler passed as ``Interpreter(context, extr
 Communication is asynchronous (the simulator's ``p2p_semantics="async"``): the receives of the
 groups that follow a compute op are posted before that op runs (prefetch), a received tensor is
 waited for only when the op that consumes it starts, and sends are posted when the list reaches
-their group and complete in the background; the rank waits for them at the end of the iteration.
+their group (before the group's receives that could not be prefetched) and complete in the
+background; the rank waits for them at the end of the iteration. What each op needs from the plan
+(its handler, prefetch groups, each group's keys, peers and message descriptions) is resolved before
+the first op, and groups once per plan: after an op's sleep the first Python and tensor work runs
+several times slower than warm on a busy host (docs/benchmarks.md §9, "Per-op overhead, cut").
 No wait depends on anything but the schedule's compute dependencies, so every schedule the
 simulator finds deadlock-free runs.
 
