@@ -13,6 +13,14 @@ the input half never touches the weight path and the weight half never the input
 stage ``h = x * gain`` (a one-element parameter), so its input path is needed for ``gain``: like a
 real first stage (whose layers' input gradients lead to the embedding), its whole backward, I + W,
 runs in the weight half.
+
+Every op's sleep comes last and is shortened by the module's own work in that op (building the
+graph, cloning, writing the gradient), measured from the op's start: F, I and W are whole ops, as a
+measured profile times them, and the only time an op spends beyond its charge is the sleep's
+wake-up. A whole backward (both halves in one autograd pass) is one op of I + W: its second half's
+time counts from the first half's end (:class:`_BackwardClock`). (On this 2-core virtual machine the first tensor operations after a sleep run 5-20x
+slower than warm ones, ~0.1 ms each, so work done after the sleep cost 0.5-0.9 ms per op on both
+runtimes; docs/benchmarks.md §9, "Per-op overhead, cut".)
 """
 
 from __future__ import annotations
@@ -44,19 +52,49 @@ def set_timer_slack(nanoseconds: int) -> Optional[int]:
     return previous
 
 
+def sleep_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``deadline`` (at once if it has)."""
+    time.sleep(max(0.0, deadline - time.perf_counter()))
+
+
+def _graph_task() -> int:
+    """The running backward pass (autograd's graph task id; -1 outside a backward)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
+class _BackwardClock:
+    """Shared by the two backward halves of one forward: when both run in one backward pass (a
+    whole B, on either runtime), the second half's time is counted from the first half's end, so
+    B is one op of I + W, as the plans charge it; halves run apart (split backward) start their
+    own clocks. Without this, autograd's work between the two halves, after the first half's
+    sleep, made every B overrun by a second wake-up."""
+
+    def __init__(self):
+        self.task = -2  # no half has run yet
+        self.end = 0.0
+
+    def deadline(self, seconds: float) -> float:
+        task = _graph_task()
+        start = self.end if task == self.task and task >= 0 else time.perf_counter()
+        self.task, self.end = task, start + seconds
+        return self.end
+
+
 class _InputPath(torch.autograd.Function):
-    """Identity; forward sleeps F, backward sleeps I."""
+    """Identity; backward sleeps I (the module's forward sleeps F, after its graph is built)."""
 
     @staticmethod
-    def forward(ctx, hidden, forward_seconds, input_seconds):
-        ctx.input_seconds = input_seconds
-        time.sleep(forward_seconds)
+    def forward(ctx, hidden, input_seconds, clock):
+        ctx.input_seconds, ctx.clock = input_seconds, clock
         return hidden.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.input_seconds)
-        return grad.clone(), None, None
+        deadline = ctx.clock.deadline(ctx.input_seconds)
+        grad_input = grad.clone()
+        sleep_until(deadline)
+        return grad_input, None, None
 
 
 class _WeightPath(torch.autograd.Function):
@@ -71,22 +109,22 @@ class _WeightPath(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, weight_seconds):
-        ctx.weight_seconds = weight_seconds
+    def forward(ctx, hidden, weight, weight_seconds, clock):
+        ctx.weight_seconds, ctx.clock = weight_seconds, clock
         ctx.save_for_backward(weight)
         return torch.zeros_like(hidden)
 
     @staticmethod
     def backward(ctx, grad):
-        start = time.perf_counter()
+        deadline = ctx.clock.deadline(ctx.weight_seconds)
         (weight,) = ctx.saved_tensors
         weight_grad = torch.full_like(weight, float(grad.mean()) * 1e-6)
         accumulated, weight.grad = weight.grad, None
         if accumulated is not None:
             weight_grad = accumulated.add_(weight_grad)
         # Writing (and accumulating) a large gradient takes time of its own: it counts towards W.
-        time.sleep(max(0.0, ctx.weight_seconds - (time.perf_counter() - start)))
-        return None, weight_grad, None
+        sleep_until(deadline)
+        return None, weight_grad, None, None
 
 
 @dataclass(frozen=True)
@@ -166,11 +204,15 @@ class EmulatedStage(torch.nn.Module):
 
     def forward(self, x):
         forward, input_half, weight_half = self.seconds
+        deadline = time.perf_counter() + forward  # the whole forward is F (module docstring)
         hidden = x if self.pre_process or self.input_tensor is None else self.input_tensor
         if self.pre_process:
             hidden = hidden * self.gain
-        return (_InputPath.apply(hidden, forward, input_half)
-                + _WeightPath.apply(hidden.detach(), self.weight, weight_half))
+        clock = _BackwardClock()
+        output = (_InputPath.apply(hidden, input_half, clock)
+                  + _WeightPath.apply(hidden.detach(), self.weight, weight_half, clock))
+        sleep_until(deadline)
+        return output
 
 
 def emulated_loss(output, target=None):

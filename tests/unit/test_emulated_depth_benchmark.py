@@ -21,16 +21,32 @@ from megatron.core.pipeline_parallel.execution.split_backward import (  # noqa: 
     backward_input, backward_weight)
 
 
+class _VirtualClock:
+    """Stands in for ``time`` in _emulated_stages: a sleep records its length and advances the
+    clock by it (the module's own work takes no time)."""
+
+    def __init__(self, slept: list, tick: float = 0.0):
+        self.slept, self.now, self.tick = slept, 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick  # ``tick``: work between two readings of the clock
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
 @pytest.mark.parametrize("first", [False, True])
 def test_emulated_stage_sleeps_input_and_weight_halves_apart(first, monkeypatch):
     slept = []
-    monkeypatch.setattr(_emulated_stages.time, "sleep", slept.append)
+    monkeypatch.setattr(_emulated_stages, "time", _VirtualClock(slept))
     times = uniform_times(2, 1, 0.1, 0.2, 0.3)
     stage = EmulatedStage(times, range(1), pre_process=first, post_process=False,
                           param_floats=8, activation_floats=4)
     x = torch.ones(1, 4, requires_grad=not first)
     output = stage(x)
-    assert slept == [0.1]
+    assert slept == pytest.approx([0.1])
     grad = torch.ones_like(output)
     input_grad, deferred = backward_input(output, grad, None if first else x,
                                           list(stage.parameters()))
@@ -38,12 +54,38 @@ def test_emulated_stage_sleeps_input_and_weight_halves_apart(first, monkeypatch)
     backward_weight(deferred)
     if first:  # no input gradient: the whole backward (I + W) runs in the weight half
         assert input_grad is None and input_half == []
-        assert sorted(slept) == pytest.approx([0.2, 0.3], abs=0.05)
+        assert sorted(slept) == pytest.approx([0.2, 0.3])
         assert stage.gain.grad is not None
     else:
-        assert input_grad is not None and input_half == [0.2]
-        assert slept == pytest.approx([0.3], abs=0.05)  # less the time writing the gradient
+        assert input_grad is not None and input_half == pytest.approx([0.2])
+        assert slept == pytest.approx([0.3])
     assert stage.weight.grad is not None
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_an_ops_own_work_counts_towards_its_time(whole, monkeypatch):
+    """Every clock reading costs 0.05 s of 'work': F ends F after it started; a whole backward
+    (one autograd pass) ends I + W after it started, the work between its halves included; split
+    halves each take their own time."""
+    clock = _VirtualClock([], tick=0.05)
+    monkeypatch.setattr(_emulated_stages, "time", clock)
+    stage = EmulatedStage(uniform_times(2, 1, 1.0, 0.2, 0.3), range(1, 2), pre_process=False,
+                          post_process=False, param_floats=8, activation_floats=4)
+    x = torch.ones(1, 4, requires_grad=True)
+    output = stage(x)
+    assert clock.now == pytest.approx(1.0 + 0.05)  # the first reading starts the op
+    grad = torch.ones_like(output)
+    if whole:
+        begin = clock.now
+        output.backward(grad)
+        assert clock.now - begin == pytest.approx(0.5 + 0.05)
+    else:
+        begin = clock.now
+        _, deferred = backward_input(output, grad, x, list(stage.parameters()))
+        assert clock.now - begin == pytest.approx(0.2 + 0.05)
+        begin = clock.now
+        backward_weight(deferred)
+        assert clock.now - begin == pytest.approx(0.3 + 0.05)
 
 
 def test_simulated_table_charges_both_sides_alike():

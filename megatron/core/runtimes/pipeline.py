@@ -87,6 +87,7 @@ class PipelineRuntime:
         self._norm_owners: set = set()
         self.last_interpreter = None
         self.saved_bytes_cache: dict = {}
+        self.group_plans: dict = {}  # the interpreter's resolved P2P groups, across iterations
         self.log = functools.partial(print, flush=True)
         self.iterations = 0
         self.peak_bytes = 0
@@ -163,7 +164,8 @@ class PipelineRuntime:
             wire_dtype=next(model_chunks[0].parameters()).dtype, scale_loss=scale_loss,
             reducers=self.reducers_by_key, final_reducers=self.final_reducers,
             forward_only=forward_only, autocast=autocast, record_timeline=record,
-            saved_bytes_cache=self.saved_bytes_cache, instruction_seconds=instruction_seconds)
+            saved_bytes_cache=self.saved_bytes_cache, instruction_seconds=instruction_seconds,
+            group_plans=self.group_plans)
         interpreter = Interpreter(context, self.extra_op_handlers)
         losses = interpreter.run(plan.forward_only if forward_only else plan.lowered,
                                  self.parallel_state.pp_rank)

@@ -12,7 +12,11 @@ backward of the other, is one more handler passed as ``Interpreter(context, extr
 Communication is asynchronous (the simulator's ``p2p_semantics="async"``): the receives of the
 groups that follow a compute op are posted before that op runs (prefetch), a received tensor is
 waited for only when the op that consumes it starts, and sends are posted when the list reaches
-their group and complete in the background; the rank waits for them at the end of the iteration.
+their group (before the group's receives that could not be prefetched) and complete in the
+background; the rank waits for them at the end of the iteration. What each op needs from the plan
+(its handler, prefetch groups, each group's keys, peers and message descriptions) is resolved before
+the first op, and groups once per plan: after an op's sleep the first Python and tensor work runs
+several times slower than warm on a busy host (docs/benchmarks.md §9, "Per-op overhead, cut").
 No wait depends on anything but the schedule's compute dependencies, so every schedule the
 simulator finds deadlock-free runs.
 
@@ -168,6 +172,9 @@ class ExecutionContext:
     autocast: Callable = contextlib.nullcontext
     record_timeline: bool = False
     instruction_seconds: Optional[InstructionSeconds] = None  # --timing-log-level 2
+    # id(P2PGroup) -> (group, _GroupPlan): what each group of the lowered lists sends and receives,
+    # resolved once (kept by the runtime across iterations, like saved_bytes_cache).
+    group_plans: dict = field(default_factory=dict)
 
 
 def describe_message(p2p) -> str:
@@ -176,6 +183,32 @@ def describe_message(p2p) -> str:
     message = p2p.message
     return (f"the {message.kind} of micro-batch {message.microbatch} (pipeline "
             f"{message.pipeline}, stage {message.stage}) [{p2p}]")
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """One P2P group's messages, resolved once from the lowered op: ``sends`` are (key, peer,
+    activation?, description), ``receives`` (key, peer, message, description); ``gradient_keys``
+    are the (pipeline, stage, micro-batch) of the activations whose gradients it receives (a
+    prefetch needs their shapes)."""
+
+    sends: tuple
+    receives: tuple
+    gradient_keys: tuple
+
+
+def _plan_group(group: P2PGroup) -> _GroupPlan:
+    sends, receives, gradient_keys = [], [], []
+    for p2p in group.ops:
+        message = p2p.message
+        key = (message.kind, message.pipeline, message.stage, message.microbatch)
+        if p2p.direction == SEND:
+            sends.append((key, p2p.peer, message.kind == ACTIVATION, describe_message(p2p)))
+        elif p2p.direction == RECV:
+            receives.append((key, p2p.peer, message, describe_message(p2p)))
+            if message.kind == GRADIENT:
+                gradient_keys.append(Interpreter._producing_key(message))
+    return _GroupPlan(tuple(sends), tuple(receives), tuple(gradient_keys))
 
 
 @dataclass(frozen=True)
@@ -234,6 +267,12 @@ class Interpreter:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_stored = 0
+        # Fixed for the iteration, so read once (every op would read them again otherwise; the
+        # first Python after a sleep runs several times slower than warm, docs/benchmarks.md §9).
+        self._measuring = context.record_timeline or context.instruction_seconds is not None
+        self._chunk_cache: dict = {}  # (pipeline, stage) -> (chunk, is first stage, is last stage)
+        self._signatures: dict = {}  # micro-batch index -> _shape_signature of its tensors
+        self._op_start = 0.0
         self._parameter_pointers = {p.data_ptr() for chunk in context.chunks.values()
                                     for p in _parameters(chunk)}
 
@@ -247,14 +286,19 @@ class Interpreter:
         self._origin = self._now()
         handlers = [self._handler(op) for op in ops]
         prefetch = _prefetch_plan(ops, handlers)
-        for index, op in enumerate(ops):
+        measuring, last = self._measuring, len(ops) - 1
+        # Everything an op needs from the plan is resolved here, before the first op runs.
+        steps = [(op, handler.run, prefetch.get(index, ())) for index, (op, handler)
+                 in enumerate(zip(ops, handlers))]
+        for index, (op, run_op, prefetch_groups) in enumerate(steps):
             try:
-                for group in prefetch.get(index, ()):
+                for group in prefetch_groups:
                     self._post_receives(group, prefetch=True)
                 # A compute op's record starts once its inputs are in (see _take_received).
-                self._op_start = self._now()
-                handlers[index].run(self, op)
-                if index == len(ops) - 1:
+                if measuring:
+                    self._op_start = self._now()
+                run_op(self, op)
+                if index == last:
                     self._complete_sends()
             except Exception as error:
                 raise PipelineExecutionError(
@@ -263,19 +307,16 @@ class Interpreter:
                         [[str(o) for o in rank_ops] for rank_ops in lowered], {(rank, index)},
                         title=f"lowered schedule (rank x step), failing step of rank {rank} "
                               f"marked")) from error
-            self._record(op, self._op_start, handlers[index].lane, handlers[index].timer)
-            if self.context.record_timeline and handlers[index].computes:
-                self._note_produced(op)
+            if measuring:
+                self._record(op, self._op_start, handlers[index].lane, handlers[index].timer)
+                if self.context.record_timeline and handlers[index].computes:
+                    self._note_produced(op)
         leftovers = [key for key in (*self.received, *self.produced, *self.stored,
                                      *self.deferred)]
         if leftovers:
             raise PipelineExecutionError(f"the schedule left unconsumed tensors {leftovers[:8]}; "
                                          f"the lowered list is inconsistent")
         return self.loss_dicts
-
-    @property
-    def _measuring(self) -> bool:
-        return self.context.record_timeline or self.context.instruction_seconds is not None
 
     def _now(self) -> float:
         clock = self.context.instruction_seconds
@@ -327,12 +368,21 @@ class Interpreter:
         for reducer in self.context.final_reducers:
             reducer.start()
 
+    def _chunk(self, pipeline: int, stage: int) -> tuple:
+        """(chunk, is first stage, is last stage) of module (pipeline, stage), looked up once."""
+        entry = self._chunk_cache.get((pipeline, stage))
+        if entry is None:
+            layout = self.context.layout
+            entry = self._chunk_cache[(pipeline, stage)] = (
+                self.context.chunks[ModuleKey(pipeline, stage)], layout.is_first_stage(stage),
+                layout.is_last_stage(stage))
+        return entry
+
     def _forward(self, op: Instruction) -> None:
         context = self.context
-        chunk = context.chunks[ModuleKey(op.pipeline, op.stage)]
-        is_last = context.layout.is_last_stage(op.stage)
+        chunk, is_first, is_last = self._chunk(op.pipeline, op.stage)
         input_tensor = None
-        if not context.layout.is_first_stage(op.stage):
+        if not is_first:
             input_tensor = self._take_received((ACTIVATION, op.pipeline, op.stage - 1,
                                                 op.microbatch))
             if not context.forward_only:
@@ -340,20 +390,31 @@ class Interpreter:
         # What autograd saves depends only on the module and the input shapes: it is counted
         # (with a per-tensor Python hook) once per module and micro-batch shape, then reused.
         microbatch = context.microbatches[op.microbatch]
-        bytes_key = (op.pipeline, op.stage, _shape_signature(microbatch))
+        signature = self._signatures.get(op.microbatch)
+        if signature is None:
+            signature = self._signatures[op.microbatch] = _shape_signature(microbatch)
+        bytes_key = (op.pipeline, op.stage, signature)
         counter = None
         if not context.forward_only and bytes_key not in context.saved_bytes_cache:
             counter = _SavedActivationCounter(self._parameter_pointers)
-        grad_mode = torch.no_grad() if context.forward_only else contextlib.nullcontext()
-        hooks = counter.hooks() if counter is not None else contextlib.nullcontext()
         chunk.set_input_tensor(input_tensor)
-        with grad_mode, hooks:
+        if counter is None and not context.forward_only:  # every forward after the first
             with context.autocast():
                 output, loss_func = context.forward_step_func(microbatch, chunk)
             if is_last:
                 loss, loss_dict = loss_func(output)
                 self.loss_dicts.append(loss_dict)
                 output = context.scale_loss(loss / context.loss_divisor)
+        else:
+            grad_mode = torch.no_grad() if context.forward_only else contextlib.nullcontext()
+            hooks = counter.hooks() if counter is not None else contextlib.nullcontext()
+            with grad_mode, hooks:
+                with context.autocast():
+                    output, loss_func = context.forward_step_func(microbatch, chunk)
+                if is_last:
+                    loss, loss_dict = loss_func(output)
+                    self.loss_dicts.append(loss_dict)
+                    output = context.scale_loss(loss / context.loss_divisor)
         chunk.set_input_tensor(None)
         if not is_last:
             self.produced[(ACTIVATION, op.pipeline, op.stage, op.microbatch)] = output
@@ -376,24 +437,24 @@ class Interpreter:
         else:
             backward_from(output, grad)
         self.live_bytes -= nbytes
-        if not self.context.layout.is_first_stage(op.stage):
+        if not self._chunk(op.pipeline, op.stage)[1]:
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_tensor.grad
 
     def _output_gradient(self, op: Instruction, output: torch.Tensor) -> Optional[torch.Tensor]:
         """The gradient arriving for ``output`` (None on a last stage: the output is the loss)."""
-        if self.context.layout.is_last_stage(op.stage):
+        if self._chunk(op.pipeline, op.stage)[2]:
             return None
         grad = self._take_received((GRADIENT, op.pipeline, op.stage + 1, op.microbatch))
-        return grad.to(output.dtype)
+        return grad if grad.dtype == output.dtype else grad.to(output.dtype)
 
     def _backward_input(self, op: Instruction) -> None:
         """Input half of a split backward: the gradient message now, the weight work kept."""
         key = (op.pipeline, op.stage, op.microbatch)
         input_tensor, output, _ = self.stored[key]
-        chunk = self.context.chunks[ModuleKey(op.pipeline, op.stage)]
+        chunk, is_first, _ = self._chunk(op.pipeline, op.stage)
         input_grad, self.deferred[key] = backward_input(
             output, self._output_gradient(op, output), input_tensor, _parameters(chunk))
-        if not self.context.layout.is_first_stage(op.stage):
+        if not is_first:
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_grad
 
     def _backward_weight(self, op: Instruction) -> None:
@@ -403,51 +464,55 @@ class Interpreter:
         _, _, nbytes = self.stored.pop(key)
         self.live_bytes -= nbytes
 
+    def _group_plan(self, group: P2PGroup) -> _GroupPlan:
+        entry = self.context.group_plans.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = self.context.group_plans[id(group)] = (group, _plan_group(group))
+        return entry[1]
+
     def _communicate(self, group: P2PGroup) -> None:
-        """Post the group's sends (and its receives, unless prefetched); wait for nothing."""
+        """Post the group's sends, then its receives unless prefetched (a peer may be waiting for
+        what this rank just computed; the receives are for later ops); wait for nothing."""
         context = self.context
-        self._post_receives(group)
-        sends, sent_outputs, keys = [], [], []
-        for p2p in group.ops:
-            if p2p.direction != SEND:
-                continue
-            message = p2p.message
-            key = (message.kind, message.pipeline, message.stage, message.microbatch)
-            keys.append(key)
-            tensor = self.produced.pop(key)
-            if message.kind == ACTIVATION and not context.forward_only:
-                sent_outputs.append(tensor)
-            sends.append(OutgoingTensor(p2p.peer, tensor.detach().to(context.wire_dtype)
-                                        .contiguous(), describe_message(p2p)))
-        if sends:
+        plan = self._group_plan(group)
+        if plan.sends:
+            sends, sent_outputs = [], []
+            for key, peer, is_activation, what in plan.sends:
+                tensor = self.produced.pop(key)
+                if is_activation and not context.forward_only:
+                    sent_outputs.append(tensor)
+                wire = tensor.detach()
+                if wire.dtype != context.wire_dtype:
+                    wire = wire.to(context.wire_dtype)
+                if not wire.is_contiguous():
+                    wire = wire.contiguous()
+                sends.append(OutgoingTensor(peer, wire, what))
             posted = self._now() if context.record_timeline else 0.0
             self.pending_sends.append(self._transport().start(sends, []))
             if context.record_timeline:
                 returned = self._now()
                 self.messages.extend(MessageRecord(key, "send", self._produced_at.pop(key, None),
-                                                   posted, returned) for key in keys)
-        for output in sent_outputs:
-            # The send buffer keeps the storage alive until the send completes.
-            free_tensor_data(output)
+                                                   posted, returned) for key, *_ in plan.sends)
+            for output in sent_outputs:
+                # The send buffer keeps the storage alive until the send completes.
+                free_tensor_data(output)
+        self._post_receives(group)
 
     def _post_receives(self, group: P2PGroup, prefetch: bool = False) -> None:
         """Post the group's receives once. A prefetch is skipped when a gradient's shape is not
         known yet (its activation is produced by the op about to run); the group posts it."""
         if id(group) in self.prefetched:
             return
-        if prefetch and any(p2p.direction == RECV and p2p.message.kind == GRADIENT
-                            and self._producing_key(p2p.message) not in self.output_shapes
-                            for p2p in group.ops):
+        plan = self._group_plan(group)
+        if prefetch and any(key not in self.output_shapes for key in plan.gradient_keys):
             return
         self.prefetched.add(id(group))
-        keys, receives = [], []
-        for p2p in group.ops:
-            if p2p.direction != RECV:
-                continue
-            message = p2p.message
-            keys.append((message.kind, message.pipeline, message.stage, message.microbatch))
-            receives.append(ExpectedTensor(p2p.peer, self._incoming_shape(message),
-                                           self.context.wire_dtype, describe_message(p2p)))
+        if not plan.receives:
+            return
+        wire_dtype = self.context.wire_dtype
+        keys = [key for key, *_ in plan.receives]
+        receives = [ExpectedTensor(peer, self._incoming_shape(message), wire_dtype, what)
+                    for _, peer, message, what in plan.receives]
         if receives:
             if self.context.record_timeline:
                 self._produced_at.update((key, self._now()) for key in keys)

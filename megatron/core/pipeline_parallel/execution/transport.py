@@ -21,8 +21,10 @@ receive buffers are allocated before the data arrives.
 Posting is on the critical path of every pipeline hop (the sender posts right after its compute op,
 the receiver unpacks right before its own), so the per-message work is kept to what the message
 needs: peers' global ranks and packed sizes are computed once per transport, on a backend that does
-not coalesce point-to-point ops (gloo) the messages are posted with plain ``isend``/``irecv`` (what
-``batch_isend_irecv`` does there, without its ``P2POp`` bookkeeping), and the
+not coalesce point-to-point ops (gloo) the messages are posted on the process group itself
+(``group.send`` / ``group.recv`` with the peer's group rank, resolved once: what ``isend`` /
+``irecv`` and ``batch_isend_irecv`` end in there, without their per-call checks and ``P2POp``
+bookkeeping), and the
 receiver's header check compares the layout directly, building its error text only on a mismatch
 (docs/benchmarks.md §9, "Where a hop's time goes"). On each directed link the send order equals
 the receive order, so an in-order channel (NCCL ignores tags) cannot mix messages up.
@@ -166,6 +168,8 @@ class _PeerTransport:
     stats: TransportStats = field(default_factory=TransportStats)
     # pipeline rank -> global rank; the layout never changes during a run
     _global_ranks: dict = field(default_factory=dict, repr=False, compare=False)
+    # global rank -> its rank in the pipeline group (for posting on the group directly)
+    _group_ranks: dict = field(default_factory=dict, repr=False, compare=False)
     _one_by_one: Optional[bool] = field(default=None, repr=False, compare=False)
 
     def start(self, sends: Sequence[OutgoingTensor],
@@ -203,6 +207,21 @@ class _PeerTransport:
             self._one_by_one = type(group) is dist.ProcessGroup and not coalesces
         return self._one_by_one
 
+    def _post_on_group(self, message: "_Message"):
+        """Post one send or receive on the pipeline group itself (gloo, see
+        :meth:`_posts_one_by_one`): what ``dist.isend`` / ``dist.irecv`` call after their checks
+        (a real tensor, this rank in the group, the peer's group rank), which hold for every
+        message of a pipeline group and are made once per peer here."""
+        if message.tensor.is_complex():  # the wrappers send such a tensor as its real view
+            return message.operation(message.tensor, message.peer, group=message.group)
+        group_rank = self._group_ranks.get(message.peer)
+        if group_rank is None:
+            group_rank = self._group_ranks[message.peer] = dist.get_group_rank(message.group,
+                                                                               message.peer)
+        if message.operation is dist.isend:
+            return message.group.send([message.tensor], group_rank, 0)
+        return message.group.recv([message.tensor], group_rank, 0)
+
     def describe_wait(self, direction: str, items: Sequence) -> str:
         """What a wait on ``items`` (OutgoingTensor or ExpectedTensor) is for, naming the peers and
         the pipeline group; used only when the wait times out."""
@@ -229,7 +248,7 @@ class _PeerTransport:
         if not messages:
             requests = []
         elif self._posts_one_by_one():
-            requests = [m.operation(m.tensor, m.peer, group=m.group) for m in messages]
+            requests = [self._post_on_group(m) for m in messages]
         else:
             requests = dist.batch_isend_irecv(
                 [dist.P2POp(m.operation, m.tensor, m.peer, group=m.group) for m in messages])
