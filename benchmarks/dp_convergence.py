@@ -47,6 +47,9 @@ def model_flags(layers: int, hidden: int, seq_length: int, global_batch: int, dp
             f"{SCHEDULE_FLAGS}")
 ADAM = "--optimizer adam --lr 3e-3 --min-lr 3e-4"
 SGD = "--optimizer sgd --sgd-momentum 0.9 --lr 0.3 --min-lr 0.03"
+# A2SGD's best learning rates in 200-iteration probes (docs/a2sgd.md); the later flag wins
+ADAM_LOW_LR = f"{ADAM} --lr 1e-3 --min-lr 1e-4"
+SGD_LOW_LR = f"{SGD} --lr 0.03 --min-lr 0.003 --clip-grad 0"
 
 
 def variants(short: int, long: int) -> dict:
@@ -67,6 +70,8 @@ def variants(short: int, long: int) -> dict:
         f"a2sgd adam flush sync {long}": ("adam", f"{ADAM} {a2sgd} {long} {flush}"),
         f"a2sgd sgd flush sync {short}": ("sgd", f"{SGD} {a2sgd} {short} {flush}"),
         f"a2sgd sgd flush sync {long}": ("sgd", f"{SGD} {a2sgd} {long} {flush}"),
+        f"a2sgd adam low-lr sync {short}": ("adam", f"{ADAM_LOW_LR} {a2sgd} {short}"),
+        f"a2sgd sgd low-lr sync {short}": ("sgd", f"{SGD_LOW_LR} {a2sgd} {short}"),
         "topk adam": ("adam", f"{ADAM} --dp-gradient-reducer topk --topk-ratio 0.01"),
         "qsgd adam": ("adam", f"{ADAM} --dp-gradient-reducer qsgd --qsgd-levels 127"),
     }
