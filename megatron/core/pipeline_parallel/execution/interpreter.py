@@ -378,6 +378,17 @@ class Interpreter:
                 layout.is_last_stage(stage))
         return entry
 
+
+    def _forward_and_loss(self, context, microbatch, chunk, is_last: bool):
+        """The chunk's forward (under autocast); on the last stage the scaled loss it returns,
+        with the loss dict kept for logging."""
+        with context.autocast():
+            output, loss_func = context.forward_step_func(microbatch, chunk)
+        if is_last:
+            loss, loss_dict = loss_func(output)
+            self.loss_dicts.append(loss_dict)
+            output = context.scale_loss(loss / context.loss_divisor)
+        return output
     def _forward(self, op: Instruction) -> None:
         context = self.context
         chunk, is_first, is_last = self._chunk(op.pipeline, op.stage)
@@ -399,22 +410,12 @@ class Interpreter:
             counter = _SavedActivationCounter(self._parameter_pointers)
         chunk.set_input_tensor(input_tensor)
         if counter is None and not context.forward_only:  # every forward after the first
-            with context.autocast():
-                output, loss_func = context.forward_step_func(microbatch, chunk)
-            if is_last:
-                loss, loss_dict = loss_func(output)
-                self.loss_dicts.append(loss_dict)
-                output = context.scale_loss(loss / context.loss_divisor)
+            output = self._forward_and_loss(context, microbatch, chunk, is_last)
         else:
             grad_mode = torch.no_grad() if context.forward_only else contextlib.nullcontext()
             hooks = counter.hooks() if counter is not None else contextlib.nullcontext()
             with grad_mode, hooks:
-                with context.autocast():
-                    output, loss_func = context.forward_step_func(microbatch, chunk)
-                if is_last:
-                    loss, loss_dict = loss_func(output)
-                    self.loss_dicts.append(loss_dict)
-                    output = context.scale_loss(loss / context.loss_divisor)
+                output = self._forward_and_loss(context, microbatch, chunk, is_last)
         chunk.set_input_tensor(None)
         if not is_last:
             self.produced[(ACTIVATION, op.pipeline, op.stage, op.microbatch)] = output
