@@ -8,8 +8,9 @@ over several seeds (gloo, CPU).
 
 Each variant trains the same small GPT from the same seed on the same global batches with one
 ``--dp-gradient-reducer`` and optimizer: exact all-reduce (Adam and SGD-momentum), A2SGD with Adam
-and with SGD-momentum at two sync intervals (and per-tensor segments, ``--a2sgd-granularity
-tensor``, at the short interval), top-k (error feedback) and QSGD with Adam. The
+and with SGD-momentum at two sync intervals (also with the flushing sync,
+``--a2sgd-sync-flushes-errors``; per-tensor segments, ``--a2sgd-granularity tensor``, and lower
+learning rates at the short interval), top-k (error feedback) and QSGD with Adam. The
 validation loss (``--eval-iters`` batches every ``--eval-interval`` iterations; a multiple of every
 sync interval, so evaluation adds no A2SGD syncs) is recorded per seed. Runs are ordered seed by
 seed, variant by variant, and ``results.json`` is rewritten after each run, so a run cut short still
