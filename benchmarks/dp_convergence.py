@@ -56,26 +56,20 @@ SGD_LOW_LR = f"{SGD} --lr 0.03 --min-lr 0.003 --clip-grad 0"
 def variants(short: int, long: int) -> dict:
     """name -> (optimizer label, flags); the A2SGD sync intervals are ``short`` and ``long``."""
     a2sgd = "--dp-gradient-reducer a2sgd --a2sgd-sync-interval"
-    per_tensor = "--a2sgd-granularity tensor"
     flush = "--a2sgd-sync-flushes-errors"
-    return {
-        "allreduce adam": ("adam", ADAM),
-        "allreduce sgd": ("sgd", SGD),
-        f"a2sgd adam sync {short}": ("adam", f"{ADAM} {a2sgd} {short}"),
-        f"a2sgd adam sync {long}": ("adam", f"{ADAM} {a2sgd} {long}"),
-        f"a2sgd sgd sync {short}": ("sgd", f"{SGD} {a2sgd} {short}"),
-        f"a2sgd sgd sync {long}": ("sgd", f"{SGD} {a2sgd} {long}"),
-        f"a2sgd adam tensor sync {short}": ("adam", f"{ADAM} {a2sgd} {short} {per_tensor}"),
-        f"a2sgd sgd tensor sync {short}": ("sgd", f"{SGD} {a2sgd} {short} {per_tensor}"),
-        f"a2sgd adam flush sync {short}": ("adam", f"{ADAM} {a2sgd} {short} {flush}"),
-        f"a2sgd adam flush sync {long}": ("adam", f"{ADAM} {a2sgd} {long} {flush}"),
-        f"a2sgd sgd flush sync {short}": ("sgd", f"{SGD} {a2sgd} {short} {flush}"),
-        f"a2sgd sgd flush sync {long}": ("sgd", f"{SGD} {a2sgd} {long} {flush}"),
-        f"a2sgd adam low-lr sync {short}": ("adam", f"{ADAM_LOW_LR} {a2sgd} {short}"),
-        f"a2sgd sgd low-lr sync {short}": ("sgd", f"{SGD_LOW_LR} {a2sgd} {short}"),
-        "topk adam": ("adam", f"{ADAM} --dp-gradient-reducer topk --topk-ratio 0.01"),
-        "qsgd adam": ("adam", f"{ADAM} --dp-gradient-reducer qsgd --qsgd-levels 127"),
-    }
+    table = {"allreduce adam": ("adam", ADAM), "allreduce sgd": ("sgd", SGD)}
+    for label, flags, low_lr in (("adam", ADAM, ADAM_LOW_LR), ("sgd", SGD, SGD_LOW_LR)):
+        for interval in (short, long):
+            table[f"a2sgd {label} sync {interval}"] = (label, f"{flags} {a2sgd} {interval}")
+        for interval in (short, long):
+            table[f"a2sgd {label} flush sync {interval}"] = (
+                label, f"{flags} {a2sgd} {interval} {flush}")
+        table[f"a2sgd {label} tensor sync {short}"] = (
+            label, f"{flags} {a2sgd} {short} --a2sgd-granularity tensor")
+        table[f"a2sgd {label} low-lr sync {short}"] = (label, f"{low_lr} {a2sgd} {short}")
+    table["topk adam"] = ("adam", f"{ADAM} --dp-gradient-reducer topk --topk-ratio 0.01")
+    table["qsgd adam"] = ("adam", f"{ADAM} --dp-gradient-reducer qsgd --qsgd-levels 127")
+    return table
 
 
 def _rank_train(rank, world_size, argv):
