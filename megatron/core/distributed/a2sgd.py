@@ -397,8 +397,7 @@ class A2SGDReducer(GradientReduction):
             indicator = self._indicator(dtype)
             applied = two_level_values(corrected, stats, runs, out=scratch, indicator=indicator)
             corrected.sub_(applied)  # the new error, p - applied
-            self.feedback.stage(dtype, corrected if corrected.dtype == error.dtype
-                                else corrected.to(error.dtype))
+            self._stage_error(dtype, corrected)
             if scale != 1.0:
                 applied.mul_(scale)
             if applied is not buffer:
@@ -421,9 +420,14 @@ class A2SGDReducer(GradientReduction):
             corrected.mul_(scale)
         buffer.copy_(corrected)
         corrected.zero_()  # the new error
+        self._stage_error(dtype, corrected)
+
+    def _stage_error(self, dtype: torch.dtype, new_error: torch.Tensor) -> None:
+        """Stage ``new_error`` (the work buffer ``p``, in the arithmetic dtype) as ``dtype``'s
+        error: the buffer itself when the dtypes agree (adopted by a swap), else a cast copy."""
         error = self.errors[dtype]
-        self.feedback.stage(dtype, corrected if corrected.dtype == error.dtype
-                            else corrected.to(error.dtype))
+        self.feedback.stage(dtype, new_error if new_error.dtype == error.dtype
+                            else new_error.to(error.dtype))
 
     def _segment_runs(self, dtype: torch.dtype) -> SegmentRuns:
         """The segment layout of ``dtype``'s buffer, computed once per granularity."""

@@ -378,7 +378,6 @@ class Interpreter:
                 layout.is_last_stage(stage))
         return entry
 
-
     def _forward_and_loss(self, context, microbatch, chunk, is_last: bool):
         """The chunk's forward (under autocast); on the last stage the scaled loss it returns,
         with the loss dict kept for logging."""
@@ -389,6 +388,7 @@ class Interpreter:
             self.loss_dicts.append(loss_dict)
             output = context.scale_loss(loss / context.loss_divisor)
         return output
+
     def _forward(self, op: Instruction) -> None:
         context = self.context
         chunk, is_first, is_last = self._chunk(op.pipeline, op.stage)
@@ -514,11 +514,10 @@ class Interpreter:
         keys = [key for key, *_ in plan.receives]
         receives = [ExpectedTensor(peer, self._incoming_shape(message), wire_dtype, what)
                     for _, peer, message, what in plan.receives]
-        if receives:
-            if self.context.record_timeline:
-                self._produced_at.update((key, self._now()) for key in keys)
-            posted = _PostedReceives(self._transport().start([], receives))
-            self.received.update((key, (posted, index)) for index, key in enumerate(keys))
+        if self.context.record_timeline:
+            self._produced_at.update((key, self._now()) for key in keys)
+        posted = _PostedReceives(self._transport().start([], receives))
+        self.received.update((key, (posted, index)) for index, key in enumerate(keys))
 
     def _transport(self) -> Transport:
         if self.context.transport is None:
