@@ -18,9 +18,10 @@ Every op's sleep comes last and is shortened by the module's own work in that op
 graph, cloning, writing the gradient), measured from the op's start: F, I and W are whole ops, as a
 measured profile times them, and the only time an op spends beyond its charge is the sleep's
 wake-up. A whole backward (both halves in one autograd pass) is one op of I + W: its second half's
-time counts from the first half's end (:class:`_BackwardClock`). (On this 2-core virtual machine the first tensor operations after a sleep run 5-20x
-slower than warm ones, ~0.1 ms each, so work done after the sleep cost 0.5-0.9 ms per op on both
-runtimes; docs/benchmarks.md §9, "Per-op overhead, cut".)
+time counts from the first half's end (:class:`_BackwardClock`). (On this 2-core virtual machine
+the first tensor operations after a sleep run 5-20x slower than warm ones, ~0.1 ms each, so work
+done after the sleep cost 0.5-0.9 ms per op on both runtimes; docs/benchmarks.md §9, "Per-op
+overhead, cut".)
 """
 
 from __future__ import annotations

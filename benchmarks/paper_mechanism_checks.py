@@ -350,8 +350,7 @@ def check_split_sync() -> list:
         fitted = rp.fit(tuple(r for r in rp.FIT_POINTS if r.label not in left_out), START,
                         rp.P100_ARIES, 30, {})
         hardware = rp.hardware_of(fitted)
-        held_out = (rp.predict(hardware, paper.WEAK_SCALING[2])
-                    / (4 * rp.predict(hardware, paper.WEAK_SCALING[0])))
+        held_out = rp.weak_scaling_ratio(hardware, hardware)
     lines.append(f"   weak scaling held out as a pair (one fit without both end points): "
                  f"{held_out:.1%}")
     return lines
