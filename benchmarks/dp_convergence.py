@@ -9,8 +9,9 @@ over several seeds (gloo, CPU).
 Each variant trains the same small GPT from the same seed on the same global batches with one
 ``--dp-gradient-reducer`` and optimizer: exact all-reduce (Adam and SGD-momentum), A2SGD with Adam
 and with SGD-momentum at two sync intervals (also with the flushing sync,
-``--a2sgd-sync-flushes-errors``; per-tensor segments, ``--a2sgd-granularity tensor``, and lower
-learning rates at the short interval), top-k (error feedback) and QSGD with Adam. The
+``--a2sgd-sync-flushes-errors``, with or without the optimizer state in the periodic sync,
+``--a2sgd-periodic-sync parameters``, rows ``flush params``; per-tensor segments,
+``--a2sgd-granularity tensor``, and lower learning rates at the short interval), top-k (error feedback) and QSGD with Adam. The
 validation loss (``--eval-iters`` batches every ``--eval-interval`` iterations; a multiple of every
 sync interval, so evaluation adds no A2SGD syncs) is recorded per seed. Runs are ordered seed by
 seed, variant by variant, and ``results.json`` is rewritten after each run, so a run cut short still
@@ -64,6 +65,8 @@ def variants(short: int, long: int) -> dict:
         for interval in (short, long):
             table[f"a2sgd {label} flush sync {interval}"] = (
                 label, f"{flags} {a2sgd} {interval} {flush}")
+            table[f"a2sgd {label} flush params sync {interval}"] = (
+                label, f"{flags} {a2sgd} {interval} {flush} --a2sgd-periodic-sync parameters")
         table[f"a2sgd {label} tensor sync {short}"] = (
             label, f"{flags} {a2sgd} {short} --a2sgd-granularity tensor")
         table[f"a2sgd {label} low-lr sync {short}"] = (label, f"{low_lr} {a2sgd} {short}")

@@ -265,6 +265,13 @@ class ParallelConfig:
                "error to the optimizer: the step after a sync all-reduces the error-corrected "
                "gradient exactly (one gradient-sized all-reduce) and clears the error (see "
                "docs/a2sgd.md).")
+    a2sgd_periodic_sync: str = option(
+        "parameters-and-optimizer",
+        "With --dp-gradient-reducer a2sgd: what the sync every --a2sgd-sync-interval iterations "
+        "averages: the parameters and the optimizer state (three gradient-sized all-reduces with "
+        "Adam), or the parameters only (one); the sync before every checkpoint and evaluation "
+        "always averages both (see docs/a2sgd.md).",
+        choices=("parameters-and-optimizer", "parameters"))
     topk_ratio: float = option(
         0.01, "With --dp-gradient-reducer topk: the fraction of gradient entries (largest in "
               "magnitude, after error feedback) each data-parallel rank sends.")

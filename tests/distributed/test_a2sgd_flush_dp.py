@@ -100,3 +100,33 @@ def test_training_with_the_flag_keeps_replicas_identical_after_the_exact_step():
         assert torch.equal(mine, theirs)
     numel = sum(p.numel() for p in ranks[0]["params"])
     assert sum(ranks[0]["exact"]) >= 4 * numel * 0.9  # a gradient-sized all-reduce, not 4 numbers
+
+
+def _rank_periodic_sync(rank, world_size, averages_optimizer):
+    """Each rank: distinct parameters and Adam moments; the periodic sync, then the full one."""
+    torch.set_num_threads(1)
+    param = torch.nn.Parameter(torch.full((SIZE,), float(rank)))
+    optimizer = torch.optim.Adam([param])
+    optimizer.state[param] = {"exp_avg": torch.full((SIZE,), 10.0 * rank),
+                              "exp_avg_sq": torch.full((SIZE,), 100.0 * rank)}
+    reducer = A2SGDReducer([param], data_group=dist.group.WORLD, sync_interval=INTERVAL,
+                           periodic_sync_averages_optimizer=averages_optimizer)
+    reducer._optimizer_state = optimizer.state
+    snapshot = lambda: (param.detach().clone(),  # noqa: E731
+                        optimizer.state[param]["exp_avg"].clone())
+    reducer.synchronize_periodically()
+    periodic = snapshot()
+    reducer.synchronize()
+    return periodic, snapshot()
+
+
+@pytest.mark.parametrize("averages_optimizer", [True, False])
+def test_the_periodic_sync_averages_the_optimizer_state_only_when_asked(averages_optimizer):
+    results = run_distributed(_rank_periodic_sync, 2, averages_optimizer, timeout=60)
+    for rank, ((param, exp_avg), (full_param, full_exp_avg)) in enumerate(results):
+        assert torch.equal(param, torch.full((SIZE,), 0.5))  # parameters: always averaged
+        expected = 5.0 if averages_optimizer else 10.0 * rank
+        assert torch.equal(exp_avg, torch.full((SIZE,), expected))
+        # the sync before a checkpoint or an evaluation averages both
+        assert torch.equal(full_param, torch.full((SIZE,), 0.5))
+        assert torch.equal(full_exp_avg, torch.full((SIZE,), 5.0))

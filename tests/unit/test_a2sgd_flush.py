@@ -2,6 +2,7 @@
 error reaches the optimizer (one process here; the data-parallel version is in
 tests/distributed/test_a2sgd_flush_dp.py)."""
 
+import pytest
 import torch
 
 from megatron.core.distributed.a2sgd import A2SGD_REDUCER, A2SGDReducer
@@ -90,3 +91,10 @@ def _flag_reducer(argv) -> A2SGDReducer:
 def test_the_flag_reaches_the_reducer_and_is_off_by_default():
     assert not _flag_reducer([]).flush_errors_at_sync
     assert _flag_reducer(["--a2sgd-sync-flushes-errors"]).flush_errors_at_sync
+
+
+def test_the_periodic_sync_flag_reaches_the_reducer():
+    assert _flag_reducer([]).periodic_sync_averages_optimizer
+    assert not _flag_reducer(["--a2sgd-periodic-sync", "parameters"]).periodic_sync_averages_optimizer
+    with pytest.raises(SystemExit):
+        _flag_reducer(["--a2sgd-periodic-sync", "moments"])

@@ -201,6 +201,10 @@ class A2SGDReducer(GradientReduction):
             all-reduces ``p = g + e`` (the mean over the data-parallel group is applied) and
             clears the error, so every rank's unapplied error reaches the optimizer
             (``--a2sgd-sync-flushes-errors``).
+        periodic_sync_averages_optimizer: the sync every ``sync_interval`` iterations also averages
+            the optimizer state (default); False: the parameters only
+            (``--a2sgd-periodic-sync parameters``). :meth:`synchronize` (before a checkpoint or
+            an evaluation) always averages both.
         overlap: once armed by ``start_when_ready()``, form ``p``, its sign indicator and its
             statistics tensor by tensor during the backward, as each gradient is complete, on a
             worker thread (whole-model granularity without a direction group; otherwise
@@ -217,7 +221,8 @@ class A2SGDReducer(GradientReduction):
                  data_group: Any = None, exact_params: Iterable[torch.nn.Parameter] = (),
                  exact_group: Any = None, dp_size: int = 1, granularity: str = "model",
                  bucket_size: int = 1_000_000, sync_interval: int = 0, overlap: bool = False,
-                 arithmetic: str = "auto", flush_errors_at_sync: bool = False):
+                 arithmetic: str = "auto", flush_errors_at_sync: bool = False,
+                 periodic_sync_averages_optimizer: bool = True):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of "
                              f"{GRANULARITIES}")
@@ -234,6 +239,7 @@ class A2SGDReducer(GradientReduction):
         self.bucket_size = int(bucket_size)
         self.sync_interval = int(sync_interval)
         self.flush_errors_at_sync = bool(flush_errors_at_sync)
+        self.periodic_sync_averages_optimizer = bool(periodic_sync_averages_optimizer)
         self.exact_next_step = False  # set by synchronize() with flush_errors_at_sync
         self.loss_scale: Callable[[], float] = lambda: 1.0
         self._optimizer_state: Optional[dict] = None  # the torch optimizer's state, once attached
@@ -468,7 +474,16 @@ class A2SGDReducer(GradientReduction):
     def synchronize(self) -> None:
         """The exact replica average of the parameters and the optimizer state (collective);
         with ``flush_errors_at_sync`` the next step then reduces exactly (see :meth:`wait`)."""
-        self.average_parameters(self._optimizer_state)
+        self._average_and_flush(self._optimizer_state)
+
+    def synchronize_periodically(self) -> None:
+        """The sync every ``sync_interval`` iterations: like :meth:`synchronize`, but the
+        optimizer state only with ``periodic_sync_averages_optimizer``."""
+        self._average_and_flush(
+            self._optimizer_state if self.periodic_sync_averages_optimizer else None)
+
+    def _average_and_flush(self, optimizer_state: Optional[dict]) -> None:
+        self.average_parameters(optimizer_state)
         if self.flush_errors_at_sync:
             self.exact_next_step = True
 
@@ -520,6 +535,8 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
     interval = request.parallel.a2sgd_sync_interval if request.parallel is not None else 0
     granularity = request.parallel.a2sgd_granularity if request.parallel is not None else "model"
     flush = request.parallel.a2sgd_sync_flushes_errors if request.parallel is not None else False
+    periodic = (request.parallel.a2sgd_periodic_sync if request.parallel is not None
+                else "parameters-and-optimizer")
     return A2SGDReducer([p for p in request.params if not exact(p)],
                         direction_group=request.direction_group(),
                         data_group=request.data_group,
@@ -527,7 +544,8 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
                         exact_group=request.replica_group, dp_size=int(request.divide_by),
                         granularity=granularity, bucket_size=FLAG_BUCKET_SIZE,
                         sync_interval=interval, overlap=request.overlap,
-                        flush_errors_at_sync=flush)
+                        flush_errors_at_sync=flush,
+                        periodic_sync_averages_optimizer=periodic != "parameters")
 
 
 def check_a2sgd_flags(parallel) -> None:

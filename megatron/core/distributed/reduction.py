@@ -13,8 +13,9 @@ all-reduce implements none of them):
 
 * ``attach(optimizer)`` once, after the optimizer exists (e.g. to read its loss scale or state);
 * ``after_step(ok)`` after every optimizer step (``ok``: the update was applied, no overflow);
-* ``synchronize()`` makes the replicas exactly equal (collective; the same order on every rank):
-  every ``sync_interval`` iterations, and before every evaluation and checkpoint;
+* ``synchronize()`` makes the replicas exactly equal (collective; the same order on every rank)
+  before every evaluation and checkpoint; ``synchronize_periodically()`` is the sync every
+  ``sync_interval`` iterations (by default the same; a reduction may average less there);
 * ``state_dict()`` / ``load_state_dict(state)``: what a checkpoint keeps (when ``has_state``).
 
 Declared attributes say what a reduction is, instead of callers probing for methods:
@@ -67,6 +68,11 @@ class GradientReduction:
     def synchronize(self) -> None:
         """Make the replicas exactly equal (collective); nothing to do for exact reductions."""
 
+    def synchronize_periodically(self) -> None:
+        """The sync every ``sync_interval`` iterations (collective); :meth:`synchronize` unless a
+        reduction averages less there."""
+        self.synchronize()
+
     def state_dict(self) -> dict:
         return {}
 
@@ -97,7 +103,7 @@ def synchronize_if_due(reducers: Iterable[GradientReduction], iteration: int) ->
     ``iteration`` (the number of iterations done)."""
     for reducer in reducers:
         if reducer.sync_interval > 0 and iteration % reducer.sync_interval == 0:
-            reducer.synchronize()
+            reducer.synchronize_periodically()
 
 
 def reducer_states(reducers: Iterable[GradientReduction]) -> Optional[list]:
