@@ -70,6 +70,9 @@ def variants(short: int, long: int) -> dict:
         table[f"a2sgd {label} tensor sync {short}"] = (
             label, f"{flags} {a2sgd} {short} --a2sgd-granularity tensor")
         table[f"a2sgd {label} low-lr sync {short}"] = (label, f"{low_lr} {a2sgd} {short}")
+    table[f"a2sgd adam flush params exact-v sync {short}"] = (
+        "adam", f"{ADAM} {a2sgd} {short} {flush} --a2sgd-periodic-sync parameters "
+                "--a2sgd-second-moment-from-exact-steps")
     table["topk adam"] = ("adam", f"{ADAM} --dp-gradient-reducer topk --topk-ratio 0.01")
     table["qsgd adam"] = ("adam", f"{ADAM} --dp-gradient-reducer qsgd --qsgd-levels 127")
     return table

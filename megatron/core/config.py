@@ -272,6 +272,12 @@ class ParallelConfig:
         "Adam), or the parameters only (one); the sync before every checkpoint and evaluation "
         "always averages both (see docs/a2sgd.md).",
         choices=("parameters-and-optimizer", "parameters"))
+    a2sgd_second_moment_from_exact_steps: bool = option(
+        False, "With --dp-gradient-reducer a2sgd, --a2sgd-sync-flushes-errors and Adam: only the "
+               "exact steps (the first step and each step after a sync) update Adam's second "
+               "moment, weighted over the sync interval; the two-level steps between them leave it "
+               "unchanged, so Adam stays linear in the gradient there, as error feedback needs "
+               "(see docs/a2sgd.md).")
     topk_ratio: float = option(
         0.01, "With --dp-gradient-reducer topk: the fraction of gradient entries (largest in "
               "magnitude, after error feedback) each data-parallel rank sends.")

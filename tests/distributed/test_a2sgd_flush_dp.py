@@ -93,9 +93,11 @@ def _rank_train(rank, world_size, argv):
                        for p in c.parameters()]}
 
 
-def test_training_with_the_flag_keeps_replicas_identical_after_the_exact_step():
+@pytest.mark.parametrize("extra", ["", " --a2sgd-second-moment-from-exact-steps"])
+def test_training_with_the_flag_keeps_replicas_identical_after_the_exact_step(extra):
     # iteration 2 syncs, iteration 3 is the exact step: the replicas stay identical after it
-    ranks = run_distributed(_rank_train, 2, TINY, timeout=120)
+    # (with the second moment from exact steps too: iteration 1 is exact, 2 two-level)
+    ranks = run_distributed(_rank_train, 2, TINY + extra, timeout=120)
     for mine, theirs in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(mine, theirs)
     numel = sum(p.numel() for p in ranks[0]["params"])

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import a2sgd_kernel
+from megatron.core.distributed.a2sgd_second_moment import SecondMomentFromExactSteps
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.error_feedback import ErrorFeedback
 from megatron.core.distributed.gradient_reducer import GradientReducer
@@ -205,6 +206,9 @@ class A2SGDReducer(GradientReduction):
             the optimizer state (default); False: the parameters only
             (``--a2sgd-periodic-sync parameters``). :meth:`synchronize` (before a checkpoint or
             an evaluation) always averages both.
+        second_moment_from_exact_steps: with ``flush_errors_at_sync`` and Adam, only the exact
+            steps (the first one too) shape Adam's second moment
+            (:mod:`.a2sgd_second_moment`, ``--a2sgd-second-moment-from-exact-steps``).
         overlap: once armed by ``start_when_ready()``, form ``p``, its sign indicator and its
             statistics tensor by tensor during the backward, as each gradient is complete, on a
             worker thread (whole-model granularity without a direction group; otherwise
@@ -222,7 +226,8 @@ class A2SGDReducer(GradientReduction):
                  exact_group: Any = None, dp_size: int = 1, granularity: str = "model",
                  bucket_size: int = 1_000_000, sync_interval: int = 0, overlap: bool = False,
                  arithmetic: str = "auto", flush_errors_at_sync: bool = False,
-                 periodic_sync_averages_optimizer: bool = True):
+                 periodic_sync_averages_optimizer: bool = True,
+                 second_moment_from_exact_steps: bool = False):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of "
                              f"{GRANULARITIES}")
@@ -241,6 +246,13 @@ class A2SGDReducer(GradientReduction):
         self.flush_errors_at_sync = bool(flush_errors_at_sync)
         self.periodic_sync_averages_optimizer = bool(periodic_sync_averages_optimizer)
         self.exact_next_step = False  # set by synchronize() with flush_errors_at_sync
+        self.second_moment: Optional[SecondMomentFromExactSteps] = None
+        if second_moment_from_exact_steps:
+            if not self.flush_errors_at_sync:
+                raise ValueError("--a2sgd-second-moment-from-exact-steps needs "
+                                 "--a2sgd-sync-flushes-errors (the exact steps it learns from)")
+            self.second_moment = SecondMomentFromExactSteps(self.params, self.sync_interval)
+            self.exact_next_step = True  # the second moment starts from an exact gradient
         self.loss_scale: Callable[[], float] = lambda: 1.0
         self._optimizer_state: Optional[dict] = None  # the torch optimizer's state, once attached
         self.feedback = ErrorFeedback(
@@ -374,6 +386,8 @@ class A2SGDReducer(GradientReduction):
         self._armed = False
         self.overlapped_last_step = overlapped
         exact, self.exact_next_step = self.exact_next_step, False
+        if self.second_moment is not None:
+            self.second_moment.before_step(exact)
         for dtype, buffer in self.inner.buffers.items():
             if exact:
                 self._reduce_exactly(dtype, buffer, scale, formed=overlapped)
@@ -467,9 +481,13 @@ class A2SGDReducer(GradientReduction):
         optimizer state from the run's :class:`~megatron.core.optimizer.MegatronOptimizer`."""
         self.loss_scale = lambda: optimizer.loss_scale
         self._optimizer_state = optimizer.optimizer.state
+        if self.second_moment is not None:
+            self.second_moment.attach(optimizer.optimizer)
 
     def after_step(self, ok: bool) -> None:
         self.finish_step(ok)
+        if self.second_moment is not None:
+            self.second_moment.after_step(ok)
 
     def synchronize(self) -> None:
         """The exact replica average of the parameters and the optimizer state (collective);
@@ -545,13 +563,19 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
                         granularity=granularity, bucket_size=FLAG_BUCKET_SIZE,
                         sync_interval=interval, overlap=request.overlap,
                         flush_errors_at_sync=flush,
-                        periodic_sync_averages_optimizer=periodic != "parameters")
+                        periodic_sync_averages_optimizer=periodic != "parameters",
+                        second_moment_from_exact_steps=(
+                            request.parallel is not None
+                            and request.parallel.a2sgd_second_moment_from_exact_steps))
 
 
 def check_a2sgd_flags(parallel) -> None:
     """The flag rules of ``--dp-gradient-reducer a2sgd``."""
     if parallel.a2sgd_sync_interval < 1:
         raise ValueError(f"--a2sgd-sync-interval must be >= 1 (got {parallel.a2sgd_sync_interval})")
+    if parallel.a2sgd_second_moment_from_exact_steps and not parallel.a2sgd_sync_flushes_errors:
+        raise ValueError("--a2sgd-second-moment-from-exact-steps learns Adam's second moment from "
+                         "the exact steps of --a2sgd-sync-flushes-errors; add that flag")
     if parallel.use_distributed_optimizer:
         raise ValueError("--dp-gradient-reducer a2sgd and --use-distributed-optimizer both replace "
                          "the data-parallel gradient all-reduce; choose one")
