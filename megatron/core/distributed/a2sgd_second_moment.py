@@ -36,7 +36,8 @@ class SecondMomentFromExactSteps:
             raise ValueError(f"the sync interval must be >= 1 (got {interval})")
         self.params = list(params)
         self.interval = int(interval)
-        self._state: Optional[dict] = None
+        self._state: dict = {}
+        self._attached = False
         self._beta2: dict = {}
         self._snapshot: Optional[list] = None
         self._exact = False
@@ -55,11 +56,12 @@ class SecondMomentFromExactSteps:
                              "(--a2sgd-second-moment-from-exact-steps needs fp32/bf16 training "
                              "without separate main parameters)")
         self._state = torch_optimizer.state
+        self._attached = True
 
     def before_step(self, exact: bool) -> None:
         """Snapshot ``v`` (zeros where the optimizer has made no state yet); ``exact``: this step
         applies the exact mean gradient."""
-        if self._state is None:
+        if not self._attached:
             raise RuntimeError("attach() the optimizer before the first step")
         self._exact = exact
         self._snapshot = [self._second_moment(p).clone() if self._has_state(p)
