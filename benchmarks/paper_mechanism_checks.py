@@ -48,7 +48,10 @@ stays as it is:
    (GPipe, 1F1B), at the in-sample constants, no refit. GPipe: the GEMS baseline's
    ``main_with_runtime_gems.py --gpipe`` runs ``run_training_loop_with_flushes`` without DDP
    and its ``AdamW.step`` all-reduces the stage's flattened gradient, blocking, after the
-   flush: the shipped model's assumption; the PipeDream-2BW baseline's ``--gpipe`` wraps each
+   flush: the shipped model's assumption (that main reads the reverse pipeline's stage map
+   unconditionally to build its per-stage groups, so even for GPipe it needs a reverse
+   configuration, and is not a clean GPipe path either); the PipeDream-2BW baseline's
+   ``--gpipe`` wraps each
    replicated stage in ``DistributedDataParallel`` and never enters ``no_sync()`` in that loop
    (its own comment: "weight synchronization will happen every backward pass"): every
    backward all-reduces (:func:`gpipe_syncing_every_backward`). 1F1B: the Chimera runtime's
@@ -422,8 +425,8 @@ def check_published_flush_paths(hardware) -> list:
     result = rp.estimate(hardware, gpipe)
     every = gpipe.global_batch_size / gpipe_syncing_every_backward(
         gpipe, ddp_allreduce_costs(hardware, result))
-    lines.append(f"   GPipe D={gpipe.pipeline}, published {gpipe.published:.0f}: GEMS runtime "
-                 f"--gpipe (one blocking all-reduce per stage after the flush; the shipped "
+    lines.append(f"   GPipe D={gpipe.pipeline}, published {gpipe.published:.0f}: GEMS main "
+                 f"--gpipe (one blocking all-reduce per stage after the flush, as the shipped "
                  f"model) {result.throughput:.1f}; PipeDream-2BW runtime --gpipe (DDP, every "
                  f"backward all-reduces) {every:.1f}")
     result = rp.estimate(hardware, one_f_one_b)
@@ -435,7 +438,31 @@ def check_published_flush_paths(hardware) -> list:
                  f"the shipped model {result.throughput:.1f}; PipeDream-2BW runtime's "
                  f"1F1B-with-flush loop (DDP in the last backward, blocking) {contended:.1f} "
                  f"with the job's contention, {alone:.1f} with each stage's sync alone")
+    flushed = {run.label: _predict_bucketed_flush_syncs(hardware, run)
+               for run in (one_f_one_b, gpipe)}
+    lines.append(f"   neither path, for scale: one sync per stage after the flush but through "
+                 f"DDP's 25 MiB buckets: 1F1B {flushed[one_f_one_b.label]:.1f}, GPipe "
+                 f"{flushed[gpipe.label]:.1f} (1F1B / GPipe "
+                 f"{flushed[one_f_one_b.label] / flushed[gpipe.label]:.3f}; paper "
+                 f"{one_f_one_b.published / gpipe.published:.3f})")
     return lines
+
+
+FLUSHED_SCHEMES = ("1f1b", "gpipe")
+
+
+def _predict_bucketed_flush_syncs(hardware, run):
+    """Check 9, for scale only (no published code path does it): the shipped prediction with
+    GPipe's and 1F1B's end-of-flush stage syncs run through DDP's 25 MiB buckets, each paying
+    the ring's latency (:func:`ddp_allreduce_costs`)."""
+    result = rp.estimate(hardware, run)
+    if run.scheme not in FLUSHED_SCHEMES:
+        return result.throughput
+    _, count = schedule_microbatches(run.scheme, run.pipeline, run.micro_batch_size,
+                                     run.num_microbatches)
+    period = timing.simulated_iteration_time(run.scheme, run.pipeline, count,
+                                             ddp_allreduce_costs(hardware, result))
+    return run.global_batch_size / period
 
 
 def _speedup_line(hardware) -> str:
@@ -486,6 +513,12 @@ def main(argv=None) -> int:
             lines.append(_speedup_line(recompute_hw))
         out += fixed + lines
         out += check_split_sync()
+        lines, bucketed_hw = _refit_lines("9. GPipe's and 1F1B's end-of-flush syncs through DDP's "
+                                          "buckets (no published path), refitted",
+                                          _predict_bucketed_flush_syncs)
+        with mock.patch.object(rp, "predict", _predict_bucketed_flush_syncs):
+            lines.append(_speedup_line(bucketed_hw))
+        out += lines
     print("\n".join(out))
     return 0
 
