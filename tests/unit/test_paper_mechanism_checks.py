@@ -185,3 +185,19 @@ def test_one_f_one_b_flush_under_ddp_replays_1f1b_and_blocks_on_its_syncs(checks
     # (one exposed sync alone would cost at most max(ddp.allreduce_alone), 0.36 s here)
     assert alone - replayed > 0.5 * sum(ddp.allreduce_alone) > 3 * max(ddp.allreduce_alone)
     assert contended > alone
+
+
+def test_bucketed_flush_syncs_touch_only_gpipe_and_1f1b_and_cost_the_longer_ring_more(
+        checks, hardware):
+    for run in checks.rp.FIT_POINTS:
+        shipped = checks.rp.predict(hardware, run)
+        bucketed = checks._predict_bucketed_flush_syncs(hardware, run)
+        if run.scheme in checks.FLUSHED_SCHEMES:
+            assert bucketed < shipped, run.label
+        else:
+            assert bucketed == pytest.approx(shipped, rel=1e-12), run.label
+    gpipe, one_f_one_b = _flushed("GPipe"), _flushed("1F1B/DAPPLE")
+    lost = {run.label: 1 - checks._predict_bucketed_flush_syncs(hardware, run)
+            / checks.rp.predict(hardware, run) for run in (gpipe, one_f_one_b)}
+    # GPipe's first stage: more buckets (892 vs 577 MB) on a ring twice as long (256 vs 128)
+    assert lost["GPipe"] > 2 * lost["1F1B/DAPPLE"]
