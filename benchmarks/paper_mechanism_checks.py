@@ -2,8 +2,8 @@
 numbers docs/performance_model.md quotes for them ("Checked and not adopted").
 
 ``python benchmarks/paper_mechanism_checks.py [--skip-slow]``. No torch, no processes; about
-3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02),
-``--skip-slow`` only checks 1, 2 and 9 (seconds).
+3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02, about 2.5 with
+check 9's refit), ``--skip-slow`` only checks 1, 2 and 9 without refits (seconds).
 
 Each check is a variant of the shipped model written here, next to it, so the model itself
 stays as it is:
