@@ -2,8 +2,8 @@
 numbers docs/performance_model.md quotes for them ("Checked and not adopted").
 
 ``python benchmarks/paper_mechanism_checks.py [--skip-slow]``. No torch, no processes; about
-3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02),
-``--skip-slow`` only the first two (seconds).
+3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02, about 3 with
+check 9's refit and held-out fits), ``--skip-slow`` only checks 1, 2 and 9 without refits (seconds).
 
 Each check is a variant of the shipped model written here, next to it, so the model itself
 stays as it is:
@@ -44,6 +44,22 @@ stays as it is:
    ``boundaries`` table), each paying the ring's 2(r − 1)α; applied to Chimera, 1F1B and GPipe
    (which would use the same ``AdamW``), refitted, with the weak-scaling efficiency held out
    as the report holds it out (one fit without both end points).
+9. ``published_flush_paths``: the code paths the authors published for the flushed baselines
+   (GPipe, 1F1B), at the in-sample constants, no refit. GPipe: the GEMS baseline's
+   ``main_with_runtime_gems.py --gpipe`` runs ``run_training_loop_with_flushes`` without DDP
+   and its ``AdamW.step`` all-reduces the stage's flattened gradient, blocking, after the
+   flush: the shipped model's assumption (that main reads the reverse pipeline's stage map
+   unconditionally to build its per-stage groups, so even for GPipe it needs a reverse
+   configuration, and is not a clean GPipe path either); the PipeDream-2BW baseline's
+   ``--gpipe`` wraps each
+   replicated stage in ``DistributedDataParallel`` and never enters ``no_sync()`` in that loop
+   (its own comment: "weight synchronization will happen every backward pass"): every
+   backward all-reduces (:func:`gpipe_syncing_every_backward`). 1F1B: the Chimera runtime's
+   ``--dapple`` cannot run as published (``AdamW`` without ``num_stages``: ``step()`` indexes
+   an empty list of handles); the PipeDream-2BW runtime defines
+   ``run_training_loop_with_1f1b_flushes`` (DDP under ``no_sync()`` but for the last
+   backward, whose all-reduce blocks the rank before it sends its input gradient), which no
+   published ``main`` calls (:func:`one_f_one_b_flush_under_ddp`).
 """
 
 from __future__ import annotations
@@ -63,7 +79,8 @@ import reproduce_paper as rp  # noqa: E402
 from megatron.core.pipeline_parallel.planning.instructions import Instruction  # noqa: E402
 from megatron.core.pipeline_parallel.planning.lowering import (  # noqa: E402
     GradSyncStart, GradSyncWait)
-from megatron.performance_model import costs as cost_terms, paper, timing  # noqa: E402
+from megatron.performance_model import (  # noqa: E402
+    baselines, costs as cost_terms, paper, timing)
 from megatron.performance_model.schemes import (  # noqa: E402
     ANALYTIC_SCHEMES, lowered_schedule, num_replicas, schedule_microbatches)
 from megatron.performance_model.specs import P100_MEMORY_BANDWIDTH  # noqa: E402
@@ -356,6 +373,112 @@ def check_split_sync() -> list:
     return lines
 
 
+def ddp_allreduce_costs(hardware, result):
+    """Check 9: ``result.costs`` with each stage's all-reduce run as DistributedDataParallel
+    runs it (25 MiB buckets, each paying the ring's latency), contended by the whole job
+    (``allreduce``) and alone on the network (``allreduce_alone``)."""
+    costs = result.costs
+    replicas = num_replicas(result.scheme, result.data_parallel, result.pipeline)
+    nodes = result.data_parallel * result.pipeline
+
+    def times(contention):
+        return tuple(cost_terms.allreduce_time(hardware, replicas, size, contention,
+                                               cost_terms.ddp_buckets(size))
+                     for size in costs.gradient_bytes)
+    return dataclasses.replace(
+        costs, allreduce=times(cost_terms.network_contention(hardware, nodes)),
+        allreduce_alone=times(cost_terms.network_contention(hardware, nodes, replicas)))
+
+
+def gpipe_syncing_every_backward(run, costs) -> float:
+    """Check 9: the iteration time of GPipe when every backward all-reduces its stage under
+    DDP (:func:`baselines.ddp_backward_with_sync`, blocking the rank), the optimizer step once
+    after the flush: the simulator's run of the lowered GPipe plan with those backwards and
+    no end-of-iteration sync."""
+    stages = range(run.pipeline)
+    synced = dataclasses.replace(
+        costs, stage_backward=tuple(baselines.ddp_backward_with_sync(costs, s) for s in stages),
+        allreduce=tuple(0.0 for _ in stages))
+    _, count = schedule_microbatches(run.scheme, run.pipeline, run.micro_batch_size,
+                                     run.num_microbatches)
+    return timing.simulated_iteration_time(run.scheme, run.pipeline, count, synced)
+
+
+def one_f_one_b_flush_under_ddp(run, costs, alone: bool) -> float:
+    """Check 9: the iteration time of 1F1B with a flush whose last backward per stage
+    all-reduces under DDP, blocking the rank before it sends its input gradient (the replay
+    of :func:`baselines.no_flush_interval_time` over one update interval of N micro-batches:
+    D − s − 1 warm-up forwards, one forward and one backward, the cool-down backwards).
+    ``alone``: each stage's sync without the rest of the job's contention (the syncs then
+    follow one another down the pipeline, as PipeDream-2BW's do)."""
+    _, count = schedule_microbatches(run.scheme, run.pipeline, run.micro_batch_size,
+                                     run.num_microbatches)
+    return baselines.no_flush_interval_time(run.pipeline, count, costs, intervals=1,
+                                            staggered_syncs=alone)
+
+
+def check_published_flush_paths(hardware) -> list:
+    """Check 9: the flushed baselines run as each published code path would run them."""
+    runs = {run.label: run for run in paper.COMPARISON_2048}
+    gpipe, one_f_one_b = runs["GPipe"], runs["1F1B/DAPPLE"]
+    lines = ["9. The published code paths for GPipe and 1F1B (in-sample constants, seq/s)"]
+    result = rp.estimate(hardware, gpipe)
+    every = gpipe.global_batch_size / gpipe_syncing_every_backward(
+        gpipe, ddp_allreduce_costs(hardware, result))
+    lines.append(f"   GPipe D={gpipe.pipeline}, published {gpipe.published:.0f}: GEMS main "
+                 f"--gpipe (one blocking all-reduce per stage after the flush, as the shipped "
+                 f"model) {result.throughput:.1f}; PipeDream-2BW runtime --gpipe (DDP, every "
+                 f"backward all-reduces) {every:.1f}")
+    result = rp.estimate(hardware, one_f_one_b)
+    ddp = ddp_allreduce_costs(hardware, result)
+    contended, alone = (one_f_one_b.global_batch_size
+                        / one_f_one_b_flush_under_ddp(one_f_one_b, ddp, flag)
+                        for flag in (False, True))
+    lines.append(f"   1F1B D={one_f_one_b.pipeline}, published {one_f_one_b.published:.0f}: "
+                 f"the shipped model {result.throughput:.1f}; PipeDream-2BW runtime's "
+                 f"1F1B-with-flush loop (DDP in the last backward, blocking) {contended:.1f} "
+                 f"with the job's contention, {alone:.1f} with each stage's sync alone")
+    flushed = {run.label: _predict_bucketed_flush_syncs(hardware, run)
+               for run in (one_f_one_b, gpipe)}
+    lines.append(f"   neither path, for scale: one sync per stage after the flush but through "
+                 f"DDP's 25 MiB buckets: 1F1B {flushed[one_f_one_b.label]:.1f}, GPipe "
+                 f"{flushed[gpipe.label]:.1f} (1F1B / GPipe "
+                 f"{flushed[one_f_one_b.label] / flushed[gpipe.label]:.3f}; paper "
+                 f"{one_f_one_b.published / gpipe.published:.3f})")
+    return lines
+
+
+FLUSHED_SCHEMES = ("1f1b", "gpipe")
+
+
+def _predict_bucketed_flush_syncs(hardware, run):
+    """Check 9, for scale only (no published code path does it): the shipped prediction with
+    GPipe's and 1F1B's end-of-flush stage syncs run through DDP's 25 MiB buckets, each paying
+    the ring's latency (:func:`ddp_allreduce_costs`)."""
+    result = rp.estimate(hardware, run)
+    if run.scheme not in FLUSHED_SCHEMES:
+        return result.throughput
+    _, count = schedule_microbatches(run.scheme, run.pipeline, run.micro_batch_size,
+                                     run.num_microbatches)
+    period = timing.simulated_iteration_time(run.scheme, run.pipeline, count,
+                                             ddp_allreduce_costs(hardware, result))
+    return run.global_batch_size / period
+
+
+def _held_out_line(labels, start_hardware) -> str:
+    """Each labelled point predicted by a fit without it (``rp.predict`` as patched by the
+    caller), started from ``start_hardware``'s constants."""
+    start = rp.constants_of(start_hardware)
+    held_out = {}
+    for label in labels:
+        fitted = rp.fit(tuple(r for r in rp.FIT_POINTS if r.label != label), start,
+                        rp.P100_ARIES, 30, {})
+        run = next(r for r in rp.FIT_POINTS if r.label == label)
+        held_out[label] = rp.predict(rp.hardware_of(fitted), run)
+    return "   leave-one-out: " + ", ".join(f"{label} {value:.1f}"
+                                            for label, value in held_out.items())
+
+
 def _speedup_line(hardware) -> str:
     values = {run.label: rp.predict(hardware, run) for run in paper.COMPARISON_2048}
     chimera = values[paper.COMPARISON_2048[0].label]
@@ -366,10 +489,11 @@ def _speedup_line(hardware) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--skip-slow", action="store_true", help="only checks 1 and 2")
+    parser.add_argument("--skip-slow", action="store_true", help="only checks 1, 2 and 9")
     args = parser.parse_args(argv)
     hardware = rp.hardware_of(rp.load_fits()["in_sample"])
-    out = check_steady_state(hardware) + check_head_of_line(hardware)
+    out = (check_steady_state(hardware) + check_head_of_line(hardware)
+           + check_published_flush_paths(hardware))
     if not args.skip_slow:
         lines, _ = _refit_lines("0. The shipped model (for comparison)")
         out += lines
@@ -403,6 +527,14 @@ def main(argv=None) -> int:
             lines.append(_speedup_line(recompute_hw))
         out += fixed + lines
         out += check_split_sync()
+        lines, bucketed_hw = _refit_lines("9. GPipe's and 1F1B's end-of-flush syncs through DDP's "
+                                          "buckets (no published path), refitted",
+                                          _predict_bucketed_flush_syncs)
+        with mock.patch.object(rp, "predict", _predict_bucketed_flush_syncs):
+            lines.append(_speedup_line(bucketed_hw))
+            lines.append(_held_out_line(("1F1B/DAPPLE", "GPipe", "W=16 D=32",
+                                         "W=64 D=8 recompute"), bucketed_hw))
+        out += lines
     print("\n".join(out))
     return 0
 

@@ -2,6 +2,7 @@
 model where they must, and differ where their mechanism acts (docs/performance_model.md quotes
 their numbers)."""
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -129,3 +130,74 @@ def test_split_sync_is_the_shipped_model_with_one_tensor_and_slower_with_the_aut
     loss_512 = 1 - split["W=16 D=32"] / checks.rp.predict(hardware, paper.SWEEP_512[1])
     loss_2048 = 1 - split["Chimera"] / checks.rp.predict(hardware, paper.COMPARISON_2048[0])
     assert loss_2048 > loss_512
+
+
+def _flushed(label):
+    return next(run for run in paper.COMPARISON_2048 if run.label == label)
+
+
+def _free_syncs(costs):
+    zero = tuple(0.0 for _ in costs.allreduce)
+    return dataclasses.replace(costs, allreduce=zero, allreduce_alone=zero)
+
+
+def test_gpipe_syncing_every_backward_is_the_shipped_gpipe_when_syncs_are_free(checks, hardware):
+    gpipe = _flushed("GPipe")
+    result = checks.rp.estimate(hardware, gpipe)
+    free = _free_syncs(result.costs)
+    _, count = checks.schedule_microbatches(gpipe.scheme, gpipe.pipeline,
+                                            gpipe.micro_batch_size, gpipe.num_microbatches)
+    shipped_free = checks.timing.simulated_iteration_time(gpipe.scheme, gpipe.pipeline, count,
+                                                          free)
+    assert checks.gpipe_syncing_every_backward(gpipe, free) == pytest.approx(shipped_free,
+                                                                             rel=1e-12)
+    # with DDP's syncs every backward holds its rank for (most of) a stage all-reduce: at least
+    # N of them on the last stage's critical path, against one after the flush
+    ddp = checks.ddp_allreduce_costs(hardware, result)
+    every = checks.gpipe_syncing_every_backward(gpipe, ddp)
+    assert every > result.iteration_time + (count - 1) * 0.5 * min(ddp.allreduce)
+
+
+def test_ddp_allreduce_costs_pay_a_ring_latency_per_bucket_and_less_alone(checks, hardware):
+    result = checks.rp.estimate(hardware, _flushed("1F1B/DAPPLE"))
+    ddp = checks.ddp_allreduce_costs(hardware, result)
+    for shipped, bucketed, alone in zip(result.costs.allreduce, ddp.allreduce,
+                                        ddp.allreduce_alone):
+        assert bucketed > shipped  # one ring latency per 25 MiB bucket instead of one
+        assert alone < bucketed  # 2,048 nodes: the job-wide contention is gone alone
+
+
+def test_one_f_one_b_flush_under_ddp_replays_1f1b_and_blocks_on_its_syncs(checks, hardware):
+    run = _flushed("1F1B/DAPPLE")
+    result = checks.rp.estimate(hardware, run)
+    free = _free_syncs(result.costs)
+    _, count = checks.schedule_microbatches(run.scheme, run.pipeline, run.micro_batch_size,
+                                            run.num_microbatches)
+    simulated = checks.timing.simulated_iteration_time(run.scheme, run.pipeline, count, free)
+    replayed = checks.one_f_one_b_flush_under_ddp(run, free, alone=False)
+    # the replay holds a rank for its op plus one exchange; the simulator pairs exchanges:
+    # the same 1F1B order, within a few per cent
+    assert replayed == pytest.approx(simulated, rel=0.05)
+    ddp = checks.ddp_allreduce_costs(hardware, result)
+    contended = checks.one_f_one_b_flush_under_ddp(run, ddp, alone=False)
+    alone = checks.one_f_one_b_flush_under_ddp(run, ddp, alone=True)
+    # each stage's blocking sync delays the gradient the stage below waits for: they chain
+    # (one exposed sync alone would cost at most max(ddp.allreduce_alone), 0.36 s here)
+    assert alone - replayed > 0.5 * sum(ddp.allreduce_alone) > 3 * max(ddp.allreduce_alone)
+    assert contended > alone
+
+
+def test_bucketed_flush_syncs_touch_only_gpipe_and_1f1b_and_cost_the_longer_ring_more(
+        checks, hardware):
+    for run in checks.rp.FIT_POINTS:
+        shipped = checks.rp.predict(hardware, run)
+        bucketed = checks._predict_bucketed_flush_syncs(hardware, run)
+        if run.scheme in checks.FLUSHED_SCHEMES:
+            assert bucketed < shipped, run.label
+        else:
+            assert bucketed == pytest.approx(shipped, rel=1e-12), run.label
+    gpipe, one_f_one_b = _flushed("GPipe"), _flushed("1F1B/DAPPLE")
+    lost = {run.label: 1 - checks._predict_bucketed_flush_syncs(hardware, run)
+            / checks.rp.predict(hardware, run) for run in (gpipe, one_f_one_b)}
+    # GPipe's first stage: more buckets (892 vs 577 MB) on a ring twice as long (256 vs 128)
+    assert lost["GPipe"] > 2 * lost["1F1B/DAPPLE"]
