@@ -222,13 +222,14 @@ def our_flags(label_flags, depth: int, count: int, times: StageTimes,
 
 def our_plan(label_flags, depth: int, count: int, times: StageTimes,
              calibration: Calibration = FREE):
-    """Our plan of one configuration as the runtime makes it (plan_from_config), and the stage
-    table it is simulated with (compute only)."""
+    """Our plan of one configuration as the runtime makes it on gloo (plan_from_config, sends
+    right after their producers: PipelineRuntime.eager_sends), and the stage table it is
+    simulated with (compute only)."""
     from megatron.core.pipeline_parallel.planning.plan import plan_from_config
     from megatron.training.arguments import parse_args
     config = parse_args(our_flags(label_flags, depth, count, times, calibration),
                         world_size=depth)
-    plan = plan_from_config(config)
+    plan = plan_from_config(config, eager_sends=True)
     return plan, stage_costs_of(times, plan.layout.num_stages)
 
 
