@@ -49,7 +49,8 @@ from ..planning.lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGrou
 from ..planning.schedules import ScheduleLayout
 from .instruction_timing import INSTRUCTION_TIMERS, InstructionSeconds
 from .model_chunks import ModuleKey
-from .split_backward import TrainableParameters, backward_input, backward_weight
+from .split_backward import (TrainableParameters, backward_input, backward_weight,
+                             input_half_boundary)
 from .stage import PipelineStageModule
 from .transport import ExpectedTensor, OutgoingTensor, Transport
 
@@ -464,9 +465,12 @@ class Interpreter:
         key = (op.pipeline, op.stage, op.microbatch)
         input_tensor, output, _ = self.stored[key]
         is_first = self._chunk(op.pipeline, op.stage)[1]
+        trainable = self._trainable(op.pipeline, op.stage)
+        # The graph walk needs no message: done before waiting for the gradient, it overlaps
+        # the wait when the gradient is still in flight.
+        boundary = input_half_boundary(output, input_tensor, trainable)
         input_grad, self.deferred[key] = backward_input(
-            output, self._output_gradient(op, output), input_tensor,
-            self._trainable(op.pipeline, op.stage))
+            output, self._output_gradient(op, output), input_tensor, trainable, boundary)
         if not is_first:
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_grad
 

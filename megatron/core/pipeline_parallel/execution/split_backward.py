@@ -42,6 +42,11 @@ class TrainableParameters:
         trainable = tuple(p for p in params if p.requires_grad)
         return cls(trainable, {get_gradient_edge(p).node: p for p in trainable})
 
+    @classmethod
+    def coerce(cls, params: "Sequence[torch.nn.Parameter] | TrainableParameters"
+               ) -> "TrainableParameters":
+        return params if isinstance(params, TrainableParameters) else cls.of(params)
+
 
 @dataclass
 class DeferredWeightGradients:
@@ -129,17 +134,35 @@ def _run_backward(output: torch.Tensor, grad: Optional[torch.Tensor], inputs: li
         inputs=tuple(inputs), allow_unreachable=True, accumulate_grad=accumulate)
 
 
+def input_half_boundary(output: torch.Tensor, input_tensor: Optional[torch.Tensor],
+                        params: "Sequence[torch.nn.Parameter] | TrainableParameters"
+                        ) -> Optional[list]:
+    """What :func:`backward_input` finds in the graph before it runs autograd: the boundary nodes
+    of ``output``'s graph (each with the parameters it alone leads to); None when there is nothing
+    to split (no graph, or a first stage) or two parts share a parameter. It needs no gradient,
+    so a caller may compute it while the gradient message is still in flight and pass it in."""
+    if output.grad_fn is None or input_tensor is None:
+        return None
+    trainable = TrainableParameters.coerce(params)
+    return _boundary_nodes(output.grad_fn, get_gradient_edge(input_tensor).node,
+                           set(trainable.param_of_node))
+
+
+_FIND_BOUNDARY = object()  # backward_input's default: walk the graph itself
+
+
 def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor],
                    input_tensor: Optional[torch.Tensor],
-                   params: "Sequence[torch.nn.Parameter] | TrainableParameters"
-                   ) -> tuple[Optional[torch.Tensor], DeferredWeightGradients]:
+                   params: "Sequence[torch.nn.Parameter] | TrainableParameters",
+                   boundary=_FIND_BOUNDARY) -> tuple[Optional[torch.Tensor],
+                                                     DeferredWeightGradients]:
     """The input gradient of ``output`` (None for a first stage) and what the weight half needs.
 
     ``grad`` is the gradient of ``output`` (None when ``output`` is the scalar loss); ``params``
-    the stage's parameters, or their :class:`TrainableParameters` resolved beforehand.
+    the stage's parameters, or their :class:`TrainableParameters` resolved beforehand;
+    ``boundary``: :func:`input_half_boundary` of the same arguments, if already computed.
     """
-    trainable = params if isinstance(params, TrainableParameters) else \
-        TrainableParameters.of(params)
+    trainable = TrainableParameters.coerce(params)
     params = list(trainable.params)
     if output.grad_fn is None:
         return None, DeferredWeightGradients()
@@ -148,8 +171,8 @@ def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor],
         part = ([root], [grad if grad is not None else torch.ones_like(output)], params)
         return None, DeferredWeightGradients([part])
     param_of_node = trainable.param_of_node
-    boundary = _boundary_nodes(output.grad_fn, get_gradient_edge(input_tensor).node,
-                               set(param_of_node))
+    if boundary is _FIND_BOUNDARY:
+        boundary = input_half_boundary(output, input_tensor, trainable)
     if boundary is None:  # shared parameters across parts: one full backward now
         _run_backward(output, grad, [input_tensor] + params, keep_graph=False, accumulate=True)
         input_grad, input_tensor.grad = input_tensor.grad, None
