@@ -203,7 +203,7 @@ def backward_weight(deferred: DeferredWeightGradients) -> None:
 
     The engine is called directly, as ``torch.autograd.grad(roots, params, grad_outputs=grads,
     allow_unused=True)`` would after its argument checks (every root has its captured gradient;
-    the checks cost ~0.2 ms on this op's critical path after a sleep, docs/benchmarks.md §9)."""
+    the checks cost ~0.15 ms on this op's critical path after a sleep, docs/benchmarks.md §9)."""
     for roots, grads, params in deferred.parts:
         for param, param_grad in zip(params, torch.autograd.Variable._execution_engine.run_backward(
                 tensors=tuple(roots), grad_tensors=tuple(grads), keep_graph=False,

@@ -101,7 +101,7 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
     eager sends wherever sends complete in the background (gloo): the compute order is the same
     and, messages being free in the plan, so is the simulated makespan, while a real message
     gets its round's slack to travel instead of being posted just before its consumer needs it
-    (docs/benchmarks.md §9, "Eager sends and ...").
+    (docs/benchmarks.md §9, "Eager sends on gloo").
     """
     if grad_sync_policy not in GRAD_SYNC_POLICIES:
         raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
