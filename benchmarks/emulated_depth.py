@@ -50,7 +50,8 @@ temporary directory (``emulated_depth_timeline_D<D>``).
 
 Configurations labelled "δ" (Chimera + split, direct and interleaved) are planned for the calibrated
 δ and overheads (``--pipeline-op-costs`` with ``message_latency`` / ``op_overhead``: the
-latency-tolerant plan, docs/schedules.md); the others are today's free-message plans.
+latency-tolerant plan, docs/schedules.md); the others are today's free-message plans (their
+messages sent right after their producers, as the runtime plans every schedule on gloo).
 
 Printed: efficiency = ideal compute time (one rank's share of all F, I, W) / measured iteration
 time (the headline, against ideal compute); simulated efficiency and measured / simulated twice:
