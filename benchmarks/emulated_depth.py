@@ -50,7 +50,8 @@ temporary directory (``emulated_depth_timeline_D<D>``).
 
 Configurations labelled "δ" (Chimera + split, direct and interleaved) are planned for the calibrated
 δ and overheads (``--pipeline-op-costs`` with ``message_latency`` / ``op_overhead``: the
-latency-tolerant plan, docs/schedules.md); the others are today's free-message plans.
+latency-tolerant plan, docs/schedules.md); the others are today's free-message plans (their
+messages sent right after their producers, as the runtime plans every schedule on gloo).
 
 Printed: efficiency = ideal compute time (one rank's share of all F, I, W) / measured iteration
 time (the headline, against ideal compute); simulated efficiency and measured / simulated twice:
@@ -222,13 +223,14 @@ def our_flags(label_flags, depth: int, count: int, times: StageTimes,
 
 def our_plan(label_flags, depth: int, count: int, times: StageTimes,
              calibration: Calibration = FREE):
-    """Our plan of one configuration as the runtime makes it (plan_from_config), and the stage
-    table it is simulated with (compute only)."""
+    """Our plan of one configuration as the runtime makes it on gloo (plan_from_config, sends
+    right after their producers: PipelineRuntime.eager_sends), and the stage table it is
+    simulated with (compute only)."""
     from megatron.core.pipeline_parallel.planning.plan import plan_from_config
     from megatron.training.arguments import parse_args
     config = parse_args(our_flags(label_flags, depth, count, times, calibration),
                         world_size=depth)
-    plan = plan_from_config(config)
+    plan = plan_from_config(config, eager_sends=True)
     return plan, stage_costs_of(times, plan.layout.num_stages)
 
 

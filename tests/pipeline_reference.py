@@ -75,7 +75,8 @@ def train_one_step(rank: int, world_size: int, argv: list[str], runtime_class=No
     return {"loss": record.losses["lm loss"], "grad_norm": record.grad_norm,
             "skipped": record.skipped,
             "grads": grads, "params": params,
-            "peak_stored": getattr(getattr(runtime, "last_interpreter", None), "peak_stored", None)}
+            "peak_stored": getattr(getattr(runtime, "last_interpreter", None), "peak_stored", None),
+            "eager_sends": getattr(runtime, "eager_sends", None)}
 
 
 # Layout comparisons: 1e-9 relative for gradients and parameters (float64 model; layouts differ only

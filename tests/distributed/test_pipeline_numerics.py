@@ -117,6 +117,8 @@ def test_layout_reproduces_single_process(flags, world_size, batch):
     results = run_distributed(train_one_step, world_size, (flags + " " + batch).split(),
                               timeout=240)
     assert_matches_reference(results, reference(batch))
+    # on gloo every plan sends each message right after its producer (PipelineRuntime)
+    assert all(result["eager_sends"] for result in results)
 
 
 @pytest.mark.parametrize("extra", [

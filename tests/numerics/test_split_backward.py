@@ -15,8 +15,10 @@ import torch
 from megatron.core.config import ModelConfig, RecomputeConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState
-from megatron.core.pipeline_parallel.execution.split_backward import (backward_input,
-                                                                      backward_weight)
+from megatron.core.pipeline_parallel.execution.split_backward import (TrainableParameters,
+                                                                      backward_input,
+                                                                      backward_weight,
+                                                                      input_half_boundary)
 
 SEQ, BATCH, HIDDEN = 8, 2, 16
 
@@ -54,14 +56,21 @@ def assert_close(actual, expected, what):
 @pytest.mark.parametrize("pre_process,post_process", [(False, False), (True, False),
                                                        (False, True)],
                          ids=["middle", "first", "last"])
-def test_two_halves_equal_one_full_backward_on_gpt_chunks(pre_process, post_process):
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
+def test_two_halves_equal_one_full_backward_on_gpt_chunks(pre_process, post_process, prepared):
     reference = gpt_chunk(pre_process, post_process)
     hidden, output, grad = run_chunk(reference, pre_process, post_process)
     output.backward(grad)
     split = gpt_chunk(pre_process, post_process)
     split_hidden, split_output, split_grad = run_chunk(split, pre_process, post_process)
-    input_grad, deferred = backward_input(split_output, split_grad, split_hidden,
-                                          list(split.parameters()))
+    params = list(split.parameters())
+    if prepared:  # as the interpreter calls it: parameters and graph walk resolved beforehand
+        trainable = TrainableParameters.of(params)
+        input_grad, deferred = backward_input(
+            split_output, split_grad, split_hidden, trainable,
+            input_half_boundary(split_output, split_hidden, trainable))
+    else:
+        input_grad, deferred = backward_input(split_output, split_grad, split_hidden, params)
     # The input half leaves every weight gradient for later.
     assert all(p.grad is None for p in split.parameters())
     if hidden is not None:

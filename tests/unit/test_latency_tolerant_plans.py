@@ -140,3 +140,23 @@ def test_planner_and_simulator_agree_with_latency_and_overheads(variant):
                                           tolerant.layout.num_stages, 0, costs)
     simulated = simulate_plan(tolerant, stage_costs=costs, p2p_cost=LATENCY).makespan
     assert simulated == pytest.approx(planned)
+
+
+@pytest.mark.parametrize("name,options,split", [("interleaved-1f1b", {"num_model_chunks": 2}, None),
+                                                ("1f1b", {}, 0),
+                                                ("chimera", {"variant": "direct"}, 0),
+                                                ("chimera", {"variant": "interleaved"}, 0)])
+def test_eager_sends_on_a_free_plan_keep_order_and_makespan(name, options, split):
+    """What the runtime plans where sends complete in the background (gloo): the free plan's
+    compute order and simulated makespan, every send right after its producer (or with the
+    round's later messages to the same peer), never later than the round rule."""
+    default = make_plan(name, 4, 8, options, split_backward=split)
+    eager = make_plan(name, 4, 8, options, split_backward=split, eager_sends=True)
+    assert make_plan(name, 4, 8, options, split_backward=split, eager_sends=None).lowered == \
+        default.lowered  # None: eager only for latency plans, as before
+    assert eager.schedule == default.schedule and eager.lowered != default.lowered
+    assert simulate_plan(eager).makespan == pytest.approx(simulate_plan(default).makespan)
+    before, after = send_points(default.lowered), send_points(eager.lowered)
+    assert before.keys() == after.keys()
+    assert all(after[message] <= before[message] for message in before)
+    assert any(after[message] < before[message] for message in before)

@@ -74,13 +74,17 @@ class PipelineRuntime:
         self.parallel_state = parallel_state
         self.device = device
         self.packer = select_packer(config.parallel.p2p_packing)
+        self.transport = make_transport(parallel_state, self.packer, device)
+        # Where sends complete in the background (gloo), every message is sent right after its
+        # producer: the same compute order and planned makespan, and a message travels during
+        # its round's slack instead of being posted just before its consumer needs it.
+        self.eager_sends = self.transport.sends_complete_in_background()
         self.plan = plan_from_config(config, doubled_step_messages=self.packer.enabled,
-                                     registry=self.registry)
+                                     registry=self.registry, eager_sends=self.eager_sends)
         self.layout = self.plan.layout
         # Plans by micro-batch count: the full batch's, and smaller ones while a
         # --rampup-batch-size ramp runs (each planned once, when first needed).
         self._plans = {config.training.num_microbatches: self.plan}
-        self.transport = make_transport(parallel_state, self.packer, device)
         self.keys: list = []
         self.reducers_by_key: dict = {}
         self.final_reducers: list = []
@@ -129,7 +133,7 @@ class PipelineRuntime:
         if num_microbatches not in self._plans:
             self._plans[num_microbatches] = plan_from_config(
                 self.config, doubled_step_messages=self.packer.enabled, registry=self.registry,
-                num_microbatches=num_microbatches)
+                num_microbatches=num_microbatches, eager_sends=self.eager_sends)
         return self._plans[num_microbatches]
 
     def instruction_microbatches(self, microbatches: Sequence[dict]) -> list[dict]:

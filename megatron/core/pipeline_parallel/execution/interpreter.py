@@ -49,7 +49,8 @@ from ..planning.lowering import RECV, SEND, GradSyncStart, GradSyncWait, P2PGrou
 from ..planning.schedules import ScheduleLayout
 from .instruction_timing import INSTRUCTION_TIMERS, InstructionSeconds
 from .model_chunks import ModuleKey
-from .split_backward import backward_input, backward_weight
+from .split_backward import (TrainableParameters, backward_input, backward_weight,
+                             input_half_boundary)
 from .stage import PipelineStageModule
 from .transport import ExpectedTensor, OutgoingTensor, Transport
 
@@ -271,6 +272,7 @@ class Interpreter:
         # first Python after a sleep runs several times slower than warm, docs/benchmarks.md §9).
         self._measuring = context.record_timeline or context.instruction_seconds is not None
         self._chunk_cache: dict = {}  # (pipeline, stage) -> (chunk, is first stage, is last stage)
+        self._trainable_cache: dict = {}  # (pipeline, stage) -> TrainableParameters
         self._signatures: dict = {}  # micro-batch index -> _shape_signature of its tensors
         self._op_start = 0.0
         self._parameter_pointers = {p.data_ptr() for chunk in context.chunks.values()
@@ -378,6 +380,16 @@ class Interpreter:
                 layout.is_last_stage(stage))
         return entry
 
+    def _trainable(self, pipeline: int, stage: int) -> TrainableParameters:
+        """The trainable parameters of module (pipeline, stage) and their gradient accumulators,
+        resolved once per iteration (what every input half of a split backward needs)."""
+        entry = self._trainable_cache.get((pipeline, stage))
+        if entry is None:
+            chunk = self._chunk(pipeline, stage)[0]
+            entry = self._trainable_cache[(pipeline, stage)] = TrainableParameters.of(
+                _parameters(chunk))
+        return entry
+
     def _forward_and_loss(self, context, microbatch, chunk, is_last: bool):
         """The chunk's forward (under autocast); on the last stage the scaled loss it returns,
         with the loss dict kept for logging."""
@@ -452,9 +464,13 @@ class Interpreter:
         """Input half of a split backward: the gradient message now, the weight work kept."""
         key = (op.pipeline, op.stage, op.microbatch)
         input_tensor, output, _ = self.stored[key]
-        chunk, is_first, _ = self._chunk(op.pipeline, op.stage)
+        is_first = self._chunk(op.pipeline, op.stage)[1]
+        trainable = self._trainable(op.pipeline, op.stage)
+        # The graph walk needs no message: done before waiting for the gradient, it overlaps
+        # the wait when the gradient is still in flight.
+        boundary = input_half_boundary(output, input_tensor, trainable)
         input_grad, self.deferred[key] = backward_input(
-            output, self._output_gradient(op, output), input_tensor, _parameters(chunk))
+            output, self._output_gradient(op, output), input_tensor, trainable, boundary)
         if not is_first:
             self.produced[(GRADIENT, op.pipeline, op.stage, op.microbatch)] = input_grad
 

@@ -26,6 +26,28 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
+@dataclass(frozen=True)
+class TrainableParameters:
+    """A chunk's parameters that require gradients, each with its gradient accumulator (autograd's
+    ``AccumulateGrad`` node, the graph node a parameter's gradient flows into). Resolved once per
+    chunk and iteration by the interpreter instead of on every input half (the first tensor work
+    after a sleep is slow, docs/benchmarks.md §9); holding the nodes keeps every graph built
+    meanwhile ending in the same ones (a parameter holds its accumulator only weakly)."""
+
+    params: tuple
+    param_of_node: dict  # AccumulateGrad node -> parameter
+
+    @classmethod
+    def of(cls, params: Sequence[torch.nn.Parameter]) -> "TrainableParameters":
+        trainable = tuple(p for p in params if p.requires_grad)
+        return cls(trainable, {get_gradient_edge(p).node: p for p in trainable})
+
+    @classmethod
+    def coerce(cls, params: "Sequence[torch.nn.Parameter] | TrainableParameters"
+               ) -> "TrainableParameters":
+        return params if isinstance(params, TrainableParameters) else cls.of(params)
+
+
 @dataclass
 class DeferredWeightGradients:
     """What the input half leaves for the weight half of one (stage, micro-batch): per boundary
@@ -112,24 +134,45 @@ def _run_backward(output: torch.Tensor, grad: Optional[torch.Tensor], inputs: li
         inputs=tuple(inputs), allow_unreachable=True, accumulate_grad=accumulate)
 
 
+def input_half_boundary(output: torch.Tensor, input_tensor: Optional[torch.Tensor],
+                        params: "Sequence[torch.nn.Parameter] | TrainableParameters"
+                        ) -> Optional[list]:
+    """What :func:`backward_input` finds in the graph before it runs autograd: the boundary nodes
+    of ``output``'s graph (each with the parameters it alone leads to); None when there is nothing
+    to split (no graph, or a first stage) or two parts share a parameter. It needs no gradient,
+    so a caller may compute it while the gradient message is still in flight and pass it in."""
+    if output.grad_fn is None or input_tensor is None:
+        return None
+    trainable = TrainableParameters.coerce(params)
+    return _boundary_nodes(output.grad_fn, get_gradient_edge(input_tensor).node,
+                           set(trainable.param_of_node))
+
+
+_FIND_BOUNDARY = object()  # backward_input's default: walk the graph itself
+
+
 def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor],
                    input_tensor: Optional[torch.Tensor],
-                   params: Sequence[torch.nn.Parameter]) -> tuple[Optional[torch.Tensor],
-                                                                  DeferredWeightGradients]:
+                   params: "Sequence[torch.nn.Parameter] | TrainableParameters",
+                   boundary=_FIND_BOUNDARY) -> tuple[Optional[torch.Tensor],
+                                                     DeferredWeightGradients]:
     """The input gradient of ``output`` (None for a first stage) and what the weight half needs.
 
-    ``grad`` is the gradient of ``output`` (None when ``output`` is the scalar loss).
+    ``grad`` is the gradient of ``output`` (None when ``output`` is the scalar loss); ``params``
+    the stage's parameters, or their :class:`TrainableParameters` resolved beforehand;
+    ``boundary``: :func:`input_half_boundary` of the same arguments, if already computed.
     """
-    params = [p for p in params if p.requires_grad]
+    trainable = TrainableParameters.coerce(params)
+    params = list(trainable.params)
     if output.grad_fn is None:
         return None, DeferredWeightGradients()
     if input_tensor is None:  # a first stage: the whole backward is weight work
         root = GradientEdge(output.grad_fn, output.output_nr)
         part = ([root], [grad if grad is not None else torch.ones_like(output)], params)
         return None, DeferredWeightGradients([part])
-    param_of_node = {get_gradient_edge(p).node: p for p in params}
-    boundary = _boundary_nodes(output.grad_fn, get_gradient_edge(input_tensor).node,
-                               set(param_of_node))
+    param_of_node = trainable.param_of_node
+    if boundary is _FIND_BOUNDARY:
+        boundary = input_half_boundary(output, input_tensor, trainable)
     if boundary is None:  # shared parameters across parts: one full backward now
         _run_backward(output, grad, [input_tensor] + params, keep_graph=False, accumulate=True)
         input_grad, input_tensor.grad = input_tensor.grad, None
@@ -156,10 +199,16 @@ def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor],
 
 
 def backward_weight(deferred: DeferredWeightGradients) -> None:
-    """Compute the deferred weight gradients and add them into ``param.grad``; frees the graph."""
+    """Compute the deferred weight gradients and add them into ``param.grad``; frees the graph.
+
+    The engine is called directly, as ``torch.autograd.grad(roots, params, grad_outputs=grads,
+    allow_unused=True)`` would after its argument checks (every root has its captured gradient;
+    the checks cost ~0.15 ms on this op's critical path after a sleep, docs/benchmarks.md §9)."""
     for roots, grads, params in deferred.parts:
-        for param, param_grad in zip(params, torch.autograd.grad(
-                roots, params, grad_outputs=grads, allow_unused=True)):
+        for param, param_grad in zip(params, torch.autograd.Variable._execution_engine.run_backward(
+                tensors=tuple(roots), grad_tensors=tuple(grads), keep_graph=False,
+                create_graph=False, inputs=tuple(params), allow_unreachable=True,
+                accumulate_grad=False)):
             if param_grad is None:
                 continue
             if param.grad is None:

@@ -95,6 +95,9 @@ class Transport(Protocol):
                  receives: Sequence[ExpectedTensor]) -> list[torch.Tensor]:
         """Post one group and complete it; the received tensors in the order of ``receives``."""
 
+    def sends_complete_in_background(self) -> bool:
+        """Whether the plan may post every send right after its producer (eager sends)."""
+
 
 @dataclass
 class _Posted:
@@ -206,6 +209,14 @@ class _PeerTransport:
                 coalesces = True
             self._one_by_one = type(group) is dist.ProcessGroup and not coalesces
         return self._one_by_one
+
+    def sends_complete_in_background(self) -> bool:
+        """Whether a posted send completes without this rank's help and never holds up its
+        later posts: on gloo every message is posted on its own and gloo's threads finish it, so
+        a plan may post each send right after its producer (eager sends, deadlock-free under the
+        simulator's asynchronous semantics). A coalescing backend (NCCL) orders point-to-point
+        work on a stream, which was not checked with eager sends: False there."""
+        return self._posts_one_by_one()
 
     def _post_on_group(self, message: "_Message"):
         """Post one send or receive on the pipeline group itself (gloo, see

@@ -81,7 +81,8 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
               forward_cost: float = 1, backward_cost: float = 2,
               doubled_step_messages: bool = False, split_backward: Optional[int] = None,
               stage_costs: Optional[StageCosts] = None,
-              registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> PipelinePlan:
+              registry: ScheduleRegistry = BUILTIN_SCHEDULES,
+              eager_sends: Optional[bool] = None) -> PipelinePlan:
     """Build, validate and lower one schedule.
 
     ``forward_cost`` / ``backward_cost`` (per micro-batch of --micro-batch-size; scaled by the
@@ -95,6 +96,12 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
     message latency δ > 0 makes a latency-tolerant plan: split backward places the weight halves
     knowing that a message arrives δ after its producer, and the lowering sends every message
     right after its producer (with δ = 0 the plan is the free-message one, unchanged).
+    ``eager_sends``: send every message right after its producer (True) or at its round's group
+    (False); None: eagerly exactly for a plan with message latency > 0. The runtime asks for
+    eager sends wherever sends complete in the background (gloo): the compute order is the same
+    and, messages being free in the plan, so is the simulated makespan, while a real message
+    gets its round's slack to travel instead of being posted just before its consumer needs it
+    (docs/benchmarks.md §9, "Eager sends on gloo").
     """
     if grad_sync_policy not in GRAD_SYNC_POLICIES:
         raise ValueError(f"unknown gradient sync policy {grad_sync_policy!r}; allowed: "
@@ -105,7 +112,8 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
     schedule = family.build(pipeline_size, num_microbatches, **resolved)
     fraction = float(layout.microbatch_fraction)
     # A plan for message latency > 0 sends each message right after its producer.
-    eager_sends = stage_costs is not None and stage_costs.message_latency > 0
+    if eager_sends is None:
+        eager_sends = stage_costs is not None and stage_costs.message_latency > 0
     if split_backward is not None:
         validate_schedule(schedule, layout, num_microbatches)
         if stage_costs is None:
@@ -127,10 +135,11 @@ def make_plan(name: str, pipeline_size: int, num_microbatches: int,
 
 def plan_from_config(config, *, doubled_step_messages: bool = False,
                      registry: ScheduleRegistry = BUILTIN_SCHEDULES,
-                     num_microbatches: Optional[int] = None) -> PipelinePlan:
+                     num_microbatches: Optional[int] = None,
+                     eager_sends: Optional[bool] = None) -> PipelinePlan:
     """The plan of the configured schedule (``config.parallel``, ``config.training``), for
     ``num_microbatches`` micro-batches per iteration (default: the configured full batch's; a
-    batch-size ramp-up runs smaller counts first)."""
+    batch-size ramp-up runs smaller counts first). ``eager_sends`` as in :func:`make_plan`."""
     parallel = config.parallel
     name, options = schedule_from_config(parallel, registry)
     stage_costs = None
@@ -148,7 +157,7 @@ def plan_from_config(config, *, doubled_step_messages: bool = False,
                      doubled_step_messages=doubled_step_messages,
                      split_backward=(parallel.split_backward_extra_activations
                                      if parallel.split_backward else None),
-                     stage_costs=stage_costs, registry=registry)
+                     stage_costs=stage_costs, registry=registry, eager_sends=eager_sends)
 
 
 def layout_from_config(config, registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> ScheduleLayout:
