@@ -70,6 +70,8 @@ def variants(short: int, long: int) -> dict:
         table[f"a2sgd {label} tensor sync {short}"] = (
             label, f"{flags} {a2sgd} {short} --a2sgd-granularity tensor")
         table[f"a2sgd {label} low-lr sync {short}"] = (label, f"{low_lr} {a2sgd} {short}")
+        table[f"a2sgd {label} low-lr flush params sync {short}"] = (
+            label, f"{low_lr} {a2sgd} {short} {flush} --a2sgd-periodic-sync parameters")
     table[f"a2sgd adam flush params exact-v sync {short}"] = (
         "adam", f"{ADAM} {a2sgd} {short} {flush} --a2sgd-periodic-sync parameters "
                 "--a2sgd-second-moment-from-exact-steps")
