@@ -197,13 +197,13 @@ def summarise(results: dict) -> list:
 
 
 def print_report(results: dict) -> None:
-    print(f"{'variant':<26} {'seeds':<9} {'final val loss: mean (min-max)':<32} "
+    print(f"{'variant':<38} {'seeds':<9} {'final val loss: mean (min-max)':<32} "
           f"{'gap to all-reduce: mean (min-max)':<34}")
     for row in summarise(results):
         gap = ("-" if row["gap"] is None else
                f"{row['gap']:+.4f} ({row['gap_min']:+.4f} .. {row['gap_max']:+.4f})")
         seeds = ",".join(str(s) for s in row["seeds"])
-        print(f"{row['variant']:<26} {seeds:<9} "
+        print(f"{row['variant']:<38} {seeds:<9} "
               f"{row['mean']:.4f} ({row['min']:.4f}-{row['max']:.4f}){'':<10} {gap}")
 
 
@@ -217,6 +217,8 @@ def plot(results: dict, path: str) -> None:
         curves.setdefault(name, []).append(
             sorted((int(it), loss) for it, loss in run["validation"].items()))
     figure, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for axis in axes:  # more variants than the default ten colours
+        axis.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for name, runs in curves.items():
         axis = axes[0] if "sgd" not in name.split()[1:2] else axes[1]
         iterations = [it for it, _ in runs[0]]
