@@ -13,8 +13,9 @@ owns by default, as in the paper; or each bucket / each tensor). Per step, on da
 The new error is *staged* and committed by ``after_step(ok)`` only when the optimizer stepped (a
 loss-scale overflow or a non-finite norm discards it). Replicas apply different updates and drift,
 so ``synchronize()`` averages the parameters and the optimizer state exactly over the data-parallel
-group; the training loop calls it every ``sync_interval`` (``--a2sgd-sync-interval``) iterations
-and before every checkpoint and evaluation. All of this goes through the lifecycle of the
+group before every checkpoint and evaluation, and ``synchronize_periodically()`` every
+``sync_interval`` (``--a2sgd-sync-interval``) iterations the parameters and, unless
+``--a2sgd-periodic-sync parameters``, the optimizer state. All of this goes through the lifecycle of the
 :class:`~.reduction.GradientReduction` seam; the error buffers are the reducer's ``state_dict()``,
 which checkpoints keep per data-parallel rank. :data:`A2SGD_REDUCER` is the
 ``--dp-gradient-reducer a2sgd`` entry of :data:`~.reducers.BUILTIN_REDUCERS`.
