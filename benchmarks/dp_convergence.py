@@ -75,6 +75,8 @@ def variants(short: int, long: int) -> dict:
     table[f"a2sgd adam flush params exact-v sync {short}"] = (
         "adam", f"{ADAM} {a2sgd} {short} {flush} --a2sgd-periodic-sync parameters "
                 "--a2sgd-second-moment-from-exact-steps")
+    table[f"a2sgd adam flush 2 params sync {long}"] = (
+        "adam", f"{ADAM} {a2sgd} {long} --a2sgd-flush-interval 2 --a2sgd-periodic-sync parameters")
     table["topk adam"] = ("adam", f"{ADAM} --dp-gradient-reducer topk --topk-ratio 0.01")
     table["qsgd adam"] = ("adam", f"{ADAM} --dp-gradient-reducer qsgd --qsgd-levels 127")
     return table

@@ -265,6 +265,11 @@ class ParallelConfig:
                "error to the optimizer: the step after a sync all-reduces the error-corrected "
                "gradient exactly (one gradient-sized all-reduce) and clears the error (see "
                "docs/a2sgd.md).")
+    a2sgd_flush_interval: int = option(
+        0, "With --dp-gradient-reducer a2sgd: every this many iterations the next step is exact "
+           "(all-reduces the error-corrected gradient and clears the error, as after a sync with "
+           "--a2sgd-sync-flushes-errors), independently of --a2sgd-sync-interval; 0: never "
+           "(see docs/a2sgd.md).")
     a2sgd_periodic_sync: str = option(
         "parameters-and-optimizer",
         "With --dp-gradient-reducer a2sgd: what the sync every --a2sgd-sync-interval iterations "

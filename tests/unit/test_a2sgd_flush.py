@@ -98,3 +98,41 @@ def test_the_periodic_sync_flag_reaches_the_reducer():
     assert not _flag_reducer(["--a2sgd-periodic-sync", "parameters"]).periodic_sync_averages_optimizer
     with pytest.raises(SystemExit):
         _flag_reducer(["--a2sgd-periodic-sync", "moments"])
+
+
+def test_a_flush_interval_makes_every_nth_next_step_exact_without_a_sync():
+    param = torch.nn.Parameter(torch.zeros(4))
+    reducer = A2SGDReducer([param], flush_interval=2)
+    param.grad = torch.zeros(4)
+    reducer.inner.rebind_all()
+    exact_steps = []
+    for _ in range(6):
+        exact = reducer.exact_next_step
+        applied, error = _step_with_after_step(reducer, param, [3.0, -1.0, 1.0, -3.0])
+        exact_steps.append(exact)
+        if exact:  # p = g + e applied as it is, no error left
+            assert error == [0.0] * 4
+        else:
+            assert sorted(set(applied)) != sorted(set([3.0, -1.0, 1.0, -3.0]))
+    assert exact_steps == [False, False, True, False, True, False]
+    # the step count survives a checkpoint (the phase of the interval)
+    assert reducer.state_dict()["steps_done"] == 6
+    fresh = A2SGDReducer([torch.nn.Parameter(torch.zeros(4))], flush_interval=2)
+    fresh.load_state_dict(reducer.state_dict())
+    assert fresh.steps_done == 6
+
+
+def _step_with_after_step(reducer, param, gradient):
+    reducer.zero_grad()
+    param.grad.copy_(torch.tensor(gradient))
+    reducer.wait()
+    applied = param.grad.tolist()
+    reducer.after_step(True)
+    return applied, reducer.errors[torch.float32].tolist()
+
+
+def test_the_flush_interval_flag_reaches_the_reducer_and_is_checked():
+    assert _flag_reducer([]).flush_interval == 0
+    assert _flag_reducer(["--a2sgd-flush-interval", "2"]).flush_interval == 2
+    with pytest.raises(ValueError, match="--a2sgd-flush-interval"):
+        _flag_reducer(["--a2sgd-flush-interval", "-1"])

@@ -203,6 +203,9 @@ class A2SGDReducer(GradientReduction):
             all-reduces ``p = g + e`` (the mean over the data-parallel group is applied) and
             clears the error, so every rank's unapplied error reaches the optimizer
             (``--a2sgd-sync-flushes-errors``).
+        flush_interval: every this many steps (counted by :meth:`after_step`, 0: never) the next
+            step is an exact one, as after a flushing sync, independently of the sync
+            (``--a2sgd-flush-interval``).
         periodic_sync_averages_optimizer: the sync every ``sync_interval`` iterations also averages
             the optimizer state (default); False: the parameters only
             (``--a2sgd-periodic-sync parameters``). :meth:`synchronize` (before a checkpoint or
@@ -228,7 +231,7 @@ class A2SGDReducer(GradientReduction):
                  bucket_size: int = 1_000_000, sync_interval: int = 0, overlap: bool = False,
                  arithmetic: str = "auto", flush_errors_at_sync: bool = False,
                  periodic_sync_averages_optimizer: bool = True,
-                 second_moment_from_exact_steps: bool = False):
+                 second_moment_from_exact_steps: bool = False, flush_interval: int = 0):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown A2SGD granularity {granularity!r}; use one of "
                              f"{GRANULARITIES}")
@@ -246,6 +249,10 @@ class A2SGDReducer(GradientReduction):
         self.sync_interval = int(sync_interval)
         self.flush_errors_at_sync = bool(flush_errors_at_sync)
         self.periodic_sync_averages_optimizer = bool(periodic_sync_averages_optimizer)
+        if flush_interval < 0:
+            raise ValueError(f"the A2SGD flush interval must be >= 0 (got {flush_interval})")
+        self.flush_interval = int(flush_interval)
+        self.steps_done = 0  # steps seen by after_step(), for flush_interval
         self.exact_next_step = False  # set by synchronize() with flush_errors_at_sync
         self.second_moment: Optional[SecondMomentFromExactSteps] = None
         if second_moment_from_exact_steps:
@@ -487,6 +494,9 @@ class A2SGDReducer(GradientReduction):
 
     def after_step(self, ok: bool) -> None:
         self.finish_step(ok)
+        self.steps_done += 1
+        if self.flush_interval and self.steps_done % self.flush_interval == 0:
+            self.exact_next_step = True
         if self.second_moment is not None:
             self.second_moment.after_step(ok)
 
@@ -522,11 +532,13 @@ class A2SGDReducer(GradientReduction):
     def state_dict(self) -> dict:
         """The error buffers (per dtype, in this reducer's flat layout) and whether the next step
         reduces exactly (a checkpoint is saved right after a sync)."""
-        return {**self.feedback.state_dict(), "exact_next_step": self.exact_next_step}
+        return {**self.feedback.state_dict(), "exact_next_step": self.exact_next_step,
+                "steps_done": self.steps_done}
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state)
         self.exact_next_step = bool(state.get("exact_next_step", False))  # absent: older files
+        self.steps_done = int(state.get("steps_done", 0))
 
     def average_parameters(self, optimizer_state: Optional[dict] = None) -> None:
         """Make the replicas identical: the exact mean over the data-parallel group of every
@@ -567,13 +579,17 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
                         periodic_sync_averages_optimizer=periodic != "parameters",
                         second_moment_from_exact_steps=(
                             request.parallel is not None
-                            and request.parallel.a2sgd_second_moment_from_exact_steps))
+                            and request.parallel.a2sgd_second_moment_from_exact_steps),
+                        flush_interval=(request.parallel.a2sgd_flush_interval
+                                        if request.parallel is not None else 0))
 
 
 def check_a2sgd_flags(parallel) -> None:
     """The flag rules of ``--dp-gradient-reducer a2sgd``."""
     if parallel.a2sgd_sync_interval < 1:
         raise ValueError(f"--a2sgd-sync-interval must be >= 1 (got {parallel.a2sgd_sync_interval})")
+    if parallel.a2sgd_flush_interval < 0:
+        raise ValueError(f"--a2sgd-flush-interval must be >= 0 (got {parallel.a2sgd_flush_interval})")
     if parallel.a2sgd_second_moment_from_exact_steps and not parallel.a2sgd_sync_flushes_errors:
         raise ValueError("--a2sgd-second-moment-from-exact-steps learns Adam's second moment from "
                          "the exact steps of --a2sgd-sync-flushes-errors; add that flag")
