@@ -15,12 +15,14 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--mock-data --dp-gradient-reducer a2sgd").split()
 
 
-def _step(reducer, param, gradient):
+def _step(reducer, param, gradient, counted: bool = False):
+    """One step; ``counted``: end it with the training loop's ``after_step`` (which also counts
+    steps for ``flush_interval``) instead of ``finish_step``."""
     reducer.zero_grad()
     param.grad.copy_(torch.tensor(gradient))
     reducer.wait()
     applied = param.grad.tolist()
-    reducer.finish_step(True)
+    (reducer.after_step if counted else reducer.finish_step)(True)
     return applied, reducer.errors[torch.float32].tolist()
 
 
@@ -108,7 +110,7 @@ def test_a_flush_interval_makes_every_nth_next_step_exact_without_a_sync():
     exact_steps = []
     for _ in range(6):
         exact = reducer.exact_next_step
-        applied, error = _step_with_after_step(reducer, param, [3.0, -1.0, 1.0, -3.0])
+        applied, error = _step(reducer, param, [3.0, -1.0, 1.0, -3.0], counted=True)
         exact_steps.append(exact)
         if exact:  # p = g + e applied as it is, no error left
             assert error == [0.0] * 4
@@ -120,15 +122,6 @@ def test_a_flush_interval_makes_every_nth_next_step_exact_without_a_sync():
     fresh = A2SGDReducer([torch.nn.Parameter(torch.zeros(4))], flush_interval=2)
     fresh.load_state_dict(reducer.state_dict())
     assert fresh.steps_done == 6
-
-
-def _step_with_after_step(reducer, param, gradient):
-    reducer.zero_grad()
-    param.grad.copy_(torch.tensor(gradient))
-    reducer.wait()
-    applied = param.grad.tolist()
-    reducer.after_step(True)
-    return applied, reducer.errors[torch.float32].tolist()
 
 
 def test_the_flush_interval_flag_reaches_the_reducer_and_is_checked():
