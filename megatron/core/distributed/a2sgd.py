@@ -563,25 +563,26 @@ def build_a2sgd_reduction(request: ChunkReductionRequest) -> A2SGDReducer:
     tensor-parallel-replicated parameters are all-reduced exactly over the stage's replica group."""
     def exact(param):
         return request.tensor_parallel and not getattr(param, "tensor_model_parallel", False)
-    interval = request.parallel.a2sgd_sync_interval if request.parallel is not None else 0
-    granularity = request.parallel.a2sgd_granularity if request.parallel is not None else "model"
-    flush = request.parallel.a2sgd_sync_flushes_errors if request.parallel is not None else False
-    periodic = (request.parallel.a2sgd_periodic_sync if request.parallel is not None
-                else "parameters-and-optimizer")
     return A2SGDReducer([p for p in request.params if not exact(p)],
                         direction_group=request.direction_group(),
                         data_group=request.data_group,
                         exact_params=[p for p in request.params if exact(p)],
                         exact_group=request.replica_group, dp_size=int(request.divide_by),
-                        granularity=granularity, bucket_size=FLAG_BUCKET_SIZE,
-                        sync_interval=interval, overlap=request.overlap,
-                        flush_errors_at_sync=flush,
-                        periodic_sync_averages_optimizer=periodic != "parameters",
-                        second_moment_from_exact_steps=(
-                            request.parallel is not None
-                            and request.parallel.a2sgd_second_moment_from_exact_steps),
-                        flush_interval=(request.parallel.a2sgd_flush_interval
-                                        if request.parallel is not None else 0))
+                        bucket_size=FLAG_BUCKET_SIZE, overlap=request.overlap,
+                        **_flag_options(request.parallel))
+
+
+def _flag_options(parallel) -> dict:
+    """The reducer's options from the A2SGD flags; none without a configuration (the
+    constructor's defaults: no periodic sync, the whole-model segment, no flush)."""
+    if parallel is None:
+        return {}
+    return {"sync_interval": parallel.a2sgd_sync_interval,
+            "granularity": parallel.a2sgd_granularity,
+            "flush_errors_at_sync": parallel.a2sgd_sync_flushes_errors,
+            "periodic_sync_averages_optimizer": parallel.a2sgd_periodic_sync != "parameters",
+            "second_moment_from_exact_steps": parallel.a2sgd_second_moment_from_exact_steps,
+            "flush_interval": parallel.a2sgd_flush_interval}
 
 
 def check_a2sgd_flags(parallel) -> None:

@@ -129,9 +129,18 @@ def _run_backward(output: torch.Tensor, grad: Optional[torch.Tensor], inputs: li
     shape with the (now empty) data; the graph keeps the recorded shape (Megatron-LM does the same).
     """
     grad = torch.ones_like(output) if grad is None else grad
+    return _engine_backward((output,), (grad,), inputs, keep_graph=keep_graph,
+                            accumulate=accumulate)
+
+
+def _engine_backward(roots, grads, inputs, *, keep_graph: bool, accumulate: bool):
+    """The autograd engine from ``roots`` (tensors or gradient edges) with ``grads`` towards
+    ``inputs``, without ``torch.autograd``'s argument checks (see :func:`_run_backward` and
+    :func:`backward_weight` for why they are skipped)."""
     return torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad,), keep_graph=keep_graph, create_graph=False,
-        inputs=tuple(inputs), allow_unreachable=True, accumulate_grad=accumulate)
+        tensors=tuple(roots), grad_tensors=tuple(grads), keep_graph=keep_graph,
+        create_graph=False, inputs=tuple(inputs), allow_unreachable=True,
+        accumulate_grad=accumulate)
 
 
 def input_half_boundary(output: torch.Tensor, input_tensor: Optional[torch.Tensor],
@@ -205,10 +214,9 @@ def backward_weight(deferred: DeferredWeightGradients) -> None:
     allow_unused=True)`` would after its argument checks (every root has its captured gradient;
     the checks cost ~0.15 ms on this op's critical path after a sleep, docs/benchmarks.md §9)."""
     for roots, grads, params in deferred.parts:
-        for param, param_grad in zip(params, torch.autograd.Variable._execution_engine.run_backward(
-                tensors=tuple(roots), grad_tensors=tuple(grads), keep_graph=False,
-                create_graph=False, inputs=tuple(params), allow_unreachable=True,
-                accumulate_grad=False)):
+        for param, param_grad in zip(params, _engine_backward(roots, grads, params,
+                                                               keep_graph=False,
+                                                               accumulate=False)):
             if param_grad is None:
                 continue
             if param.grad is None:
