@@ -353,7 +353,9 @@ class TrainingConfig:
                "mean losses (they differ when loss masks differ between samples).")
     check_for_nan_in_loss_and_grad: bool = option(
         False, "Stop (error naming the iteration and rank) when the loss or gradient norm is NaN "
-               "or infinite, instead of skipping the update.")
+               "or infinite, instead of skipping the update; each gradient bucket is checked on "
+               "its own rank before the data-parallel reduction (with --rerun-mode "
+               "validate_results: re-run first).")
     max_consecutive_skipped_iterations: int = option(
         100, "Stop when this many iterations in a row skipped their update (overflow/NaN the "
              "loss scaler cannot recover from); 0 disables.")
@@ -366,6 +368,10 @@ class TrainingConfig:
     check_for_spiky_loss: bool = option(
         False, "With --rerun-mode validate_results: also reject a loss at least 10 times the "
                "largest of the first 100 (re-run, then continue).")
+    check_for_large_grads: bool = option(
+        False, "Check the norm of each gradient bucket on its own rank before the data-parallel "
+               "reduction: at least 10 times the largest of the first 100 is rejected (with "
+               "--rerun-mode validate_results re-run, then continue; without, logged).")
     error_injection_rate: int = option(
         0, "With --rerun-mode validate_results: reject each validated result with probability "
            "1/N on purpose (0: never), to test the re-run engine.")

@@ -64,7 +64,7 @@ RECENT_COMPATIBILITY_FLAGS: tuple[CompatibilityFlag, ...] = (
                       choices=("none", "local", "transformer_engine", "full_iteration")),
     CompatibilityFlag("--cuda-graph-scope", reasons.CUDA_GRAPHS, takes_list=True),
     CompatibilityFlag("--cuda-graph-modules", reasons.CUDA_GRAPHS, takes_list=True),
-    *_switches(reasons.DIAGNOSTICS, "--check-for-large-grads", "--log-device-memory-used",
+    *_switches(reasons.DIAGNOSTICS, "--log-device-memory-used",
            "--log-max-attention-logit", "--log-energy", "--otel-enabled"),
     *_with_value(reasons.DIAGNOSTICS, "--config-logger-dir", "--gpu-sniff-test-interval",
            "--save-params-interval",

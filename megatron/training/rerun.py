@@ -1,11 +1,22 @@
 """The re-run engine (Megatron-LM's ``--rerun-mode validate_results``): tell a transient fault from a
 persistent one by running a suspicious iteration a second time.
 
-Each iteration's local losses (one per micro-batch whose loss this rank computed) are validated
-before the optimizer steps: NaN and infinite losses (fatal) always, a spiky loss (not fatal, at
-least ``SPIKY_LOSS_FACTOR`` times the largest of the first ``SPIKY_LOSS_SAMPLES`` losses) with
-``--check-for-spiky-loss``. The first iteration of a job is not validated (Megatron's rule: a
-checkpoint may not be possible before the optimizer has stepped once).
+Each iteration's local results are validated before the optimizer steps (:class:`LocalResults`):
+
+- the local losses (one per micro-batch whose loss this rank computed): NaN and infinite losses
+  (fatal) always, a spiky loss (not fatal, at least ``SPIKY_LOSS_FACTOR`` times the largest of the
+  first ``SPIKY_LOSS_SAMPLES`` losses) with ``--check-for-spiky-loss``;
+- the norm of each bucket of this rank's own gradients just before the data-parallel reduction
+  sends it (:mod:`megatron.training.gradient_checks`): NaN and infinite norms (fatal) with
+  ``--check-for-nan-in-loss-and-grad``, unexpectedly large ones (not fatal, at least
+  ``LARGE_GRADS_FACTOR`` times the largest of the first ``SPIKY_LOSS_SAMPLES`` norms) with
+  ``--check-for-large-grads`` (Megatron's checks in its gradient buckets; re-runs compare them
+  with a relative tolerance of ``GRADS_TOLERANCE``).
+
+The first iteration of a job is not validated (Megatron's rule: a checkpoint may not be possible
+before the optimizer has stepped once). Without the engine (``--rerun-mode disabled``) the
+gradient checks still run (:func:`validate_without_rerun`): a fatal rejection stops the run
+before the update, naming the rank and the bucket; a large norm is logged.
 
 When any rank rejects a result, every rank (the decision is an all-reduce over the world, so every
 schedule, Chimera included, re-runs together) restores the state the iteration started from (the
@@ -50,6 +61,8 @@ EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
 SPIKY_LOSS_FACTOR = 10.0   # pretrain_gpt.py's SPIKY_LOSS_FACTOR
 SPIKY_LOSS_SAMPLES = 100   # losses seen before a spike can be called
 TOLERANCE = 0.0            # forward passes are deterministic: any difference is a fault
+LARGE_GRADS_FACTOR = 10.0  # Megatron's threshold for "unexpected large grads"
+GRADS_TOLERANCE = 0.001    # Megatron's tolerance for re-run gradient norms
 
 RERUN_MODES = ("disabled", "validate_results")
 INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
@@ -71,15 +84,105 @@ class RerunStop:
 
 @dataclass(frozen=True)
 class Check:
-    """One validation applied to every local loss."""
+    """One validation applied to every local result of one kind (``target``): ``loss`` (each
+    local loss) or ``grads`` (each gradient bucket's local norm; ``{bucket}`` in the message is
+    the bucket's number, in the order this rank's reductions sent them)."""
 
     message: str
     fatal: bool
+    rejects: str  # "nan" | "inf" | "large"
+    target: str = "loss"
+    tolerance: float = TOLERANCE
 
 
-NAN_CHECK = Check("found NaN in local forward loss calculation", fatal=True)
-INF_CHECK = Check("found Inf in local forward loss calculation", fatal=True)
-SPIKY_CHECK = Check("Spiky loss", fatal=False)
+NAN_CHECK = Check("found NaN in local forward loss calculation", fatal=True, rejects="nan")
+INF_CHECK = Check("found Inf in local forward loss calculation", fatal=True, rejects="inf")
+SPIKY_CHECK = Check("Spiky loss", fatal=False, rejects="large")
+_BEFORE_REDUCTION = "in backward pass before data-parallel communication collective"
+GRAD_NAN_CHECK = Check("found NaN in local grad norm for bucket #{bucket} " + _BEFORE_REDUCTION,
+                       fatal=True, rejects="nan", target="grads", tolerance=GRADS_TOLERANCE)
+GRAD_INF_CHECK = Check("found Inf in local grad norm for bucket #{bucket} " + _BEFORE_REDUCTION,
+                       fatal=True, rejects="inf", target="grads", tolerance=GRADS_TOLERANCE)
+LARGE_GRADS_CHECK = Check("found unexpected large grads in bucket #{bucket} " + _BEFORE_REDUCTION,
+                          fatal=False, rejects="large", target="grads", tolerance=GRADS_TOLERANCE)
+
+
+@dataclass(frozen=True)
+class LocalResults:
+    """What one run of an iteration produced on this rank that the checks look at."""
+
+    losses: Sequence[float] = ()
+    grad_norms: Sequence[float] = ()  # per gradient bucket, before its reduction
+
+    def of(self, target: str) -> Sequence[float]:
+        return self.losses if target == "loss" else self.grad_norms
+
+
+def gradient_checks(training) -> tuple[Check, ...]:
+    """The gradient checks the flags ask for (``config.training``)."""
+    return (((GRAD_NAN_CHECK, GRAD_INF_CHECK) if training.check_for_nan_in_loss_and_grad else ())
+            + ((LARGE_GRADS_CHECK,) if getattr(training, "check_for_large_grads", False) else ()))
+
+
+@dataclass
+class ResultValidator:
+    """Applies checks to local results: every validation of a run in a fixed order, each named by
+    its call (message, how many times that message was validated in this run), and the scale
+    that "unexpectedly large" compares with, per target (Megatron's ``is_unexpectedly_large``:
+    the first ``SPIKY_LOSS_SAMPLES`` finite values set it)."""
+
+    checks: tuple[Check, ...]
+    largest: dict = field(default_factory=dict)  # target -> the largest of its first samples
+    samples: dict = field(default_factory=dict)  # target -> how many samples it has seen
+
+    def validations(self, results: LocalResults):
+        """(call, check, message, value) for every validation of ``results``, in order."""
+        counts: dict[str, int] = {}
+        for target in ("loss", "grads"):
+            for index, value in enumerate(results.of(target)):
+                for check in self.checks:
+                    if check.target != target:
+                        continue
+                    message = check.message.format(bucket=index)
+                    counts[message] = counts.get(message, 0) + 1
+                    yield (message, counts[message]), check, message, value
+
+    def rejects(self, check: Check, value: float) -> bool:
+        if check.rejects == "nan":
+            return math.isnan(value)
+        if check.rejects == "inf":
+            return math.isinf(value)
+        return self._is_unexpectedly_large(check.target, value)
+
+    def _is_unexpectedly_large(self, target: str, value: float) -> bool:
+        value = abs(value)
+        if not math.isfinite(value):
+            return False  # NaN and inf have checks of their own
+        if self.samples.get(target, 0) < SPIKY_LOSS_SAMPLES:
+            self.samples[target] = self.samples.get(target, 0) + 1
+            self.largest[target] = max(self.largest.get(target, 0.0), value)
+            return False
+        factor = SPIKY_LOSS_FACTOR if target == "loss" else LARGE_GRADS_FACTOR
+        return value >= self.largest[target] * factor
+
+
+def validate_without_rerun(validator: ResultValidator, results: LocalResults, rank: int,
+                           iteration: int) -> None:
+    """``--rerun-mode disabled`` (Megatron's behaviour there): a rejected fatal check raises
+    :class:`~megatron.training.iteration_health.TrainingDivergedError` before the update; a
+    rejected non-fatal one is logged."""
+    from megatron.training.iteration_health import TrainingDivergedError
+    for _, check, message, value in validator.validations(results):
+        if not validator.rejects(check, value):
+            continue
+        text = (f"rank {rank}: iteration {iteration}: unexpected result {value} "
+                f"(message='{message}')")
+        if check.fatal:
+            raise TrainingDivergedError(
+                f"{text}; the update was not applied. Lower the learning rate or "
+                f"--init-method-std, resume from an earlier checkpoint, or run with --rerun-mode "
+                f"validate_results to tell a hardware fault from a numerical one")
+        logger.warning(text)
 
 
 def relative_difference(initial: float, rerun: float) -> float:
@@ -144,18 +247,17 @@ class _Failure:
 
 @dataclass
 class RerunEngine:
-    """Validates each iteration's local losses and re-runs a suspicious iteration (see the module
+    """Validates each iteration's local results and re-runs a suspicious iteration (see the module
     docstring). The training loop owns one per run; ``run_iteration`` is its only hook."""
 
     rank: int
-    checks: tuple[Check, ...]
+    validator: ResultValidator
     injector: ErrorInjector
     agree_any: Callable[[Sequence[bool]], list[bool]]
     save_state: Callable[[], object]
     restore_state: Callable[[object], None]
     tracker_filename: Optional[str] = None
     first_iteration_complete: bool = False
-    spiky_samples: list[float] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config, rank: int, device: torch.device,
@@ -170,8 +272,8 @@ class RerunEngine:
         if training.error_injection_rate < 0:
             raise ValueError(f"--error-injection-rate {training.error_injection_rate} must be >= 0 "
                              f"(one injected error per N validations; 0 injects none)")
-        checks = (NAN_CHECK, INF_CHECK) + ((SPIKY_CHECK,) if training.check_for_spiky_loss
-                                           else ())
+        checks = ((NAN_CHECK, INF_CHECK) + ((SPIKY_CHECK,) if training.check_for_spiky_loss
+                                            else ()) + gradient_checks(training))
         injector = ErrorInjector(rate=training.error_injection_rate,
                                  kind=training.error_injection_type, rank=rank,
                                  generator=random.Random(training.seed))
@@ -183,22 +285,22 @@ class RerunEngine:
             except OSError as error:
                 raise ValueError(f"--result-rejected-tracker-filename {tracker}: cannot append to "
                                  f"it ({error}); give a writable file") from None
-        return cls(rank=rank, checks=checks, injector=injector,
+        return cls(rank=rank, validator=ResultValidator(checks), injector=injector,
                    agree_any=agree_any or world_any(device), save_state=save_state,
                    restore_state=restore_state, tracker_filename=tracker)
 
     # ------------------------------------------------------------------------------- the hook
 
     def run_iteration(self, iteration: int, compute: Callable[[], Result],
-                      local_losses: Callable[[Result], list[float]]
+                      local_results: Callable[[Result], LocalResults]
                       ) -> tuple[Result, Optional[RerunStop]]:
         """Run ``compute`` (zero the gradients, forward and backward, wait for the reductions) for
-        iteration ``iteration`` (1-based), validate its ``local_losses`` and re-run it when any rank
-        rejected a result. Returns the result to step with, and a stop when the run must end
+        iteration ``iteration`` (1-based), validate its ``local_results`` and re-run it when any
+        rank rejected a result. Returns the result to step with, and a stop when the run must end
         before the optimizer step (the same on every rank)."""
         saved = self.save_state()
         result = compute()
-        failure = self._validate_initial(iteration, local_losses(result))
+        failure = self._validate_initial(iteration, local_results(result))
         self.first_iteration_complete = True
         if not self.agree_any([failure is not None])[0]:
             return result, None
@@ -208,7 +310,7 @@ class RerunEngine:
         self.restore_state(saved)
         result = compute()
         reproduced = None if failure is None else \
-            self._compare(iteration, failure, local_losses(result))
+            self._compare(iteration, failure, local_results(result))
         fatal_reproduced = failure is not None and failure.check.fatal and bool(reproduced)
         fatal_transient = failure is not None and failure.check.fatal and reproduced is False
         will_checkpoint, will_fail = self.agree_any([fatal_reproduced, fatal_transient])
@@ -234,47 +336,27 @@ class RerunEngine:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _validate_initial(self, iteration: int, losses: list[float]) -> Optional[_Failure]:
+    def _validate_initial(self, iteration: int, results: LocalResults) -> Optional[_Failure]:
         """The first rejected validation of the initial run (None: all accepted)."""
         if not self.first_iteration_complete:
             return None
-        counts: dict[str, int] = {}
-        for loss in losses:
-            for check in self.checks:
-                counts[check.message] = counts.get(check.message, 0) + 1
-                if self.injector.maybe_inject() or self._rejects(check, loss):
-                    self._track(iteration, "initial_run", loss, check)
-                    logger.error("rank %d: iteration %d: unexpected result %s (invocation #%d, "
-                                 "message='%s')", self.rank, iteration, loss,
-                                 counts[check.message], check.message)
-                    return _Failure((check.message, counts[check.message]), check, loss)
+        for call, check, message, value in self.validator.validations(results):
+            if self.injector.maybe_inject() or self.validator.rejects(check, value):
+                self._track(iteration, "initial_run", value, message)
+                logger.error("rank %d: iteration %d: unexpected result %s (invocation #%d, "
+                             "message='%s')", self.rank, iteration, value, call[1], message)
+                return _Failure(call, check, value)
         return None
 
-    def _rejects(self, check: Check, loss: float) -> bool:
-        if check is NAN_CHECK:
-            return math.isnan(loss)
-        if check is INF_CHECK:
-            return math.isinf(loss)
-        return self._is_spike(loss)
-
-    def _is_spike(self, loss: float) -> bool:
-        """Megatron's is_unexpectedly_large: the first SPIKY_LOSS_SAMPLES finite losses set the
-        scale; later ones at least SPIKY_LOSS_FACTOR times their maximum are spikes."""
-        value = abs(loss)
-        if not math.isfinite(value):
-            return False  # NaN and inf have checks of their own
-        if len(self.spiky_samples) < SPIKY_LOSS_SAMPLES:
-            self.spiky_samples.append(value)
-            return False
-        return value >= max(self.spiky_samples) * SPIKY_LOSS_FACTOR
-
-    def _compare(self, iteration: int, failure: _Failure, losses: list[float]) -> bool:
+    def _compare(self, iteration: int, failure: _Failure, results: LocalResults) -> bool:
         """Does the re-run reproduce the rejected result? (Looked up at the same validation.)"""
-        message, invocation = failure.call  # each check runs once per loss, in loss order
-        rerun = losses[invocation - 1] if invocation <= len(losses) else math.nan
-        reproduced = self.injector.compare_in_place(failure.initial, rerun) <= TOLERANCE
+        rerun = next((value for call, _, _, value in self.validator.validations(results)
+                      if call == failure.call), math.nan)
+        reproduced = (self.injector.compare_in_place(failure.initial, rerun)
+                      <= failure.check.tolerance)
+        message = failure.call[0]
         status = "first_rerun_reproducible" if reproduced else "first_rerun_not_reproducible"
-        self._track(iteration, status, rerun, failure.check)
+        self._track(iteration, status, rerun, message)
         level = logging.ERROR if failure.check.fatal else logging.WARNING
         verdict = ("reproducible: a persistent fault or a correct result; only other hardware "
                    "can tell" if reproduced else "not reproducible: possible transient error")
@@ -283,7 +365,7 @@ class RerunEngine:
                    "=" if reproduced else "!=", failure.initial, message)
         return reproduced
 
-    def _track(self, iteration: int, status: str, result: float, check: Check) -> None:
+    def _track(self, iteration: int, status: str, result: float, message: str) -> None:
         """One line of --result-rejected-tracker-filename, in Megatron's format."""
         if self.tracker_filename is None:
             return
@@ -292,4 +374,4 @@ class RerunEngine:
             tracker.write(f"ts={datetime.datetime.now()} node={socket.gethostname()} "
                           f"device={device} jobID={os.getenv('SLURM_JOBID', 'N/A')} "
                           f"rank={self.rank} iteration={iteration} status={status} "
-                          f"result={result} message='{check.message}'\n")
+                          f"result={result} message='{message}'\n")

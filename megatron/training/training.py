@@ -63,7 +63,8 @@ from megatron.training.gpt_spec import as_model_spec
 from megatron.training.model_spec import ModelSpec
 from megatron.training.per_token_loss import (TOKENS_KEY, per_token_correction,
                                               per_token_forward_step)
-from megatron.training.rerun import RerunEngine, RerunStop
+from megatron.training.gradient_checks import LocalGradientNorms, gradient_norms_for
+from megatron.training.rerun import LocalResults, RerunEngine, RerunStop
 from megatron.training.model_statistics import num_zeros_in_grads, params_norm
 from megatron.training.signal_handler import ExitSignalHandler
 from megatron.training.timers import Timers
@@ -183,12 +184,15 @@ def _timed(timers: Optional[Timers], name: str):
 def train_step(components: TrainingComponents, forward_step_func, microbatches: list[dict],
                global_batch_size: Optional[int] = None,
                timers: Optional[Timers] = None, rerun: Optional[RerunEngine] = None,
-               iteration: int = 0) -> IterationRecord:
+               iteration: int = 0, gradient_norms: Optional[LocalGradientNorms] = None
+               ) -> IterationRecord:
     """One iteration on already-built micro-batches of ``global_batch_size`` samples (default
     ``--global-batch-size``); returns its record (iteration unset: 0). ``timers`` (optional)
     records forward-backward, all-grads-sync and optimizer. ``rerun`` (--rerun-mode
     validate_results) validates the passes of iteration ``iteration`` (1-based) before the update
-    and may re-run them or stop before the update (the record's ``rerun_stop``)."""
+    and may re-run them or stop before the update (the record's ``rerun_stop``).
+    ``gradient_norms`` (--check-for-large-grads, --check-for-nan-in-loss-and-grad) records each
+    gradient bucket's local norm for the engine, or checks them itself without one."""
     optimizer = components.optimizer
     for chunk in components.model_chunks:
         chunk.train()
@@ -199,6 +203,8 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
 
     def forward_backward_and_reduce() -> list[dict]:
         optimizer.zero_grad()
+        if gradient_norms is not None:
+            gradient_norms.clear()
         clock = timers.instruction_clock() if timers is not None else None
         with _timed(timers, "forward-backward"):
             loss_dicts = components.runtime.forward_backward(
@@ -216,10 +222,15 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
 
     if rerun is None:
         loss_dicts = forward_backward_and_reduce()
+        if gradient_norms is not None:
+            gradient_norms.validate_alone(components.parallel_state.rank, iteration)
     else:
-        loss_dicts, stop = rerun.run_iteration(
-            iteration, forward_backward_and_reduce,
-            lambda dicts: _local_losses(dicts, components.model_spec.loss_keys))
+        def local_results(dicts: list[dict]) -> LocalResults:
+            losses = _local_losses(dicts, components.model_spec.loss_keys)
+            return (gradient_norms.results(losses) if gradient_norms is not None
+                    else LocalResults(losses=losses))
+        loss_dicts, stop = rerun.run_iteration(iteration, forward_backward_and_reduce,
+                                               local_results)
         if stop is not None:  # no update: the run stops before it
             return IterationRecord(iteration=0, losses={}, learning_rate=learning_rate,
                                    grad_norm=None, loss_scale=optimizer.loss_scale,
@@ -366,6 +377,7 @@ class _LoopContext:
     exit_signal: Optional[ExitSignalHandler] = None
     health: Optional[IterationHealth] = None
     rerun: Optional[RerunEngine] = None  # --rerun-mode validate_results
+    gradient_norms: Optional[LocalGradientNorms] = None  # per-bucket gradient checks
     interval: IntervalStats = field(default_factory=IntervalStats)
     interval_start: float = 0.0
     last_saved: Optional[int] = None
@@ -407,7 +419,8 @@ def _train_iteration(loop: _LoopContext, train_dataset) -> tuple[IterationRecord
     with awaiting(lambda: f"a collective of iteration {state.iteration + 1} on one of this "
                           f"rank's groups: {_describe_rank_groups(loop.components.parallel_state)}"):
         record = train_step(loop.components, loop.forward_step_func, microbatches, batch_size,
-                            loop.timers, rerun=loop.rerun, iteration=state.iteration + 1)
+                            loop.timers, rerun=loop.rerun, iteration=state.iteration + 1,
+                            gradient_norms=loop.gradient_norms)
     if record.rerun_stop is not None:
         return record, batch_size  # the iteration did not happen
     state.iteration += 1
@@ -508,7 +521,9 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         timers=Timers(components.config.logging.timing_log_level,
                       components.config.logging.timing_log_option, components.device),
         health=IterationHealth.from_config(components.config, components.parallel_state.rank),
-        rerun=_rerun_engine(components))
+        rerun=_rerun_engine(components),
+        gradient_norms=gradient_norms_for(components.config.training,
+                                          components.gradient_reducers))
     if components.config.training.exit_signal_handler:
         with ExitSignalHandler() as loop.exit_signal:
             return _run_loop(loop, train_dataset, valid_dataset)

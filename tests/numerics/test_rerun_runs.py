@@ -24,6 +24,16 @@ def test_validation_without_faults_changes_no_loss():
     assert validated == plain and len(plain) == 4 and result.exit_code == 0
 
 
+def test_per_bucket_gradient_checks_change_no_loss():
+    """--check-for-large-grads and --check-for-nan-in-loss-and-grad read every gradient bucket's
+    local norm before its reduction, with and without the engine; the losses stay bit-identical."""
+    plain, _ = _losses()
+    checks = ("--check-for-large-grads", "--check-for-nan-in-loss-and-grad")
+    validated, result = _losses("--rerun-mode", "validate_results", *checks)
+    alone, _ = _losses(*checks)
+    assert validated == plain == alone and result.exit_code == 0
+
+
 def test_an_injected_transient_error_stops_with_17_after_the_first_iteration(capsys):
     code = pretrain_gpt.main(TINY + ["--rerun-mode", "validate_results", "--error-injection-rate",
                                      "1", "--error-injection-type", "transient_error"])

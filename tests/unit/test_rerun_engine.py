@@ -9,16 +9,20 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron.training.iteration_health import TrainingDivergedError
 from megatron.training.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-                                     EXIT_CODE_RESUME_TO_DISAMBIGUATE, SPIKY_LOSS_FACTOR,
-                                     SPIKY_LOSS_SAMPLES, ErrorInjector, RerunEngine,
-                                     relative_difference)
+                                     EXIT_CODE_RESUME_TO_DISAMBIGUATE, LARGE_GRADS_FACTOR,
+                                     SPIKY_LOSS_FACTOR, SPIKY_LOSS_SAMPLES, ErrorInjector,
+                                     LocalResults, RerunEngine, ResultValidator, gradient_checks,
+                                     relative_difference, validate_without_rerun)
 
 
-def _config(mode="validate_results", spiky=False, rate=0, kind="transient_error", tracker=None):
+def _config(mode="validate_results", spiky=False, rate=0, kind="transient_error", tracker=None,
+            nan_grads=False, large_grads=False):
     return SimpleNamespace(training=SimpleNamespace(
         rerun_mode=mode, check_for_spiky_loss=spiky, error_injection_rate=rate,
-        error_injection_type=kind, result_rejected_tracker_filename=tracker, seed=1234))
+        error_injection_type=kind, result_rejected_tracker_filename=tracker, seed=1234,
+        check_for_nan_in_loss_and_grad=nan_grads, check_for_large_grads=large_grads))
 
 
 class Script:
@@ -43,12 +47,16 @@ class Script:
         return engine
 
     def iteration(self, engine, iteration, *runs):
-        self.runs, self.calls = [list(run) for run in runs], 0
+        """Runs are loss lists, or LocalResults (losses and gradient-bucket norms)."""
+        self.runs, self.calls = list(runs), 0
 
         def compute():
             self.calls += 1
             return self.runs[min(self.calls, len(self.runs)) - 1]
-        return engine.run_iteration(iteration, compute, list)
+
+        def local_results(run):
+            return run if isinstance(run, LocalResults) else LocalResults(losses=list(run))
+        return engine.run_iteration(iteration, compute, local_results)
 
 
 def test_disabled_mode_builds_no_engine():
@@ -162,3 +170,82 @@ def test_megatrons_comparison():
     assert relative_difference(math.nan, 2.0) == math.inf
     assert relative_difference(math.inf, 2.0) == math.inf
     assert relative_difference(2.0, 2.2) == pytest.approx(0.2 / 2.1)
+
+
+# ------------------------------------------------------------------ per-bucket gradient checks
+
+def _grads(*norms, losses=(2.0,)):
+    return LocalResults(losses=losses, grad_norms=norms)
+
+
+def test_gradient_checks_follow_the_flags():
+    assert gradient_checks(_config().training) == ()
+    assert [c.rejects for c in gradient_checks(_config(nan_grads=True).training)] == ["nan", "inf"]
+    assert [c.rejects for c in gradient_checks(_config(large_grads=True).training)] == ["large"]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_gradient_bucket_is_rejected_before_the_reduction(bad, tmp_path):
+    tracker = tmp_path / "rejected.txt"
+    script = Script()
+    engine = script.engine(_config(nan_grads=True, tracker=str(tracker)))
+    script.iteration(engine, 1, _grads(1.0, 2.0))
+    result, stop = script.iteration(engine, 2, _grads(1.0, bad), _grads(1.0, bad))
+    assert script.calls == 2 and stop.exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+    kind = "NaN" if math.isnan(bad) else "Inf"
+    assert (f"message='found {kind} in local grad norm for bucket #1 in backward pass before "
+            f"data-parallel communication collective'") in tracker.read_text()
+
+
+@pytest.mark.parametrize("rerun_norm, status", [(30.01, "first_rerun_reproducible"),
+                                                (30.1, "first_rerun_not_reproducible")])
+def test_a_gradient_norm_within_megatrons_tolerance_counts_as_reproduced(rerun_norm, status,
+                                                                         tmp_path):
+    """Gradient norms are compared with Megatron's relative tolerance 0.001 (losses exactly)."""
+    tracker = tmp_path / "rejected.txt"
+    script = Script()
+    engine = script.engine(_config(large_grads=True, tracker=str(tracker)))
+    script.iteration(engine, 1, _grads(3.0))
+    for iteration in range(2, 2 + SPIKY_LOSS_SAMPLES):
+        script.iteration(engine, iteration, _grads(3.0))
+    _, stop = script.iteration(engine, 200, _grads(30.0), _grads(rerun_norm))
+    assert stop is None
+    assert f"status={status} result={rerun_norm}" in tracker.read_text()
+
+
+def test_large_grads_are_rerun_then_training_continues():
+    script = Script()
+    engine = script.engine(_config(large_grads=True))
+    script.iteration(engine, 1, _grads(3.0))
+    for iteration in range(2, 2 + SPIKY_LOSS_SAMPLES):
+        assert script.iteration(engine, iteration, _grads(3.0))[1] is None
+    assert script.calls == 1
+    large = _grads(3.0 * LARGE_GRADS_FACTOR)
+    result, stop = script.iteration(engine, 200, large, large)
+    assert stop is None and script.calls == 2  # re-run, reproducible, not fatal: continue
+    assert script.iteration(engine, 201, _grads(3.0 * LARGE_GRADS_FACTOR * 0.99))[1] is None
+
+
+def test_loss_and_gradient_scales_are_kept_apart():
+    """A loss of 2 and gradient norms of 1000: neither makes the other look large."""
+    validator = ResultValidator(gradient_checks(_config(large_grads=True).training)
+                                + tuple(c for c in RerunEngine.from_config(
+                                    _config(spiky=True), 0, None).validator.checks))
+    for _ in range(SPIKY_LOSS_SAMPLES):
+        for _, check, _, value in validator.validations(_grads(1000.0, losses=(2.0,))):
+            assert not validator.rejects(check, value)
+    rejected = [message for _, check, message, value in
+                validator.validations(_grads(1000.0, losses=(25.0,)))
+                if validator.rejects(check, value)]
+    assert rejected == ["Spiky loss"]
+
+
+def test_without_the_engine_a_bad_bucket_stops_the_run_and_a_large_one_is_logged(caplog):
+    validator = ResultValidator(gradient_checks(_config(nan_grads=True, large_grads=True).training))
+    for _ in range(SPIKY_LOSS_SAMPLES):
+        validate_without_rerun(validator, _grads(1.0, 1.0), rank=2, iteration=5)
+    validate_without_rerun(validator, _grads(1.0, 50.0), rank=2, iteration=6)
+    assert "found unexpected large grads in bucket #1" in caplog.text
+    with pytest.raises(TrainingDivergedError,
+                       match=r"rank 2: iteration 7: unexpected result nan .*bucket #0"):
+        validate_without_rerun(validator, _grads(math.nan, 1.0), rank=2, iteration=7)

@@ -376,6 +376,12 @@ class A2SGDReducer(GradientReduction):
         non_negative_indicator(corrected, out=indicator)
         return corrected, indicator
 
+    def watch_local_gradients(self, observer) -> None:
+        """The wrapped exact reductions see the local gradients first (before compression)."""
+        self.inner.watch_local_gradients(observer)
+        if self.exact is not None:
+            self.exact.watch_local_gradients(observer)
+
     def start(self) -> None:
         self.inner.start()
         if self.exact is not None:

@@ -107,6 +107,12 @@ class CompressingReducer(GradientReduction):
     def start_when_ready(self) -> None:
         """No overlap: compression needs the whole gradient."""
 
+    def watch_local_gradients(self, observer) -> None:
+        """The wrapped exact reductions see the local gradients first (before compression)."""
+        self.inner.watch_local_gradients(observer)
+        if self.exact is not None:
+            self.exact.watch_local_gradients(observer)
+
     def start(self) -> None:
         self.inner.start()
         if self.exact is not None:

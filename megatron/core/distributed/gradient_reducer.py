@@ -164,6 +164,7 @@ class GradientReducer(GradientReduction):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        self.observe_local_gradients(bucket.data)
         if self.divide_by != 1.0:
             bucket.data.div_(self.divide_by)
         if group_size(self.group) <= 1:

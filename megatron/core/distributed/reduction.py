@@ -16,7 +16,11 @@ all-reduce implements none of them):
 * ``synchronize()`` makes the replicas exactly equal (collective; the same order on every rank)
   before every evaluation and checkpoint; ``synchronize_periodically()`` is the sync every
   ``sync_interval`` iterations (by default the same; a reduction may average less there);
-* ``state_dict()`` / ``load_state_dict(state)``: what a checkpoint keeps (when ``has_state``).
+* ``state_dict()`` / ``load_state_dict(state)``: what a checkpoint keeps (when ``has_state``);
+* ``watch_local_gradients(observer)``: ``observer(tensor)`` is then called with each bucket of this
+  rank's own gradients just before the reduction communicates it (Megatron's per-bucket checks,
+  ``--check-for-large-grads``; :mod:`megatron.training.gradient_checks`). The exact reductions
+  call it; the compressing ones watch the exact reduction they wrap; by default nobody is called.
 
 Declared attributes say what a reduction is, instead of callers probing for methods:
 
@@ -40,6 +44,17 @@ class GradientReduction:
     shards_gradients: bool = False
     has_state: bool = False
     sync_interval: int = 0
+    local_gradients_observer: Optional[Callable[[Any], None]] = None
+
+    def watch_local_gradients(self, observer: Optional[Callable[[Any], None]]) -> None:
+        """Call ``observer`` with each bucket of local gradients before it is communicated (None:
+        stop). Reductions that never call :meth:`observe_local_gradients` watch nothing."""
+        self.local_gradients_observer = observer
+
+    def observe_local_gradients(self, gradients: Any) -> None:
+        """Implementations call this with a bucket's local gradients right before sending it."""
+        if self.local_gradients_observer is not None:
+            self.local_gradients_observer(gradients)
 
     @property
     def started(self) -> bool:

@@ -148,6 +148,7 @@ class ShardedGradientReducer(GradientReduction):
             raise RuntimeError("ShardedGradientReducer.start() called twice without wait()")
         self._rebind_grads()
         for segment in self.segments:
+            self.observe_local_gradients(segment.grad_buffer)
             if self.divide_by != 1.0:
                 segment.grad_buffer.div_(self.divide_by)
             narrow = self.reduce_dtype is not None and \
