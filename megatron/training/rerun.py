@@ -30,6 +30,12 @@ forward and backward passes again on the same micro-batches. At the validation t
   hardware can tell apart. Fatal checks save a checkpoint (with ``--save``) and stop with
   ``EXIT_CODE_RESUME_TO_DISAMBIGUATE`` (16); a non-fatal one continues.
 
+That checkpoint holds the iteration's starting state and the engine's (:attr:`RerunStop.
+checkpoint_state`: what was rejected, on which node and device). The job resumed from it re-runs
+the iteration once (:meth:`RerunEngine.resume_from_checkpoint`): on the same node and device it
+stops with 16 again; elsewhere the rejecting rank compares, and the run stops with 17 naming
+Megatron's verdict, "persistent error" (the result differs there) or "correct result" (it does not).
+
 ``--error-injection-rate N`` makes each validation reject its result with probability 1/N
 (Megatron's draw: ``(randint(0, N - 1) + rank) % N == 0``, here from the engine's own generator
 seeded with ``--seed``, so training's random streams are untouched), and ``--error-injection-type``
@@ -75,11 +81,21 @@ Result = TypeVar("Result")
 
 @dataclass(frozen=True)
 class RerunStop:
-    """The run must stop now: why, with which exit status, and whether to save first."""
+    """The run must stop now: why, with which exit status, and whether to save first (then
+    ``checkpoint_state``, this rank's :meth:`RerunEngine.resume_from_checkpoint` state, goes into
+    the checkpoint)."""
 
     exit_code: int
     save_checkpoint: bool
     message: str
+    checkpoint_state: Optional[dict] = None
+
+
+def this_hardware() -> tuple[str, str]:
+    """(node, device) this rank runs on: the SLURM node name (the host name outside SLURM) and the
+    CUDA device index (``cpu`` without CUDA). Megatron's test for "re-run on the same GPU"."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return node, str(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,11 @@ class ResultValidator:
                     message = check.message.format(bucket=index)
                     counts[message] = counts.get(message, 0) + 1
                     yield (message, counts[message]), check, message, value
+
+    def value_at(self, results: LocalResults, call: tuple[str, int]) -> float:
+        """The value ``results`` hold at validation ``call`` (NaN when they have none there)."""
+        return next((value for at, _, _, value in self.validations(results) if at == call),
+                    math.nan)
 
     def rejects(self, check: Check, value: float) -> bool:
         if check.rejects == "nan":
@@ -243,6 +264,7 @@ class _Failure:
     call: tuple[str, int]  # (check message, how many times that check ran before, + 1)
     check: Check
     initial: float
+    injected: Optional[str] = None  # the kind of error injected there, if it was injected
 
 
 @dataclass
@@ -258,6 +280,7 @@ class RerunEngine:
     restore_state: Callable[[object], None]
     tracker_filename: Optional[str] = None
     first_iteration_complete: bool = False
+    from_checkpoint: Optional[dict] = None  # a re-run on other hardware to do (see resume_...)
 
     @classmethod
     def from_config(cls, config, rank: int, device: torch.device,
@@ -298,6 +321,13 @@ class RerunEngine:
         iteration ``iteration`` (1-based), validate its ``local_results`` and re-run it when any
         rank rejected a result. Returns the result to step with, and a stop when the run must end
         before the optimizer step (the same on every rank)."""
+        if self.from_checkpoint is not None:
+            pending, self.from_checkpoint = self.from_checkpoint, None
+            if pending["iteration"] == iteration:
+                return self._rerun_from_checkpoint(iteration, pending, compute, local_results)
+            logger.warning("rank %d: the checkpoint asked to re-run iteration %d, but the run "
+                           "resumes at iteration %d: no diagnosis", self.rank,
+                           pending["iteration"], iteration)
         saved = self.save_state()
         result = compute()
         failure = self._validate_initial(iteration, local_results(result))
@@ -315,13 +345,15 @@ class RerunEngine:
         fatal_transient = failure is not None and failure.check.fatal and reproduced is False
         will_checkpoint, will_fail = self.agree_any([fatal_reproduced, fatal_transient])
         if will_checkpoint:
+            self.restore_state(saved)  # the checkpoint resumes from the iteration's start
             return result, RerunStop(
                 EXIT_CODE_RESUME_TO_DISAMBIGUATE, save_checkpoint=True,
                 message=f"iteration {iteration}: a rejected result reproduced when the iteration "
                         f"was re-run on the same rank: a persistent fault or a correct result. "
                         f"Saving a checkpoint and exiting (status "
                         f"{EXIT_CODE_RESUME_TO_DISAMBIGUATE}); resume from it on other GPUs to "
-                        f"re-run the iteration there")
+                        f"re-run the iteration there",
+                checkpoint_state=self._checkpoint_state(iteration, failure))
         if will_fail:
             return result, RerunStop(
                 EXIT_CODE_FAILED_ON_RESULT_VALIDATION, save_checkpoint=False,
@@ -334,7 +366,82 @@ class RerunEngine:
                            "result's check is not fatal)", iteration)
         return result, None
 
+    def resume_from_checkpoint(self, state: dict) -> None:
+        """A checkpoint saved at exit 16 holds, per rank, the iteration to re-run and (on a rank
+        that rejected a result) what it rejected and on which node and device: the next
+        :meth:`run_iteration` of that iteration runs it once, compares there and ends the
+        diagnosis (Megatron's second re-run, on other hardware)."""
+        self.from_checkpoint = dict(state)
+
     # ------------------------------------------------------------------------------ internals
+
+    def _checkpoint_state(self, iteration: int, failure: Optional[_Failure]) -> dict:
+        node, device = this_hardware()
+        described = None if failure is None else {
+            "message": failure.call[0], "invocation": failure.call[1],
+            "initial": failure.initial, "fatal": failure.check.fatal,
+            "tolerance": failure.check.tolerance, "injected": failure.injected}
+        return {"iteration": iteration, "node": node, "device": device, "failure": described}
+
+    def _rerun_from_checkpoint(self, iteration: int, pending: dict, compute: Callable[[], Result],
+                               local_results: Callable[[Result], LocalResults]
+                               ) -> tuple[Result, Optional[RerunStop]]:
+        """Megatron's second re-run: the iteration that reproduced a rejected result on its own
+        rank runs once more, from the checkpoint; the rank that rejected it compares (unless it
+        landed on the same node and device again)."""
+        result = compute()
+        self.first_iteration_complete = True
+        same_hardware = persistent = correct = False
+        failure = pending.get("failure")
+        if failure is not None:
+            message = failure["message"]
+            if this_hardware() == (pending["node"], pending["device"]):
+                same_hardware = True
+                logger.error("rank %d: iteration %d: re-running on the node and device that "
+                             "rejected the result (%s, %s); only other hardware can tell a "
+                             "persistent fault from a correct result", self.rank, iteration,
+                             pending["node"], pending["device"])
+            else:
+                rerun = self.validator.value_at(local_results(result),
+                                                (message, failure["invocation"]))
+                injected = failure.get("injected")
+                difference = (relative_difference(failure["initial"], rerun) if injected is None
+                              else MISMATCH if injected == "persistent_error" else MATCH)
+                reproduced = difference <= failure["tolerance"]
+                self._track(iteration, "second_rerun_reproducible" if reproduced
+                            else "second_rerun_not_reproducible", rerun, message)
+                logger.error("rank %d: iteration %d: second re-run on other hardware: %s (%s %s "
+                             "%s, message='%s')", self.rank, iteration,
+                             "the result reproduces: it was likely correct (an application or "
+                             "data problem)" if reproduced else "the result does not reproduce: "
+                             "possible persistent fault of the first hardware", rerun,
+                             "=" if reproduced else "!=", failure["initial"], message)
+                if failure["fatal"]:
+                    correct, persistent = reproduced, not reproduced
+        same_hardware, persistent, correct = self.agree_any([same_hardware, persistent, correct])
+        where = f"iteration {iteration} re-run from the checkpoint"
+        if same_hardware:
+            return result, RerunStop(
+                EXIT_CODE_RESUME_TO_DISAMBIGUATE, save_checkpoint=False,
+                message=f"{where} landed on the node and device that rejected its result; "
+                        f"exiting (status {EXIT_CODE_RESUME_TO_DISAMBIGUATE}): resume again from "
+                        f"the same checkpoint on other hardware")
+        if persistent:
+            return result, RerunStop(
+                EXIT_CODE_FAILED_ON_RESULT_VALIDATION, save_checkpoint=False,
+                message=f"{where}: the rejected result does not reproduce on other hardware: a "
+                        f"persistent fault of the node that produced it (Megatron's "
+                        f"'persistent error'). Exiting (status "
+                        f"{EXIT_CODE_FAILED_ON_RESULT_VALIDATION}); leave that node out and "
+                        f"resume from the same checkpoint")
+        if correct:
+            return result, RerunStop(
+                EXIT_CODE_FAILED_ON_RESULT_VALIDATION, save_checkpoint=False,
+                message=f"{where}: the rejected result reproduces on other hardware: it is what "
+                        f"the model computes on this data (Megatron's 'correct result'), not a "
+                        f"hardware fault. Exiting (status {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}); "
+                        f"look at this iteration's data and the learning rate before resuming")
+        return result, None
 
     def _validate_initial(self, iteration: int, results: LocalResults) -> Optional[_Failure]:
         """The first rejected validation of the initial run (None: all accepted)."""
@@ -350,8 +457,8 @@ class RerunEngine:
 
     def _compare(self, iteration: int, failure: _Failure, results: LocalResults) -> bool:
         """Does the re-run reproduce the rejected result? (Looked up at the same validation.)"""
-        rerun = next((value for call, _, _, value in self.validator.validations(results)
-                      if call == failure.call), math.nan)
+        rerun = self.validator.value_at(results, failure.call)
+        failure.injected = self.injector.injected
         reproduced = (self.injector.compare_in_place(failure.initial, rerun)
                       <= failure.check.tolerance)
         message = failure.call[0]

@@ -524,6 +524,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         rerun=_rerun_engine(components),
         gradient_norms=gradient_norms_for(components.config.training,
                                           components.gradient_reducers))
+    _resume_pending_rerun(loop)
     if components.config.training.exit_signal_handler:
         with ExitSignalHandler() as loop.exit_signal:
             return _run_loop(loop, train_dataset, valid_dataset)
@@ -550,11 +551,32 @@ def _run_loop(loop: _LoopContext, train_dataset, valid_dataset) -> TrainingResul
     return loop.result
 
 
+def _resume_pending_rerun(loop: _LoopContext) -> None:
+    """A checkpoint saved by the re-run engine at exit 16 asks to re-run its next iteration for a
+    diagnosis: hand that to the engine (or say why it cannot be done)."""
+    pending, loop.state.rerun_state = loop.state.rerun_state, None
+    if pending is None:
+        return
+    if loop.rerun is not None:
+        loop.rerun.resume_from_checkpoint(pending)
+        if is_logging_rank(loop.components.parallel_state):
+            loop.log(f"re-run engine: the checkpoint asks to re-run iteration "
+                     f"{pending['iteration']} on other hardware to establish a diagnosis")
+    elif is_logging_rank(loop.components.parallel_state):
+        loop.log(f"re-run engine: the checkpoint asks to re-run iteration {pending['iteration']} "
+                 f"for a diagnosis, but --rerun-mode is disabled: training continues without it")
+
+
 def _stop_for_rerun(loop: _LoopContext, stop: RerunStop) -> TrainingResult:
     """The re-run engine's verdict ends the run: save first when it asks, say why, keep the exit
     status (Megatron's 16 or 17) for the entry point."""
-    if stop.save_checkpoint:
-        loop.save()
+    if stop.save_checkpoint:  # with the engine's state: the resumed job re-runs the iteration
+        loop.state.rerun_state = stop.checkpoint_state
+        loop.last_saved = None  # re-save an iteration saved before the fault: now with the state
+        try:
+            loop.save()
+        finally:
+            loop.state.rerun_state = None
     if is_logging_rank(loop.components.parallel_state):
         loop.log(f"re-run engine: {stop.message}")
     loop.result.exited_early = True

@@ -7,6 +7,7 @@ advances them) both import it and neither has to import the other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -16,3 +17,6 @@ class TrainingState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    # This rank's pending re-run (megatron.training.rerun, exit 16): set only while the engine's
+    # checkpoint is saved, and when such a checkpoint is loaded; None otherwise.
+    rerun_state: Optional[dict] = None

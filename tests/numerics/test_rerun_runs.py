@@ -2,6 +2,8 @@
 leaves the losses bit-identical, injected and real faults end the run with Megatron's exit
 statuses (17 transient, 16 reproducible after saving a checkpoint)."""
 
+import pytest
+
 import pretrain_gpt
 from megatron.training.checkpointing import read_tracker
 from megatron.training.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
@@ -60,3 +62,32 @@ def test_a_real_nan_reproduces_and_stops_with_16(tmp_path):
     assert code == EXIT_CODE_RESUME_TO_DISAMBIGUATE
     statuses = [line.split(" status=")[1].split()[0] for line in tracker.read_text().splitlines()]
     assert statuses == ["initial_run", "first_rerun_reproducible"]
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_resuming_after_16_re_runs_the_iteration_on_other_hardware(tmp_path, capsys, monkeypatch,
+                                                                   ckpt_format):
+    """Megatron's second re-run: the checkpoint saved at exit 16 carries the engine's state; the
+    resumed job re-runs that iteration, asks for other hardware if it landed on the same node, and
+    otherwise gives the verdict (an injected persistent error: the result differs there) and
+    exits 17 without saving."""
+    save = str(tmp_path / "ckpt")
+    tracker = tmp_path / "rejected.txt"
+    common = ["--rerun-mode", "validate_results", "--save", save, "--save-interval", "1",
+              "--ckpt-format", ckpt_format, "--result-rejected-tracker-filename", str(tracker)]
+    monkeypatch.setenv("SLURMD_NODENAME", "node-a")
+    assert pretrain_gpt.main(TINY + common + ["--error-injection-rate", "1", "--error-injection-type",
+                                              "persistent_error"]) \
+        == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+    assert read_tracker(save) == 1  # re-saved with the engine's state, at the same iteration
+    resume = TINY + common + ["--load", save]
+    assert pretrain_gpt.main(resume) == EXIT_CODE_RESUME_TO_DISAMBIGUATE  # same node: again
+    assert "resume again from the same checkpoint on other hardware" in capsys.readouterr().out
+    monkeypatch.setenv("SLURMD_NODENAME", "node-b")
+    assert pretrain_gpt.main(resume) == EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+    out = capsys.readouterr().out
+    assert "asks to re-run iteration 2 on other hardware" in out and "'persistent error'" in out
+    assert read_tracker(save) == 1  # nothing saved by the diagnosis
+    statuses = [line.split(" status=")[1].split()[0] for line in tracker.read_text().splitlines()]
+    assert statuses == ["initial_run", "first_rerun_reproducible",
+                        "second_rerun_not_reproducible"]

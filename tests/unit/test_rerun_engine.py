@@ -14,7 +14,8 @@ from megatron.training.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
                                      EXIT_CODE_RESUME_TO_DISAMBIGUATE, LARGE_GRADS_FACTOR,
                                      SPIKY_LOSS_FACTOR, SPIKY_LOSS_SAMPLES, ErrorInjector,
                                      LocalResults, RerunEngine, ResultValidator, gradient_checks,
-                                     relative_difference, validate_without_rerun)
+                                     relative_difference, this_hardware,
+                                     validate_without_rerun)
 
 
 def _config(mode="validate_results", spiky=False, rate=0, kind="transient_error", tracker=None,
@@ -84,7 +85,8 @@ def test_a_reproducible_fatal_result_saves_and_exits_16(bad):
     engine = script.engine()
     script.iteration(engine, 1, [2.0])
     result, stop = script.iteration(engine, 2, [2.0, bad], [2.0, bad])
-    assert script.calls == 2 and script.restored == [("state", 2)]  # the iteration's own state
+    # the iteration's own state, before the re-run and again before the checkpoint is saved
+    assert script.calls == 2 and script.restored == [("state", 2), ("state", 2)]
     assert stop.exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE and stop.save_checkpoint
     assert "reproduced" in stop.message and "iteration 2" in stop.message
 
@@ -249,3 +251,84 @@ def test_without_the_engine_a_bad_bucket_stops_the_run_and_a_large_one_is_logged
     with pytest.raises(TrainingDivergedError,
                        match=r"rank 2: iteration 7: unexpected result nan .*bucket #0"):
         validate_without_rerun(validator, _grads(math.nan, 1.0), rank=2, iteration=7)
+
+
+# ------------------------------------------ the second re-run, from the checkpoint (exit 16 -> resume)
+
+def _exit_16(script, config, *runs):
+    engine = script.engine(config)
+    script.iteration(engine, 1, [2.0])
+    _, stop = script.iteration(engine, 2, *runs)
+    assert stop.exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE and stop.save_checkpoint
+    return stop.checkpoint_state
+
+
+def _elsewhere(state):
+    return {**state, "node": state["node"] + "-other"}
+
+
+def test_the_checkpoint_state_says_what_was_rejected_and_where():
+    state = _exit_16(Script(), _config(), [2.0, math.nan], [2.0, math.nan])
+    assert state["iteration"] == 2 and (state["node"], state["device"]) == this_hardware()
+    failure = state["failure"]
+    assert failure["message"] == "found NaN in local forward loss calculation"
+    assert failure["invocation"] == 2 and math.isnan(failure["initial"]) and failure["fatal"]
+
+
+@pytest.mark.parametrize("rerun, status, verdict", [
+    ([2.0, math.nan], "second_rerun_reproducible", "'correct result'"),
+    ([2.0, 2.0], "second_rerun_not_reproducible", "'persistent error'")])
+def test_the_resumed_job_re_runs_on_other_hardware_and_gives_megatrons_verdict(
+        rerun, status, verdict, tmp_path):
+    tracker = tmp_path / "rejected.txt"
+    state = _exit_16(Script(), _config(), [2.0, math.nan], [2.0, math.nan])
+    script = Script()
+    engine = script.engine(_config(tracker=str(tracker)))
+    engine.resume_from_checkpoint(_elsewhere(state))
+    result, stop = script.iteration(engine, 2, rerun)
+    assert script.calls == 1 and script.restored == []  # one run, from the checkpoint's state
+    assert stop.exit_code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION and not stop.save_checkpoint
+    assert verdict in stop.message
+    assert f"status={status}" in tracker.read_text()
+    assert script.iteration(engine, 3, [math.nan])[1] is not None  # validated as usual again
+
+
+def test_landing_on_the_same_node_and_device_asks_to_resume_again():
+    state = _exit_16(Script(), _config(), [math.nan], [math.nan])
+    script = Script()
+    engine = script.engine()
+    engine.resume_from_checkpoint(state)
+    _, stop = script.iteration(engine, 2, [math.nan])
+    assert stop.exit_code == EXIT_CODE_RESUME_TO_DISAMBIGUATE and not stop.save_checkpoint
+    assert "resume again from the same checkpoint on other hardware" in stop.message
+
+
+@pytest.mark.parametrize("kind, verdict", [("persistent_error", "'persistent error'"),
+                                           ("correct_result", "'correct result'")])
+def test_an_injected_error_keeps_its_type_through_the_checkpoint(kind, verdict):
+    state = _exit_16(Script(), _config(rate=1, kind=kind), [2.0], [2.0])
+    assert state["failure"]["injected"] == kind
+    script = Script()
+    engine = script.engine()
+    engine.resume_from_checkpoint(_elsewhere(state))
+    _, stop = script.iteration(engine, 2, [2.0])
+    assert stop.exit_code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION and verdict in stop.message
+
+
+def test_a_rank_without_a_rejection_follows_the_worlds_verdict():
+    votes = iter([[False, True, False]])
+    script = Script()
+    engine = script.engine(agree_any=lambda flags: next(votes))
+    engine.resume_from_checkpoint({"iteration": 4, "node": "n", "device": "0", "failure": None})
+    _, stop = script.iteration(engine, 4, [2.0])
+    assert stop.exit_code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+    assert "'persistent error'" in stop.message and script.calls == 1
+
+
+def test_a_pending_re_run_of_another_iteration_is_dropped():
+    script = Script()
+    engine = script.engine()
+    engine.resume_from_checkpoint({"iteration": 9, "node": "n", "device": "0", "failure": None})
+    engine.first_iteration_complete = True
+    assert script.iteration(engine, 4, [2.0]) == ([2.0], None)
+    assert engine.from_checkpoint is None

@@ -221,12 +221,16 @@ class Checkpointer:
         if save_optimizer:
             gathered_reducer_states = _gather_rng_states_over_data_parallel(  # e.g. error buffers
                 parallel_state, reducer_states(components.gradient_reducers))
+        rerun_states = None
+        if state.rerun_state is not None:  # set on every rank alike (the engine's exit 16)
+            rerun_states = _gather_rng_states_over_data_parallel(parallel_state,
+                                                                 state.rerun_state)
         if error is None and parallel_state.dp_rank == 0:
             try:
                 if rng_states is not None and any(entry is None for entry in rng_states):
                     raise RuntimeError("a data-parallel rank could not capture its RNG state")
                 written.append(self._write_rank_file(components, state, staging_dir, rng_states,
-                                                     gathered_reducer_states))
+                                                     gathered_reducer_states, rerun_states))
             except Exception as caught:
                 error = _describe(caught)
         if error is None and save_optimizer and is_sharded(components.optimizer):
@@ -260,7 +264,8 @@ class Checkpointer:
                              f"publishing checkpoint at iteration {state.iteration} to {root}")
 
     def _write_rank_file(self, components, state, staging_dir: str, rng_states: Optional[list],
-                         gathered_reducer_states: Optional[list] = None) -> tuple[str, dict]:
+                         gathered_reducer_states: Optional[list] = None,
+                         rerun_states: Optional[list] = None) -> tuple[str, dict]:
         """Write this (tp, pp) position's file; return (relative path, {size, crc32}).
 
         What ``--no-save-optim`` / ``--no-save-rng`` leave out is stored as None (the key stays,
@@ -278,6 +283,8 @@ class Checkpointer:
         }
         if gathered_reducer_states and gathered_reducer_states[0] is not None:
             payload["gradient_reducer_state"] = gathered_reducer_states  # per data-parallel rank
+        if rerun_states is not None:
+            payload["rerun_state"] = rerun_states  # per data-parallel rank
         for key, chunk in zip(model_keys(len(components.model_chunks)), components.model_chunks):
             payload[key] = chunk.state_dict()
         path = os.path.join(staging_dir, relative)
@@ -457,10 +464,13 @@ class Checkpointer:
                 logger.warning("the checkpoint was saved with data-parallel size %d and this run "
                                "uses %d: RNG states are not restored", len(rng_states),
                                parallel_state.dp_size)
+        rerun_states = payload.get("rerun_state")
         return training_state_class(
             iteration=int(payload["iteration"]),
             consumed_train_samples=int(payload["consumed_train_samples"]),
-            consumed_valid_samples=int(payload["consumed_valid_samples"]))
+            consumed_valid_samples=int(payload["consumed_valid_samples"]),
+            rerun_state=(rerun_states[parallel_state.dp_rank] if rerun_states is not None
+                         and len(rerun_states) == parallel_state.dp_size else None))
 
 
 

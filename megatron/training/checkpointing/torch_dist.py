@@ -159,6 +159,8 @@ def snapshot(components, state, checkpoint_config, *, copy: bool, staging=None,
             objects[rank_key("gradient_reducer_state", parallel_state.rank)] = reducer_state
     if not checkpoint_config.no_save_rng:
         objects[rank_key("rng_state", parallel_state.rank)] = capture_rng_state()
+    if state.rerun_state is not None:  # the re-run engine's exit 16 (megatron.training.rerun)
+        objects[rank_key("rerun_state", parallel_state.rank)] = dict(state.rerun_state)
     return pieces, objects
 
 
@@ -394,6 +396,9 @@ def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
             object_keys.append(reducer_key)
     if load_rng and same_layout:
         object_keys.append(rank_key("rng_state", parallel_state.rank))
+    rerun_key = rank_key("rerun_state", parallel_state.rank)
+    if same_layout and not checkpoint_config.finetune and rerun_key in saved_objects:
+        object_keys.append(rerun_key)
     missing = [key for key in object_keys if key not in saved_objects]
     if missing:
         raise CheckpointError(f"checkpoint {iteration_dir} holds no {missing}; it is incomplete "
@@ -460,7 +465,8 @@ def apply(components, checkpoint_config, request: LoadRequest, objects: dict, lo
     return training_state_class(
         iteration=int(progress["iteration"]),
         consumed_train_samples=int(progress["consumed_train_samples"]),
-        consumed_valid_samples=int(progress["consumed_valid_samples"]))
+        consumed_valid_samples=int(progress["consumed_valid_samples"]),
+        rerun_state=objects.get(rank_key("rerun_state", parallel_state.rank)))
 
 
 def load(components, checkpoint_config, iteration_dir: str, metadata: dict, log,
