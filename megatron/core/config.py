@@ -363,8 +363,10 @@ class TrainingConfig:
         "disabled", "validate_results: check every iteration's local losses (NaN and Inf; spikes "
                     "with --check-for-spiky-loss) before the update and re-run a rejected "
                     "iteration on the same ranks to tell a transient fault (exit 17) from a "
-                    "reproducible one (save, exit 16; see docs/reliability.md).",
-        choices=("disabled", "validate_results"))
+                    "reproducible one (save, exit 16; see docs/reliability.md). report_stats: "
+                    "run every iteration twice from the same state and log, every 2 iterations, "
+                    "how much the two runs' results differ (twice the compute).",
+        choices=("disabled", "validate_results", "report_stats"))
     check_for_spiky_loss: bool = option(
         False, "With --rerun-mode validate_results: also reject a loss at least 10 times the "
                "largest of the first 100 (re-run, then continue).")

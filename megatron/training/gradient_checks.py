@@ -60,5 +60,5 @@ def gradient_norms_for(training, reducers: Iterable) -> Optional[LocalGradientNo
     checks = gradient_checks(training)
     if not checks:
         return None
-    alone = None if training.rerun_mode == "validate_results" else ResultValidator(checks)
+    alone = ResultValidator(checks) if training.rerun_mode == "disabled" else None
     return LocalGradientNorms(validator=alone).watch(reducers)

@@ -362,9 +362,6 @@ VALUES_NOT_IMPLEMENTED: dict[str, dict[str, str]] = {
     "--optimizer": {name: reasons.OTHER_OPTIMIZERS
                     for name in ("muon", "dist_muon", "lion", "soap", "adaptive_muon")},
     "--distributed-backend": {"ccl": "only the nccl and gloo backends are supported"},
-    "--rerun-mode": {"report_stats": "the re-run engine validates results (--rerun-mode "
-                                     "validate_results) but does not re-run every iteration to "
-                                     "report statistics on non-deterministic computations"},
 }
 
 

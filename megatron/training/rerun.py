@@ -58,6 +58,8 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from megatron.training.determinism_stats import DeterminismReport
+
 logger = logging.getLogger(__name__)
 
 # Megatron-LM's exit codes (megatron/core/rerun_state_machine.py).
@@ -70,7 +72,7 @@ TOLERANCE = 0.0            # forward passes are deterministic: any difference is
 LARGE_GRADS_FACTOR = 10.0  # Megatron's threshold for "unexpected large grads"
 GRADS_TOLERANCE = 0.001    # Megatron's tolerance for re-run gradient norms
 
-RERUN_MODES = ("disabled", "validate_results")
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
 INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 
 MATCH = 0.0
@@ -280,15 +282,17 @@ class RerunEngine:
     restore_state: Callable[[object], None]
     tracker_filename: Optional[str] = None
     first_iteration_complete: bool = False
+    determinism: Optional[DeterminismReport] = None  # --rerun-mode report_stats
     from_checkpoint: Optional[dict] = None  # a re-run on other hardware to do (see resume_...)
 
     @classmethod
     def from_config(cls, config, rank: int, device: torch.device,
                     save_state: Callable[[], object] = lambda: None,
                     restore_state: Callable[[object], None] = lambda state: None,
-                    agree_any: Optional[Callable[[Sequence[bool]], list[bool]]] = None
-                    ) -> Optional["RerunEngine"]:
-        """The engine ``--rerun-mode`` asks for (None when disabled)."""
+                    agree_any: Optional[Callable[[Sequence[bool]], list[bool]]] = None,
+                    log: Callable[[str], None] = logger.info) -> Optional["RerunEngine"]:
+        """The engine ``--rerun-mode`` asks for (None when disabled); ``log`` receives the
+        determinism report of ``report_stats`` (global rank 0)."""
         training = config.training
         if training.rerun_mode == "disabled":
             return None
@@ -308,7 +312,10 @@ class RerunEngine:
             except OSError as error:
                 raise ValueError(f"--result-rejected-tracker-filename {tracker}: cannot append to "
                                  f"it ({error}); give a writable file") from None
+        determinism = (DeterminismReport(log) if training.rerun_mode == "report_stats"
+                       else None)
         return cls(rank=rank, validator=ResultValidator(checks), injector=injector,
+                   determinism=determinism,
                    agree_any=agree_any or world_any(device), save_state=save_state,
                    restore_state=restore_state, tracker_filename=tracker)
 
@@ -321,6 +328,8 @@ class RerunEngine:
         iteration ``iteration`` (1-based), validate its ``local_results`` and re-run it when any
         rank rejected a result. Returns the result to step with, and a stop when the run must end
         before the optimizer step (the same on every rank)."""
+        if self.determinism is not None:
+            return self._run_twice_for_stats(iteration, compute, local_results), None
         if self.from_checkpoint is not None:
             pending, self.from_checkpoint = self.from_checkpoint, None
             if pending["iteration"] == iteration:
@@ -374,6 +383,23 @@ class RerunEngine:
         self.from_checkpoint = dict(state)
 
     # ------------------------------------------------------------------------------ internals
+
+    def _run_twice_for_stats(self, iteration: int, compute: Callable[[], Result],
+                             local_results: Callable[[Result], LocalResults]) -> Result:
+        """``report_stats``: run the iteration, restore its starting state, run it again; record
+        the relative difference at every validation; continue with the second run (Megatron)."""
+        saved = self.save_state()
+        first = local_results(compute())
+        self.restore_state(saved)
+        result = compute()
+        second = {call: value for call, _, _, value in
+                  self.validator.validations(local_results(result))}
+        assert self.determinism is not None
+        for call, _, message, value in self.validator.validations(first):
+            self.determinism.record(message,
+                                    relative_difference(value, second.get(call, math.nan)))
+        self.determinism.report_if_due(iteration)
+        return result
 
     def _checkpoint_state(self, iteration: int, failure: Optional[_Failure]) -> dict:
         node, device = this_hardware()

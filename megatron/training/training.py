@@ -261,7 +261,7 @@ def _local_losses(loss_dicts: list[dict], keys: Sequence[str]) -> list[float]:
             for key in keys]
 
 
-def _rerun_engine(components: TrainingComponents) -> Optional[RerunEngine]:
+def _rerun_engine(components: TrainingComponents, log: Callable) -> Optional[RerunEngine]:
     """--rerun-mode's engine; a re-run starts from the generator and gradient-reducer states the
     iteration started from."""
     from megatron.core.distributed.reduction import load_reducer_states, reducer_states
@@ -276,7 +276,7 @@ def _rerun_engine(components: TrainingComponents) -> Optional[RerunEngine]:
         restore_rng_state(rng_state)
         load_reducer_states(reducers, [reducers_state], dp_rank=0)
     return RerunEngine.from_config(components.config, components.parallel_state.rank,
-                                   components.device, save_state, restore_state)
+                                   components.device, save_state, restore_state, log=log)
 
 
 def _per_token_reference(components: TrainingComponents) -> int:
@@ -521,7 +521,7 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
         timers=Timers(components.config.logging.timing_log_level,
                       components.config.logging.timing_log_option, components.device),
         health=IterationHealth.from_config(components.config, components.parallel_state.rank),
-        rerun=_rerun_engine(components),
+        rerun=_rerun_engine(components, log),
         gradient_norms=gradient_norms_for(components.config.training,
                                           components.gradient_reducers))
     _resume_pending_rerun(loop)

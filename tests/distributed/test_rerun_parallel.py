@@ -1,7 +1,7 @@
 """Tier 2 (2 gloo ranks): the re-run engine in parallel layouts. Under Chimera (PP 2, two
 pipelines in opposite directions, so each rank computes the loss of half the micro-batches) the
 losses without faults are bit-identical to a run without the engine (with the per-bucket
-gradient checks too), and an error injected on one
+gradient checks too, and with every iteration run twice by report_stats), and an error injected on one
 rank makes both ranks re-run the iteration and stop with the same Megatron exit status. Under
 Chimera, 1F1B and the distributed optimizer with overlapped communication, re-running every
 iteration and continuing trains exactly as a run without re-runs."""
@@ -35,7 +35,8 @@ def test_validation_leaves_chimera_losses_bit_identical():
     validated = run_distributed(_train, 2, f"{CHIMERA} --rerun-mode validate_results "
                                            f"--check-for-spiky-loss --check-for-large-grads "
                                            f"--check-for-nan-in-loss-and-grad", timeout=240)
-    assert validated == plain
+    reported = run_distributed(_train, 2, f"{CHIMERA} --rerun-mode report_stats", timeout=240)
+    assert validated == plain == reported  # report_stats: every iteration twice, same losses
     assert len(plain[0][0]) == 3 and plain[0][1] == 0
 
 

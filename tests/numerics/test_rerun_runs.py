@@ -36,6 +36,18 @@ def test_per_bucket_gradient_checks_change_no_loss():
     assert validated == plain == alone and result.exit_code == 0
 
 
+def test_report_stats_reruns_every_iteration_and_reports_identical_results(capsys):
+    """--rerun-mode report_stats: each iteration twice from its own state; on this deterministic
+    CPU run every result is identical, the losses are those of a plain run."""
+    plain, _ = _losses()
+    reported, result = _losses("--rerun-mode", "report_stats", "--check-for-large-grads")
+    assert reported == plain and result.exit_code == 0
+    pretrain_gpt.main(TINY + ["--rerun-mode", "report_stats"])
+    out = capsys.readouterr().out
+    assert out.count("Stats on computation determinism in validation calls") == 2  # iter 2, 4
+    assert "  found NaN in local forward loss calculation: 8 samples, all identical" in out
+
+
 def test_an_injected_transient_error_stops_with_17_after_the_first_iteration(capsys):
     code = pretrain_gpt.main(TINY + ["--rerun-mode", "validate_results", "--error-injection-rate",
                                      "1", "--error-injection-type", "transient_error"])

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron.training.determinism_stats import DeterminismStats
 from megatron.training.iteration_health import TrainingDivergedError
 from megatron.training.rerun import (EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
                                      EXIT_CODE_RESUME_TO_DISAMBIGUATE, LARGE_GRADS_FACTOR,
@@ -332,3 +333,48 @@ def test_a_pending_re_run_of_another_iteration_is_dropped():
     engine.first_iteration_complete = True
     assert script.iteration(engine, 4, [2.0]) == ([2.0], None)
     assert engine.from_checkpoint is None
+
+
+# --------------------------------------------------------- --rerun-mode report_stats (determinism)
+
+def test_report_stats_runs_every_iteration_twice_and_reports_every_second_one():
+    lines = []
+    script = Script()
+    engine = RerunEngine.from_config(_config(mode="report_stats"), 0, device=None,
+                                     save_state=lambda: "start",
+                                     restore_state=script.restored.append,
+                                     agree_any=lambda flags: list(flags), log=lines.append)
+    engine.determinism.gather = lambda stats: [stats]  # one process
+    result, stop = script.iteration(engine, 1, [2.0, 3.0], [2.0, 3.0 * (1 + 1e-4)])
+    assert (result, stop) == ([2.0, 3.0 * (1 + 1e-4)], None)  # continues with the second run
+    assert script.calls == 2 and script.restored == ["start"] and lines == []
+    script.iteration(engine, 2, [2.0, 3.0], [2.0, 3.0])
+    assert lines[0] == "Stats on computation determinism in validation calls"
+    nan_line = next(line for line in lines if "found NaN in local forward loss" in line)
+    assert "4/3 total/identical samples" in nan_line and "max: 1.000E-04" in nan_line
+
+
+def test_report_stats_never_rejects_a_result():
+    script = Script()
+    engine = RerunEngine.from_config(_config(mode="report_stats", rate=1), 0, device=None,
+                                     save_state=lambda: None, restore_state=lambda state: None,
+                                     agree_any=lambda flags: list(flags), log=lambda line: None)
+    engine.determinism.gather = lambda stats: [stats]
+    engine.first_iteration_complete = True
+    for iteration in (1, 2, 3):
+        assert script.iteration(engine, iteration, [math.nan], [math.nan])[1] is None
+
+
+def test_determinism_summary_reads_like_megatrons():
+    stats = DeterminismStats()
+    for _ in range(3):
+        stats.record(0.0)
+    assert stats.summary() == "3 samples, all identical"
+    stats.record(2e-3)
+    assert stats.summary() == ("4/3 total/identical samples, rel. variability: avg= 5.000E-04, "
+                               "p50= 0.0, p90= 2.000E-03, p99= 2.000E-03, p99.9= 2.000E-03, "
+                               "max: 2.000E-03")
+    merged = DeterminismStats()
+    merged.absorb(stats)
+    merged.absorb(stats)
+    assert (merged.identical, merged.samples, merged.largest) == (6, [2e-3, 2e-3], 2e-3)
