@@ -145,12 +145,14 @@ class QSGDReducer(CompressingReducer):
 
 
 def build_qsgd_reduction(request: ChunkReductionRequest) -> QSGDReducer:
+    """One chunk's QSGD reduction; levels and bucket size from ``--qsgd-levels`` and
+    ``--qsgd-bucket-size`` (the constructor's defaults without a configuration)."""
     compressed, exact = split_exact_params(request)
     parallel = request.parallel
+    options = {} if parallel is None else {"levels": parallel.qsgd_levels,
+                                           "bucket_size": parallel.qsgd_bucket_size}
     dp_rank = dist.get_rank(request.data_group) if group_size(request.data_group) > 1 else 0
-    return QSGDReducer(compressed,
-                       levels=parallel.qsgd_levels if parallel is not None else 127,
-                       bucket_size=parallel.qsgd_bucket_size if parallel is not None else 512,
+    return QSGDReducer(compressed, **options,
                        seed=generator_seed(torch.initial_seed(), dp_rank, request.key),
                        direction_group=request.direction_group(), data_group=request.data_group,
                        exact_params=exact, exact_group=request.replica_group,

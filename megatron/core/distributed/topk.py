@@ -124,11 +124,14 @@ class TopKReducer(CompressingReducer):
 
 
 def build_topk_reduction(request: ChunkReductionRequest) -> TopKReducer:
+    """One chunk's top-k reduction; its ratio from ``--topk-ratio`` (the constructor's default
+    without a configuration)."""
     compressed, exact = split_exact_params(request)
-    ratio = request.parallel.topk_ratio if request.parallel is not None else 0.01
-    return TopKReducer(compressed, ratio=ratio, direction_group=request.direction_group(),
+    options = {} if request.parallel is None else {"ratio": request.parallel.topk_ratio}
+    return TopKReducer(compressed, direction_group=request.direction_group(),
                        data_group=request.data_group, exact_params=exact,
-                       exact_group=request.replica_group, dp_size=int(request.divide_by))
+                       exact_group=request.replica_group, dp_size=int(request.divide_by),
+                       **options)
 
 
 def check_topk_flags(parallel) -> None:
