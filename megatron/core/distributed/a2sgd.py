@@ -51,7 +51,7 @@ from megatron.core.distributed.a2sgd_second_moment import SecondMomentFromExactS
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.error_feedback import ErrorFeedback
 from megatron.core.distributed.gradient_reducer import GradientReducer
-from megatron.core.distributed.reduction import (ChunkReductionRequest, GradientReduction,
+from megatron.core.distributed.reduction import (ChunkReductionRequest, ExactReductionsFirst,
                                                  ReducerKind)
 
 GRANULARITIES = ("model", "bucket", "tensor")
@@ -186,7 +186,7 @@ def two_level_values(values: torch.Tensor, stats: torch.Tensor, bounds,
     return applied
 
 
-class A2SGDReducer(GradientReduction):
+class A2SGDReducer(ExactReductionsFirst):
     """A :class:`~.reducers.GradientReduction` of one model chunk with A2SGD over data parallel.
 
     Args:
@@ -302,10 +302,6 @@ class A2SGDReducer(GradientReduction):
                              f"{reason}; use arithmetic='auto' to fall back to the torch passes")
         return None
 
-    @property
-    def started(self) -> bool:
-        return self.inner.started
-
     def start_when_ready(self) -> None:
         """With ``overlap``: arm the backward hooks for the next backward (call before the last
         micro-batch's); the statistics of each gradient are formed as soon as it is complete."""
@@ -376,21 +372,8 @@ class A2SGDReducer(GradientReduction):
         non_negative_indicator(corrected, out=indicator)
         return corrected, indicator
 
-    def watch_local_gradients(self, observer) -> None:
-        """The wrapped exact reductions see the local gradients first (before compression)."""
-        self.inner.watch_local_gradients(observer)
-        if self.exact is not None:
-            self.exact.watch_local_gradients(observer)
-
-    def start(self) -> None:
-        self.inner.start()
-        if self.exact is not None:
-            self.exact.start()
-
     def wait(self) -> None:
-        self.inner.wait()
-        if self.exact is not None:
-            self.exact.wait()
+        self.wait_exact()
         scale = float(self.loss_scale())
         self.bytes_last_step = 0
         jobs, self._jobs = self._jobs, []
@@ -529,11 +512,6 @@ class A2SGDReducer(GradientReduction):
         for dtype, old_error in self.feedback.adopt_staged(update_successful).items():
             if dtype in self._work and self.errors[dtype] is self._work[dtype][0]:
                 self._work[dtype] = (old_error,) + self._work[dtype][1:]
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-        if self.exact is not None:
-            self.exact.zero_grad()
 
     def state_dict(self) -> dict:
         """The error buffers (per dtype, in this reducer's flat layout) and whether the next step

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.gradient_reducer import GradientReducer
-from megatron.core.distributed.reduction import ChunkReductionRequest, GradientReduction
+from megatron.core.distributed.reduction import ChunkReductionRequest, ExactReductionsFirst
 from megatron.core.distributed.timeouts import awaiting, describe_group
 
 
@@ -58,7 +58,7 @@ def ring_bytes_sent(payload_bytes: int, ranks: int, collective: str) -> float:
     raise ValueError(f"unknown collective {collective!r}; use all_reduce or all_gather")
 
 
-class CompressingReducer(GradientReduction):
+class CompressingReducer(ExactReductionsFirst):
     """The frame (see the module docstring); subclasses compress.
 
     Args:
@@ -100,28 +100,11 @@ class CompressingReducer(GradientReduction):
 
     # ------------------------------------------------------------------------- the seam
 
-    @property
-    def started(self) -> bool:
-        return self.inner.started
-
     def start_when_ready(self) -> None:
         """No overlap: compression needs the whole gradient."""
 
-    def watch_local_gradients(self, observer) -> None:
-        """The wrapped exact reductions see the local gradients first (before compression)."""
-        self.inner.watch_local_gradients(observer)
-        if self.exact is not None:
-            self.exact.watch_local_gradients(observer)
-
-    def start(self) -> None:
-        self.inner.start()
-        if self.exact is not None:
-            self.exact.start()
-
     def wait(self) -> None:
-        self.inner.wait()
-        if self.exact is not None:
-            self.exact.wait()
+        self.wait_exact()
         scale = float(self.loss_scale())
         self.payload_bytes_last_step = 0
         for dtype, buffer in self.inner.buffers.items():
@@ -141,11 +124,6 @@ class CompressingReducer(GradientReduction):
         if key not in self._scratch or self._scratch[key].numel() != numel:
             self._scratch[key] = torch.empty(numel, dtype=element)
         return self._scratch[key]
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-        if self.exact is not None:
-            self.exact.zero_grad()
 
     def attach(self, optimizer) -> None:
         """Read the loss scale (the compression works in loss-unscaled units)."""
