@@ -30,6 +30,11 @@ for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests")):
 
 from dist_harness import run_distributed  # noqa: E402  (tests/ helper, shared on purpose)
 
+#: The README demo's corpus and tokenizer (``python tools/build_demo_corpus.py`` builds them).
+DEMO_DATA_FLAGS = ("--data-path data/demo/corpus_text_document --split 949,50,1 "
+                   "--tokenizer-type SentencePieceTokenizer "
+                   "--tokenizer-model data/demo/tokenizer.model")
+
 #: The tiny GPT both benchmarks run (hidden 64, 8 layers, sequence 64, micro-batch 2).
 MODEL_FLAGS = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
                "--max-position-embeddings 64 --vocab-size 256 --make-vocab-size-divisible-by 64 "

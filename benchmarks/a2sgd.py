@@ -36,15 +36,9 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (REPO, os.path.join(REPO, "tests")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from dist_harness import run_distributed  # noqa: E402  (tests/ helper, shared on purpose)
-
-DATA_FLAGS = ("--data-path data/demo/corpus_text_document --split 949,50,1 "
-              "--tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model")
+from _harness import DEMO_DATA_FLAGS as DATA_FLAGS  # also puts the repo and tests/ on sys.path
+from _harness import REPO_ROOT as REPO
+from _harness import oversubscription_note, run_distributed
 MODEL_FLAGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
                "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
                "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5 "
@@ -145,7 +139,6 @@ def parse_arguments(argv=None):
 def emulated_main(args) -> None:
     """The --emulate-compute sweep (see benchmarks/_reducer_sweep.py)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _harness import oversubscription_note
     from _reducer_sweep import (REDUCERS, available_memory_bytes, bytes_per_step, combine_ranks,
                                 crossings, rank_sweep, resident_bytes_per_rank)
 

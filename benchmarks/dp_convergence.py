@@ -29,13 +29,8 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (REPO, os.path.join(REPO, "tests")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-DATA_FLAGS = ("--data-path data/demo/corpus_text_document --split 949,50,1 "
-              "--tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model")
+from _harness import DEMO_DATA_FLAGS as DATA_FLAGS  # also puts the repo and tests/ on sys.path
+from _harness import REPO_ROOT as REPO
 SCHEDULE_FLAGS = "--lr-decay-style cosine --lr-warmup-iters 10 --clip-grad 1.0 --log-interval 100000"
 
 

@@ -50,9 +50,8 @@ from megatron.core.distributed import a2sgd_kernel
 from megatron.core.distributed.a2sgd_second_moment import SecondMomentFromExactSteps
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.error_feedback import ErrorFeedback
-from megatron.core.distributed.gradient_reducer import GradientReducer
-from megatron.core.distributed.reduction import (ChunkReductionRequest, ExactReductionsFirst,
-                                                 ReducerKind)
+from megatron.core.distributed.gradient_reducer import ExactReductionsFirst
+from megatron.core.distributed.reduction import ChunkReductionRequest, ReducerKind
 
 GRANULARITIES = ("model", "bucket", "tensor")
 FLAG_BUCKET_SIZE = 4096  # entries per segment of --a2sgd-granularity bucket
@@ -238,11 +237,7 @@ class A2SGDReducer(ExactReductionsFirst):
         if arithmetic not in a2sgd_kernel.ARITHMETICS:
             raise ValueError(f"unknown A2SGD arithmetic {arithmetic!r}; use one of "
                              f"{a2sgd_kernel.ARITHMETICS}")
-        self.params = [p for p in params if p.requires_grad]
-        self.inner = GradientReducer(self.params, direction_group, divide_by=1.0)
-        exact_params = [p for p in exact_params if p.requires_grad]
-        self.exact = (GradientReducer(exact_params, exact_group, divide_by=dp_size)
-                      if exact_params else None)
+        self._reduce_exactly_first(params, direction_group, exact_params, exact_group, dp_size)
         self.data_group = data_group
         self.granularity = granularity
         self.bucket_size = int(bucket_size)

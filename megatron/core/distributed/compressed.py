@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.collectives import group_size
-from megatron.core.distributed.gradient_reducer import GradientReducer
-from megatron.core.distributed.reduction import ChunkReductionRequest, ExactReductionsFirst
+from megatron.core.distributed.gradient_reducer import ExactReductionsFirst
+from megatron.core.distributed.reduction import ChunkReductionRequest
 from megatron.core.distributed.timeouts import awaiting, describe_group
 
 
@@ -76,11 +76,7 @@ class CompressingReducer(ExactReductionsFirst):
     def __init__(self, params: Iterable[torch.nn.Parameter], *, direction_group: Any = None,
                  data_group: Any = None, exact_params: Iterable[torch.nn.Parameter] = (),
                  exact_group: Any = None, dp_size: int = 1):
-        self.params = [p for p in params if p.requires_grad]
-        self.inner = GradientReducer(self.params, direction_group, divide_by=1.0)
-        exact_params = [p for p in exact_params if p.requires_grad]
-        self.exact = (GradientReducer(exact_params, exact_group, divide_by=dp_size)
-                      if exact_params else None)
+        self._reduce_exactly_first(params, direction_group, exact_params, exact_group, dp_size)
         self.data_group = data_group
         self.dp_size = int(dp_size)
         self.loss_scale: Callable[[], float] = lambda: 1.0

@@ -22,7 +22,7 @@ numbers are identical to the non-overlapped reduction.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -211,3 +211,49 @@ class GradientReducer(GradientReduction):
             self._rebind(param)
         for buffer in self.buffers.values():
             buffer.zero_()
+
+
+class ExactReductionsFirst(GradientReduction):
+    """The frame of a reduction that reduces exactly first and does its own work in ``wait()``
+    (A2SGD, top-k, QSGD): ``inner`` sums its parameters' gradients exactly over their direction
+    group, ``exact`` (None without) reduces the parameters it leaves exact. Both are
+    :class:`GradientReduction` s; their start, zeroing and local-gradient watching are delegated
+    here, and :meth:`wait_exact` completes both before the subclass's own work."""
+
+    inner: GradientReducer
+    exact: Optional[GradientReducer] = None
+
+    def _reduce_exactly_first(self, params: Iterable[torch.nn.Parameter], direction_group: Any,
+                              exact_params: Iterable[torch.nn.Parameter], exact_group: Any,
+                              dp_size: int) -> None:
+        """Set ``params`` (those that need gradients), ``inner`` and ``exact``."""
+        self.params = [p for p in params if p.requires_grad]
+        self.inner = GradientReducer(self.params, direction_group, divide_by=1.0)
+        kept_exact = [p for p in exact_params if p.requires_grad]
+        self.exact = (GradientReducer(kept_exact, exact_group, divide_by=dp_size)
+                      if kept_exact else None)
+
+    @property
+    def started(self) -> bool:
+        return self.inner.started
+
+    def watch_local_gradients(self, observer: Optional[Callable[[Any], None]]) -> None:
+        """The exact reductions see the local gradients first (before any compression)."""
+        self.inner.watch_local_gradients(observer)
+        if self.exact is not None:
+            self.exact.watch_local_gradients(observer)
+
+    def start(self) -> None:
+        self.inner.start()
+        if self.exact is not None:
+            self.exact.start()
+
+    def wait_exact(self) -> None:
+        self.inner.wait()
+        if self.exact is not None:
+            self.exact.wait()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+        if self.exact is not None:
+            self.exact.zero_grad()

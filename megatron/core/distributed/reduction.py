@@ -95,42 +95,6 @@ class GradientReduction:
         """Restore what :meth:`state_dict` returned (only called when ``has_state``)."""
 
 
-class ExactReductionsFirst(GradientReduction):
-    """The frame of a reduction that reduces exactly first and does its own work in ``wait()``
-    (A2SGD, top-k, QSGD): ``inner`` sums its parameters' gradients exactly over their direction
-    group, ``exact`` (None without) reduces the parameters it leaves exact. Both are
-    :class:`GradientReduction` s; their start, zeroing and local-gradient watching are delegated
-    here, and :meth:`wait_exact` completes both before the subclass's own work."""
-
-    inner: Any
-    exact: Any = None
-
-    @property
-    def started(self) -> bool:
-        return self.inner.started
-
-    def watch_local_gradients(self, observer: Optional[Callable[[Any], None]]) -> None:
-        """The exact reductions see the local gradients first (before any compression)."""
-        self.inner.watch_local_gradients(observer)
-        if self.exact is not None:
-            self.exact.watch_local_gradients(observer)
-
-    def start(self) -> None:
-        self.inner.start()
-        if self.exact is not None:
-            self.exact.start()
-
-    def wait_exact(self) -> None:
-        self.inner.wait()
-        if self.exact is not None:
-            self.exact.wait()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-        if self.exact is not None:
-            self.exact.zero_grad()
-
-
 # ------------------------------------------------------------- the lifecycle over a rank's reducers
 
 def attach_reducers(reducers: Iterable[GradientReduction], optimizer: Any) -> None:
