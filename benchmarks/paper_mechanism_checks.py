@@ -3,7 +3,8 @@ numbers docs/performance_model.md quotes for them ("Checked and not adopted").
 
 ``python benchmarks/paper_mechanism_checks.py [--skip-slow]``. No torch, no processes; about
 3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02, about 3 with
-check 9's refit and held-out fits), ``--skip-slow`` only checks 1, 2 and 9 without refits (seconds).
+check 9's refit and held-out fits), ``--skip-slow`` only checks 1, 2, 9 and 10 without refits
+(seconds).
 
 Each check is a variant of the shipped model written here, next to it, so the model itself
 stays as it is:
@@ -60,6 +61,18 @@ stays as it is:
    ``run_training_loop_with_1f1b_flushes`` (DDP under ``no_sync()`` but for the last
    backward, whose all-reduce blocks the rank before it sends its input gradient), which no
    published ``main`` calls (:func:`one_f_one_b_flush_under_ddp`).
+10. ``eager_sync_requirement``: the sync-policy ratio (Bert-48, D=4, B=8, N=8) read backwards:
+   how much longer than the shipped model's eager iteration the published eager-opt / eager
+   ratio makes plain eager sync at 16 / 32 / 64 nodes, and what that extra would mean in each
+   form a cost of the middle workers' eagerly launched late-stage sync can take (a delay per
+   ring step, 2(r - 1) of them with r = 2W; a stretch of that sync; a slowdown σ of the
+   backward it overlaps). Beside it two forward checks at the in-sample constants, no refit:
+   the stated bound of the staging copy (:func:`copy_engine_bound`: a CUDA device runs one
+   copy per direction at a time, so the gradient message the other middle worker produces
+   with its eager launch can queue behind that launch's device-to-host copy of the stage
+   gradient, at most L / 15.75 GB/s), and the ratio a per-ring-step delay δ of the overlapped
+   sync would give (:func:`eager_ring_step_delay_ratio`; δ has no stated value: a fourth
+   constant).
 """
 
 from __future__ import annotations
@@ -487,13 +500,103 @@ def _speedup_line(hardware) -> str:
         for label, published in paper.PUBLISHED_SPEEDUPS.items())
 
 
+#: The middle workers' late stage in Chimera with D = 4 (stage D/2): the one sync whose launch
+#: the two policies place differently.
+MIDDLE_LATE_STAGE = 2
+#: Per-ring-step delays printed by check 10 (s): no stated value; for scale.
+RING_STEP_DELAYS = (2e-3, 5e-3, 9e-3)
+
+
+def _bert48(nodes):
+    return paper.PaperRun("", "chimera-direct", nodes // 4, 4, 8, 8, "none", 0, "")
+
+
+def eager_sync_requirement(hardware, published=paper.SYNC_POLICY) -> list:
+    """Check 10: per (nodes, published eager-opt / eager ratio), what plain eager sync must cost
+    beyond the shipped model's eager iteration for the published ratio to hold: ``need`` = ratio
+    × T(eager-opt) − T(eager) (s), and that extra as a delay per ring step of the middle
+    workers' late-stage sync (``per_ring_step``, 2(r − 1) steps, r = 2W), as a multiple of that
+    sync (``sync_stretch``) and of the backward it overlaps (``sigma``)."""
+    rows = []
+    for nodes, ratio in published:
+        run = _bert48(nodes)
+        opt = rp.estimate(hardware, run, rp.BERT48, "eager-opt")
+        eager = rp.estimate(hardware, run, rp.BERT48, "eager")
+        need = ratio * opt.iteration_time - eager.iteration_time
+        steps = 2 * (num_replicas(run.scheme, run.data_parallel, run.pipeline) - 1)
+        late = opt.costs.allreduce[MIDDLE_LATE_STAGE]
+        backward = opt.costs.backward_of(MIDDLE_LATE_STAGE - 1)
+        rows.append({"nodes": nodes, "published": ratio, "eager_opt": opt.iteration_time,
+                     "eager": eager.iteration_time, "need": need, "ring_steps": steps,
+                     "per_ring_step": need / steps, "sync_stretch": need / late,
+                     "sigma": need / backward})
+    return rows
+
+
+def copy_engine_bound(hardware, run) -> float:
+    """Check 10: an upper bound on eager-opt / eager from the device's copy engines. A CUDA
+    device overlaps a host-to-device with a device-to-host copy, not two copies in the same
+    direction (CUDA C Programming Guide, "Concurrent Data Transfers"); gloo stages a CUDA
+    all-reduce through pinned host memory (a device-to-host copy of the whole stage gradient at
+    launch). With eager sync the other middle worker launches its late-stage sync right after
+    the backward whose input gradient the first one needs next (the message it sends then is
+    copied out by ``tensor.cpu()``); at worst that message waits for the whole staging copy,
+    L / host link bandwidth, and the iteration with it. Stated constants only (PCIe 3.0 x16)."""
+    opt = rp.estimate(hardware, run, rp.BERT48, "eager-opt")
+    eager = rp.estimate(hardware, run, rp.BERT48, "eager")
+    wait = opt.costs.gradient_bytes[MIDDLE_LATE_STAGE] / hardware.host_staging_bandwidth
+    return (eager.iteration_time + wait) / opt.iteration_time
+
+
+def eager_ring_step_delay_ratio(hardware, run, delay) -> float:
+    """Check 10: eager-opt / eager when the middle workers' eagerly launched late-stage sync
+    pays ``delay`` more per ring step (2(r − 1)·delay; eager-opt launches it after the last
+    backward, when nothing overlaps it, so there it pays nothing). Stage D/2's replicas are
+    all middle workers, so lengthening that stage's sync in the eager run is exactly this."""
+    opt = rp.estimate(hardware, run, rp.BERT48, "eager-opt")
+    eager = rp.estimate(hardware, run, rp.BERT48, "eager")
+    steps = 2 * (num_replicas(run.scheme, run.data_parallel, run.pipeline) - 1)
+    syncs = list(eager.costs.allreduce)
+    syncs[MIDDLE_LATE_STAGE] += steps * delay
+    costs = dataclasses.replace(eager.costs, allreduce=tuple(syncs))
+    _, count = schedule_microbatches(run.scheme, run.pipeline, run.micro_batch_size,
+                                     run.num_microbatches)
+    slowed = timing.simulated_iteration_time(run.scheme, run.pipeline, count, costs, "eager")
+    return slowed / opt.iteration_time
+
+
+def check_eager_sync_requirement(hardware) -> list:
+    lines = ["10. The sync-policy ratio read backwards (Bert-48 D=4 B=8 N=8, in-sample "
+             "constants): extra time plain eager must cost"]
+    for row in eager_sync_requirement(hardware):
+        lines.append(
+            f"   {row['nodes']} nodes (paper {row['published']:.2f}x): eager-opt "
+            f"{row['eager_opt']:.3f} s, eager {row['eager']:.3f} s, needs +{row['need']:.3f} s ="
+            f" {row['per_ring_step'] * 1e3:.1f} ms per ring step ({row['ring_steps']} steps),"
+            f" {row['sync_stretch']:.2f}x the late-stage sync, sigma {row['sigma']:.2f}")
+    for spread in (-0.02, 0.02):
+        shifted = tuple((nodes, ratio + spread) for nodes, ratio in paper.SYNC_POLICY)
+        lines.append(f"   published ratios {spread:+.2f} (read-off uncertainty), ms per ring "
+                     "step: " + ", ".join(f"{row['nodes']} nodes "
+                                          f"{row['per_ring_step'] * 1e3:.1f}" for row in
+                                          eager_sync_requirement(hardware, shifted)))
+    lines.append("   copy-engine bound (stated constants): " + ", ".join(
+        f"{nodes} nodes {copy_engine_bound(hardware, _bert48(nodes)):.3f}"
+        for nodes, _ in paper.SYNC_POLICY))
+    for delay in RING_STEP_DELAYS:
+        lines.append(f"   per-ring-step delay {delay * 1e3:.0f} ms on the overlapped sync: " + ", ".join(
+            f"{nodes} nodes {eager_ring_step_delay_ratio(hardware, _bert48(nodes), delay):.3f}"
+            f" (paper {published:.2f})" for nodes, published in paper.SYNC_POLICY))
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--skip-slow", action="store_true", help="only checks 1, 2 and 9")
+    parser.add_argument("--skip-slow", action="store_true", help="only checks 1, 2, 9 and 10")
     args = parser.parse_args(argv)
     hardware = rp.hardware_of(rp.load_fits()["in_sample"])
     out = (check_steady_state(hardware) + check_head_of_line(hardware)
-           + check_published_flush_paths(hardware))
+           + check_published_flush_paths(hardware) + check_eager_sync_requirement(hardware))
     if not args.skip_slow:
         lines, _ = _refit_lines("0. The shipped model (for comparison)")
         out += lines

@@ -201,3 +201,42 @@ def test_bucketed_flush_syncs_touch_only_gpipe_and_1f1b_and_cost_the_longer_ring
             / checks.rp.predict(hardware, run) for run in (gpipe, one_f_one_b)}
     # GPipe's first stage: more buckets (892 vs 577 MB) on a ring twice as long (256 vs 128)
     assert lost["GPipe"] > 2 * lost["1F1B/DAPPLE"]
+
+
+def test_eager_sync_requirement_reads_the_published_ratio_backwards(checks, hardware):
+    rows = checks.eager_sync_requirement(hardware)
+    assert [row["nodes"] for row in rows] == [nodes for nodes, _ in paper.SYNC_POLICY]
+    for row, (nodes, published) in zip(rows, paper.SYNC_POLICY):
+        opt = checks.rp.estimate(hardware, bert48_run(nodes), checks.rp.BERT48, "eager-opt")
+        eager = checks.rp.estimate(hardware, bert48_run(nodes), checks.rp.BERT48, "eager")
+        assert row["need"] == pytest.approx(published * opt.iteration_time
+                                            - eager.iteration_time, rel=1e-12)
+        assert row["ring_steps"] == 2 * (2 * (nodes // 4) - 1)
+    # the docs' claims: at 32 and 64 nodes eager must cost more than the whole overlapped sync
+    # and more than the backward it overlaps (sigma > 1), and no single per-ring-step delay
+    # gives all three ratios (the required delay differs by more than 2x between node counts)
+    assert all(row["sync_stretch"] > 1 and row["sigma"] > 1 for row in rows[1:])
+    per_step = [row["per_ring_step"] for row in rows]
+    assert max(per_step) > 2 * min(per_step)
+
+
+def test_copy_engine_bound_is_small_and_does_not_rise_with_the_nodes(checks, hardware):
+    bounds = [checks.copy_engine_bound(hardware, bert48_run(nodes))
+              for nodes, _ in paper.SYNC_POLICY]
+    assert all(1.0 < bound < 1.02 for bound in bounds)
+    assert bounds[-1] <= bounds[0]
+
+
+def test_ring_step_delay_zero_is_the_shipped_ratio_and_a_delay_makes_it_rise(checks, hardware):
+    for nodes, _ in paper.SYNC_POLICY:
+        run = bert48_run(nodes)
+        shipped = (checks.rp.estimate(hardware, run, checks.rp.BERT48, "eager").iteration_time
+                   / checks.rp.estimate(hardware, run, checks.rp.BERT48,
+                                        "eager-opt").iteration_time)
+        # eager-opt / eager in throughput = T(eager) / T(eager-opt)
+        assert checks.eager_ring_step_delay_ratio(hardware, run, 0.0) == pytest.approx(
+            shipped, rel=1e-9)
+    ratios = [checks.eager_ring_step_delay_ratio(hardware, bert48_run(nodes), 9e-3)
+              for nodes, _ in paper.SYNC_POLICY]
+    assert ratios[0] < ratios[1] < ratios[2]
+    assert ratios[0] < 1.01 and ratios[2] > 1.05
