@@ -4,7 +4,7 @@ numbers docs/performance_model.md quotes for them ("Checked and not adopted").
 ``python benchmarks/paper_mechanism_checks.py [--skip-slow]``. No torch, no processes; about
 3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02, about 3 with
 check 9's refit and held-out fits), ``--skip-slow`` only checks 1, 2, 9 and 10 without refits
-(seconds).
+(seconds); check 11 recomputes every fit of the report (about a minute more).
 
 Each check is a variant of the shipped model written here, next to it, so the model itself
 stays as it is:
@@ -73,6 +73,15 @@ stays as it is:
    gradient, at most L / 15.75 GB/s), and the ratio a per-ring-step delay δ of the overlapped
    sync would give (:func:`eager_ring_step_delay_ratio`; δ has no stated value: a fourth
    constant).
+11. ``one_f_one_b_last_stage_kept``: 1F1B's last stage without recomputation, GPipe's still
+   recomputing. The authors' PipeDream-2BW ``main_with_runtime.py`` (gpt2) makes exactly this
+   split: its 1F1B-scheduled loop (``run_training_loop``, PipeDream and PipeDream-2BW) gets
+   ``recompute_step = args.recompute_step and r.stage != (r.num_stages - 1)``, its ``--gpipe``
+   loop ``args.recompute_step`` on every stage; and GPipe's last stage could not keep its
+   activations anyway (it holds all N micro-batches: :func:`last_stage_memory_without_recompute`),
+   1F1B's holds one. But the one published ``--dapple`` path (the Chimera main) passes
+   ``args.recompute_step`` to ``run_training_loop_with_1f1b_flushes`` on every stage, the last
+   included. At the in-sample constants, then with every fit of the report recomputed.
 """
 
 from __future__ import annotations
@@ -590,6 +599,72 @@ def check_eager_sync_requirement(hardware) -> list:
     return lines
 
 
+@contextlib.contextmanager
+def one_f_one_b_last_stage_kept():
+    """Check 11: 1F1B's last stage skips its recomputation, as the authors' PipeDream runtime
+    does for its last stage; GPipe's still recomputes. Time only: that the kept activations
+    fit is checked separately (:func:`last_stage_memory_without_recompute`)."""
+    kept = frozenset(timing.LAST_STAGE_NOT_RECOMPUTED) | {"1f1b"}
+    with mock.patch.object(timing, "LAST_STAGE_NOT_RECOMPUTED", kept):
+        yield
+
+
+def last_stage_memory_without_recompute(hardware, run) -> float:
+    """Check 11: bytes on ``run``'s last pipeline rank if it kept the full activations of every
+    micro-batch it holds at its peak (read off the lowered plan), as the shipped model counts
+    a run without recomputation."""
+    return rp.estimate(hardware, dataclasses.replace(run, recompute="none")).memory_per_worker[-1]
+
+
+def held_out_summary(data) -> dict:
+    """Check 11: from a ``rp.report`` dict, the numbers the issue's targets read (leave-one-out
+    speedups, order, weak scaling) and the RMS log error of the leave-one-out predictions."""
+    errors = [math.log(point["leave_one_out"] / point["published"]) for point in data["points"]]
+    return {"speedups": {label: row["leave_one_out"] for label, row in data["speedups"].items()},
+            "order": data["order_2048"]["leave_one_out"],
+            "weak_scaling": data["weak_scaling_efficiency"]["leave_one_out"],
+            "sweep_best": data["sweep_best"]["leave_one_out"],
+            "loo_rms_log_error": math.sqrt(sum(e * e for e in errors) / len(errors)),
+            "points": {point["label"]: point["leave_one_out"] for point in data["points"]}}
+
+
+def _summary_lines(summary) -> list:
+    return [
+        "   leave-one-out: " + ", ".join(f"{label} {value:.1f}"
+                                         for label, value in summary["points"].items()),
+        "   leave-pair-out speedups: " + ", ".join(
+            f"{label} {value:.3f}x ({value / paper.PUBLISHED_SPEEDUPS[label] - 1:+.1%})"
+            for label, value in summary["speedups"].items()),
+        f"   order: {' > '.join(summary['order'])}; weak scaling (end points held out) "
+        f"{summary['weak_scaling']:.1%}; sweep best {summary['sweep_best']}; RMS log error of "
+        f"the leave-one-out predictions {summary['loo_rms_log_error']:.4f}"]
+
+
+def check_last_stage_kept(hardware) -> list:
+    """Check 11 at the shipped constants, then with every fit of the report recomputed
+    (in-sample, leave-one-out, leave-pair-out, weak scaling held out; about a minute), beside
+    the shipped model's stored fits."""
+    runs = {run.label: run for run in paper.COMPARISON_2048}
+    memory = ", ".join(
+        f"{label} {last_stage_memory_without_recompute(hardware, runs[label]) / 1e9:.1f} GB"
+        for label in ("1F1B/DAPPLE", "GPipe"))
+    shipped = held_out_summary(rp.report(rp.load_fits()))
+    with one_f_one_b_last_stage_kept():
+        fixed = ", ".join(f"{label} {rp.predict(hardware, runs[label]):.1f}"
+                          for label in ("1F1B/DAPPLE", "GPipe"))
+        fits = rp.compute_fits()
+        fits["planner"] = rp.load_fits().get("planner", {})
+        kept = held_out_summary(rp.report(fits))
+    in_sample = fits["in_sample"]
+    return ([f"11. Last stage without recomputation (device 16 GB): {memory}; 1F1B's last "
+             f"stage kept, GPipe's recomputed, at the shipped constants: {fixed}",
+             "   the shipped model (stored fits):"] + _summary_lines(shipped)
+            + [f"   1F1B's last stage kept, every fit recomputed: in-sample efficiency "
+               f"{in_sample['efficiency']:.3f}, {in_sample['bandwidth'] / 1e9:.2f} GB/s, γ "
+               f"{in_sample['global_bandwidth_fraction']:.3f}, RMS log error "
+               f"{in_sample['rms_log_error']:.4f}"] + _summary_lines(kept))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-slow", action="store_true", help="only checks 1, 2, 9 and 10")
@@ -638,6 +713,7 @@ def main(argv=None) -> int:
             lines.append(_held_out_line(("1F1B/DAPPLE", "GPipe", "W=16 D=32",
                                          "W=64 D=8 recompute"), bucketed_hw))
         out += lines
+        out += check_last_stage_kept(hardware)
     print("\n".join(out))
     return 0
 

@@ -240,3 +240,23 @@ def test_ring_step_delay_zero_is_the_shipped_ratio_and_a_delay_makes_it_rise(che
               for nodes, _ in paper.SYNC_POLICY]
     assert ratios[0] < ratios[1] < ratios[2]
     assert ratios[0] < 1.01 and ratios[2] > 1.05
+
+
+def test_one_f_one_b_last_stage_kept_speeds_up_only_1f1b(checks, hardware):
+    runs = {run.label: run for run in paper.COMPARISON_2048}
+    before = {label: checks.rp.predict(hardware, run) for label, run in runs.items()}
+    with checks.one_f_one_b_last_stage_kept():
+        after = {label: checks.rp.predict(hardware, run) for label, run in runs.items()}
+    assert after["1F1B/DAPPLE"] > 1.05 * before["1F1B/DAPPLE"]
+    for label in runs:
+        if label != "1F1B/DAPPLE":
+            assert after[label] == pytest.approx(before[label], rel=1e-12)
+
+
+def test_only_1f1bs_last_stage_fits_without_recomputation(checks, hardware):
+    # GPipe's last stage holds all N micro-batches at its peak, 1F1B's one (Table 2: N·Ma vs
+    # [Ma, D·Ma], the last stage at the low end): only 1F1B's can keep its activations
+    runs = {run.label: run for run in paper.COMPARISON_2048}
+    device = hardware.device_memory_bytes
+    assert checks.last_stage_memory_without_recompute(hardware, runs["1F1B/DAPPLE"]) < device
+    assert checks.last_stage_memory_without_recompute(hardware, runs["GPipe"]) > device
