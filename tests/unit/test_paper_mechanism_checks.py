@@ -3,6 +3,7 @@ model where they must, and differ where their mechanism acts (docs/performance_m
 their numbers)."""
 
 import dataclasses
+import math
 import importlib.util
 import pathlib
 
@@ -260,3 +261,34 @@ def test_only_1f1bs_last_stage_fits_without_recomputation(checks, hardware):
     device = hardware.device_memory_bytes
     assert checks.last_stage_memory_without_recompute(hardware, runs["1F1B/DAPPLE"]) < device
     assert checks.last_stage_memory_without_recompute(hardware, runs["GPipe"]) > device
+
+
+def test_authors_recomputation_reruns_whole_stages_but_1f1bs_last(checks, hardware):
+    # the authors' run_backward re-runs the whole stage (the last one's output layer too):
+    # Bk = 3F on GPipe's last stage; 1F1B's last stage keeps its activations: Bk = 2F
+    runs = {run.label: run for run in paper.COMPARISON_2048}
+    with checks.authors_recomputation():
+        gpipe = checks.rp.estimate(hardware, runs["GPipe"]).costs
+        one_f_one_b = checks.rp.estimate(hardware, runs["1F1B/DAPPLE"]).costs
+        chimera = checks.rp.estimate(hardware, paper.SWEEP_512[3]).costs  # D=8, recompute
+    assert gpipe.stage_backward[-1] == pytest.approx(3 * gpipe.stage_forward[-1], rel=1e-9)
+    assert one_f_one_b.stage_backward[-1] == pytest.approx(2 * one_f_one_b.stage_forward[-1],
+                                                           rel=1e-9)
+    for costs in (gpipe, one_f_one_b, chimera):
+        assert costs.stage_backward[0] == pytest.approx(3 * costs.stage_forward[0], rel=1e-9)
+    assert chimera.stage_backward[-1] == pytest.approx(3 * chimera.stage_forward[-1], rel=1e-9)
+    shipped = checks.rp.estimate(hardware, runs["GPipe"]).costs
+    assert shipped.stage_backward[-1] < 3 * shipped.stage_forward[-1] - 1e-6
+
+
+def test_held_out_summary_reads_the_reports_leave_one_out_numbers(checks):
+    data = {"points": [{"label": "a", "published": 100.0, "leave_one_out": 110.0},
+                       {"label": "b", "published": 200.0, "leave_one_out": 180.0}],
+            "speedups": {"X": {"leave_one_out": 1.2}},
+            "order_2048": {"leave_one_out": ["Chimera", "X"]},
+            "weak_scaling_efficiency": {"leave_one_out": 0.9},
+            "sweep_best": {"leave_one_out": "W=16 D=32"}}
+    summary = checks.held_out_summary(data)
+    expected = ((math.log(1.1) ** 2 + math.log(0.9) ** 2) / 2) ** 0.5
+    assert summary["loo_rms_log_error"] == pytest.approx(expected, rel=1e-12)
+    assert summary["speedups"] == {"X": 1.2} and summary["points"] == {"a": 110.0, "b": 180.0}
