@@ -1,13 +1,15 @@
-"""Mechanisms checked against the Chimera paper's numbers and NOT adopted in the model: the
-numbers docs/performance_model.md quotes for them ("Checked and not adopted").
+"""Mechanisms checked against the Chimera paper's numbers, all but one NOT adopted in the model
+(check 12, the authors' recomputation, is shipped since 2026-12-02): the numbers
+docs/performance_model.md quotes for them ("Checked and not adopted").
 
 ``python benchmarks/paper_mechanism_checks.py [--skip-slow]``. No torch, no processes; about
 3 minutes on a 2-core machine (the refits; 1.5 minutes measured on 2026-12-02, about 3 with
 check 9's refit and held-out fits), ``--skip-slow`` only checks 1, 2, 9 and 10 without refits
-(seconds); check 11 recomputes every fit of the report (about a minute more).
+(seconds); checks 11/12 recompute every fit of the report twice (about two minutes more).
 
 Each check is a variant of the shipped model written here, next to it, so the model itself
-stays as it is:
+stays as it is (checks 7, 11 and 12 as hardware profiles of the model's own recomputation
+settings):
 
 1. ``steady_state``: the authors' training loops run iterations back to back without a barrier
    (``main_with_runtime.py``: ``#distrib.barrier()`` commented out in the Chimera loop;
@@ -35,11 +37,12 @@ stays as it is:
    ``tensor.cpu()`` copies on the default CUDA stream behind whatever the main thread queued
    meanwhile; CPython hands the GIL to a waiting thread after at most its switch interval
    (``sys.getswitchinterval()``, 5 ms by default). δ = 2 and 5 ms, refitted in-sample.
-7. ``whole_stage_recompute``: the authors' Chimera runtime recomputes by re-running the whole
-   stage (``run_backward``: ``self._run_forward(tensors, recompute_step=False)`` over every
-   module of the stage), so with ``--recompute_step`` the last stage also re-runs the output
-   layer and the loss (three layers' FLOPs at GPT-2), which the shipped model does not
-   recompute; at the in-sample constants and refitted.
+7. ``whole_stage_recompute`` (:func:`recomputation_profile` ``(True)``): the authors' Chimera
+   runtime recomputes by re-running the whole stage (``run_backward``:
+   ``self._run_forward(tensors, recompute_step=False)`` over every module of the stage), so
+   with ``--recompute_step`` the last stage also re-runs the output layer and the loss (three
+   layers' FLOPs at GPT-2). Alone (1F1B's last stage recomputing too), at the shipped
+   constants and refitted; part of the shipped model since 2026-12-02 (check 12).
 8. ``split_sync``: the authors' ``AdamW.grads_sync`` (``transformers/optimization.py``)
    all-reduces a stage's gradient as 3 tensors, 4 on the first and last stage (its
    ``boundaries`` table), each paying the ring's 2(r − 1)α; applied to Chimera, 1F1B and GPipe
@@ -73,26 +76,25 @@ stays as it is:
    gradient, at most L / 15.75 GB/s), and the ratio a per-ring-step delay δ of the overlapped
    sync would give (:func:`eager_ring_step_delay_ratio`; δ has no stated value: a fourth
    constant).
-11. ``one_f_one_b_last_stage_kept``: 1F1B's last stage without recomputation, GPipe's still
-   recomputing. The authors' PipeDream-2BW ``main_with_runtime.py`` (gpt2) makes exactly this
-   split: its 1F1B-scheduled loop (``run_training_loop``, PipeDream and PipeDream-2BW) gets
-   ``recompute_step = args.recompute_step and r.stage != (r.num_stages - 1)``, its ``--gpipe``
-   loop ``args.recompute_step`` on every stage; and GPipe's last stage could not keep its
+11. ``last_stage_kept`` (:func:`recomputation_profile` ``(False, ("1f1b",))``): 1F1B's last
+   stage without recomputation, GPipe's still recomputing. The authors' PipeDream-2BW
+   ``main_with_runtime.py`` (gpt2) makes exactly this split: its 1F1B-scheduled loop
+   (``run_training_loop``, PipeDream and PipeDream-2BW) gets ``recompute_step =
+   args.recompute_step and r.stage != (r.num_stages - 1)``, its ``--gpipe`` loop
+   ``args.recompute_step`` on every stage; and GPipe's last stage could not keep its
    activations anyway (it holds all N micro-batches: :func:`last_stage_memory_without_recompute`),
    1F1B's holds one. But the one published ``--dapple`` path (the Chimera main) passes
    ``args.recompute_step`` to ``run_training_loop_with_1f1b_flushes`` on every stage, the last
-   included. At the in-sample constants, then with every fit of the report recomputed.
-12. ``authors_recomputation``: checks 7 and 11 together, i.e. recomputation as the authors'
-   runtimes do it: every recomputing stage re-runs its whole forward (``run_backward``; the last
-   stage's output layer too) — Chimera, GPipe — except 1F1B's last stage, which keeps its
-   activations (the PipeDream-2BW main's rule for its 1F1B-scheduled loop); PipeDream and
-   PipeDream-2BW as shipped. Every fit of the report recomputed.
+   included. Alone (layers-only recomputation elsewhere), every fit of the report recomputed.
+12. Checks 7 and 11 together, i.e. recomputation as the authors' runtimes do it: the shipped
+   ``P100_ARIES`` profile since 2026-12-02 (``recompute_whole_stage=True,
+   last_stage_kept=("1f1b",)``). Printed beside the model before it (layers only, every
+   stage), every fit recomputed for both variants (:func:`check_recomputation`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import os
@@ -335,27 +337,15 @@ def with_p2p_handoff(delay):
                              lambda hardware, size: original(hardware, size) + delay)
 
 
-_SHIPPED_RECOMPUTE_FLOPS = cost_terms.recompute_flops
-
-
-def whole_stage_recompute_flops(model, num_stages, micro_batch_size, recompute, stage=0):
-    """Check 7: the recomputed forward FLOPs when recomputation re-runs the whole stage, as
-    the authors' runtime does: with ``full``, the last stage's output layer as well."""
-    flops = _SHIPPED_RECOMPUTE_FLOPS(model, num_stages, micro_batch_size, recompute, stage)
-    if cost_terms.recompute_mode(recompute) == "full" and stage == num_stages - 1:
-        flops += cost_terms.output_layer_forward_flops(model, micro_batch_size)
-    return flops
-
-
-def with_whole_stage_recompute():
-    """Check 7 as a context manager, in both modules that call ``recompute_flops`` (the
-    compute times in ``costs``; the PipeDream last stage's skipped recomputation in
-    ``timing``, which then skips the output layer's too: that stage still never recomputes)."""
-    stack = contextlib.ExitStack()
-    for module in (cost_terms, timing):
-        stack.enter_context(mock.patch.object(module, "recompute_flops",
-                                              whole_stage_recompute_flops))
-    return stack
+def recomputation_profile(whole_stage: bool, last_stage_kept: tuple = (), base=None):
+    """Checks 7, 11, 12: ``base`` (default the shipped ``P100_ARIES``) with recomputation
+    re-running the whole stage or the layers only (``HardwareSpec.recompute_whole_stage``) and
+    the schedule-backed schemes whose last stage never recomputes (``last_stage_kept``). The
+    shipped profile is ``(True, ("1f1b",))`` since 2026-12-02 (check 12); ``(False, ())`` is the
+    model before it (Megatron's full recomputation on every stage)."""
+    return dataclasses.replace(rp.P100_ARIES if base is None else base,
+                               recompute_whole_stage=whole_stage,
+                               last_stage_kept=tuple(last_stage_kept))
 
 
 #: Check 8: tensors per stage sync in the authors' ``grads_sync`` (D = 8 ... 64).
@@ -604,16 +594,6 @@ def check_eager_sync_requirement(hardware) -> list:
     return lines
 
 
-@contextlib.contextmanager
-def one_f_one_b_last_stage_kept():
-    """Check 11: 1F1B's last stage skips its recomputation, as the authors' PipeDream runtime
-    does for its last stage; GPipe's still recomputes. Time only: that the kept activations
-    fit is checked separately (:func:`last_stage_memory_without_recompute`)."""
-    kept = frozenset(timing.LAST_STAGE_NOT_RECOMPUTED) | {"1f1b"}
-    with mock.patch.object(timing, "LAST_STAGE_NOT_RECOMPUTED", kept):
-        yield
-
-
 def last_stage_memory_without_recompute(hardware, run) -> float:
     """Check 11: bytes on ``run``'s last pipeline rank if it kept the full activations of every
     micro-batch it holds at its peak (read off the lowered plan), as the shipped model counts
@@ -645,20 +625,13 @@ def _summary_lines(summary) -> list:
         f"the leave-one-out predictions {summary['loo_rms_log_error']:.4f}"]
 
 
-@contextlib.contextmanager
-def authors_recomputation():
-    """Check 12: checks 7 and 11 together (whole-stage recomputation, 1F1B's last stage kept)."""
-    with with_whole_stage_recompute(), one_f_one_b_last_stage_kept():
-        yield
-
-
-def _refit_summary(variant) -> tuple:
-    """Every fit of the report recomputed under ``variant`` (a context manager): (in-sample
-    fit, :func:`held_out_summary`)."""
-    with variant():
-        fits = rp.compute_fits()
-        fits["planner"] = rp.load_fits().get("planner", {})
-        return fits["in_sample"], held_out_summary(rp.report(fits))
+def _refit_summary(base) -> tuple:
+    """Every fit of the report recomputed on the profile ``base`` (in-sample, leave-one-out,
+    leave-pair-out, weak scaling held out; about a minute): (in-sample fit,
+    :func:`held_out_summary`)."""
+    fits = rp.compute_fits(base)
+    fits["planner"] = rp.load_fits().get("planner", {})
+    return fits["in_sample"], held_out_summary(rp.report(fits, base))
 
 
 def _fit_line(title, in_sample) -> str:
@@ -668,30 +641,28 @@ def _fit_line(title, in_sample) -> str:
             f"{in_sample['rms_log_error']:.4f}")
 
 
-def check_authors_recomputation() -> list:
-    in_sample, summary = _refit_summary(authors_recomputation)
-    return (["12. Recomputation as the authors' runtimes do it (checks 7 and 11 together)",
-             _fit_line("every fit recomputed", in_sample)] + _summary_lines(summary))
-
-
-def check_last_stage_kept(hardware) -> list:
-    """Check 11 at the shipped constants, then with every fit of the report recomputed
-    (in-sample, leave-one-out, leave-pair-out, weak scaling held out; about a minute), beside
-    the shipped model's stored fits."""
+def check_recomputation(hardware) -> list:
+    """Checks 11 and 12: the memory of a last stage that keeps its activations, then the
+    report's held-out numbers for the model before 2026-12-02 (layers only, every stage),
+    check 11 alone (1F1B's last stage kept, layers only elsewhere) and the shipped model
+    (check 12: whole stages, 1F1B's last stage kept; the stored fits)."""
     runs = {run.label: run for run in paper.COMPARISON_2048}
     memory = ", ".join(
         f"{label} {last_stage_memory_without_recompute(hardware, runs[label]) / 1e9:.1f} GB"
         for label in ("1F1B/DAPPLE", "GPipe"))
-    shipped = held_out_summary(rp.report(rp.load_fits()))
-    with one_f_one_b_last_stage_kept():
-        fixed = ", ".join(f"{label} {rp.predict(hardware, runs[label]):.1f}"
-                          for label in ("1F1B/DAPPLE", "GPipe"))
-    in_sample, kept = _refit_summary(one_f_one_b_last_stage_kept)
-    return ([f"11. Last stage without recomputation (device 16 GB): {memory}; 1F1B's last "
-             f"stage kept, GPipe's recomputed, at the shipped constants: {fixed}",
-             "   the shipped model (stored fits):"] + _summary_lines(shipped)
-            + [_fit_line("1F1B's last stage kept, every fit recomputed", in_sample)]
-            + _summary_lines(kept))
+    lines = [f"11/12. Last stage without recomputation (device 16 GB): {memory}"]
+    for title, base in (("before 2026-12-02 (layers only, every stage)",
+                         recomputation_profile(False)),
+                        ("check 11 alone (1F1B's last stage kept, layers only elsewhere)",
+                         recomputation_profile(False, ("1f1b",)))):
+        in_sample, summary = _refit_summary(base)
+        lines += [_fit_line(title + ", every fit recomputed", in_sample)] + _summary_lines(
+            summary)
+    stored = rp.load_fits()
+    lines += ([_fit_line("shipped (check 12: whole stages, 1F1B's last stage kept; stored fits)",
+                         stored["in_sample"])]
+              + _summary_lines(held_out_summary(rp.report(stored))))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -724,14 +695,15 @@ def main(argv=None) -> int:
                     f"6. Point-to-point hand-off delay {delay * 1e3:.0f} ms per message")
                 lines.append(_speedup_line(handoff_hw))
             out += lines
-        with with_whole_stage_recompute():
-            fixed = ["7. Whole-stage recomputation (output layer re-run), at the shipped "
-                     "constants: " + ", ".join(
-                         f"{run.label} {rp.predict(hardware, run):.1f}"
-                         for run in rp.FIT_POINTS if run.recompute == "full"),
-                     _speedup_line(hardware)]
-            lines, recompute_hw = _refit_lines("7. Whole-stage recomputation, refitted")
-            lines.append(_speedup_line(recompute_hw))
+        whole_only = recomputation_profile(True)
+        at_shipped = rp.hardware_of(rp.constants_of(hardware), whole_only)
+        fixed = ["7. Whole-stage recomputation alone (1F1B's last stage recomputing too), at the "
+                 "shipped constants: " + ", ".join(
+                     f"{run.label} {rp.predict(at_shipped, run):.1f}"
+                     for run in rp.FIT_POINTS if run.recompute == "full")]
+        lines, recompute_hw = _refit_lines("7. Whole-stage recomputation alone, refitted",
+                                           base=whole_only)
+        lines.append(_speedup_line(recompute_hw))
         out += fixed + lines
         out += check_split_sync()
         lines, bucketed_hw = _refit_lines("9. GPipe's and 1F1B's end-of-flush syncs through DDP's "
@@ -742,8 +714,7 @@ def main(argv=None) -> int:
             lines.append(_held_out_line(("1F1B/DAPPLE", "GPipe", "W=16 D=32",
                                          "W=64 D=8 recompute"), bucketed_hw))
         out += lines
-        out += check_last_stage_kept(hardware)
-        out += check_authors_recomputation()
+        out += check_recomputation(hardware)
     print("\n".join(out))
     return 0
 

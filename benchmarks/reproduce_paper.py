@@ -505,6 +505,9 @@ def assumptions(fits) -> str:
         f"PCIe 3.0 x16 ({hw.host_staging_bandwidth / 1e9:.2f} GB/s, datasheet); DDP's 25 MiB "
         "buckets for PipeDream and PipeDream-2BW; dragonfly groups of "
         f"{hw.nodes_per_group} nodes (Cray XC: two cabinets); "
+        "recomputation as the authors' runtimes do it (the whole stage re-run, the last "
+        "stage's output layer too; the last stage never recomputed by PipeDream, "
+        "PipeDream-2BW and 1F1B, whose loops the PipeDream-2BW main runs so); "
         "no per-op overhead, no overlap slowdown. Memory: framework overhead "
         f"{hw.framework_overhead_bytes / 1e9:.1f} GB, carried over from the previous model "
         "(chosen there so the paper's recomputation decisions hold; not refitted here).",

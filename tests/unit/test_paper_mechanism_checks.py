@@ -90,25 +90,22 @@ def test_p2p_handoff_delay_adds_to_every_message_and_zero_is_the_shipped_model(c
 
 def test_whole_stage_recompute_reruns_only_the_recomputing_last_stages_output_layer(
         checks, hardware):
-    model = checks.rp.GPT2_PAPER
-    output = checks.cost_terms.output_layer_forward_flops(model, 1)
-    shipped = checks.cost_terms.recompute_flops
-    assert checks.whole_stage_recompute_flops(model, 16, 1, "full", 15) == pytest.approx(
-        shipped(model, 16, 1, "full", 15) + output)
-    assert checks.whole_stage_recompute_flops(model, 16, 1, "full", 3) == shipped(
-        model, 16, 1, "full", 3)
-    assert checks.whole_stage_recompute_flops(model, 16, 1, "none", 15) == 0.0
+    constants = checks.rp.constants_of(hardware)
+    layers_only = checks.rp.hardware_of(constants, checks.recomputation_profile(False))
+    whole = checks.rp.hardware_of(constants, checks.recomputation_profile(True))
     by_label = {run.label: run for run in checks.rp.FIT_POINTS}
-    before = {label: checks.rp.predict(hardware, run) for label, run in by_label.items()}
-    with checks.with_whole_stage_recompute():
-        after = {label: checks.rp.predict(hardware, run) for label, run in by_label.items()}
     for label, run in by_label.items():
+        before, after = (checks.rp.predict(profile, run) for profile in (layers_only, whole))
         if run.recompute == "none" or run.scheme in ("pipedream", "pipedream-2bw"):
             # nothing recomputed, or the authors' PipeDream runtime never recomputes the last
             # stage (the only one with the output layer)
-            assert after[label] == pytest.approx(before[label], rel=1e-12), label
+            assert after == pytest.approx(before, rel=1e-12), label
         else:
-            assert after[label] < before[label], label
+            assert after < before, label
+
+
+def test_the_shipped_profile_is_check_12(checks):
+    assert checks.recomputation_profile(True, ("1f1b",)) == checks.rp.P100_ARIES
 
 
 def test_split_sync_is_the_shipped_model_with_one_tensor_and_slower_with_the_authors_split(
@@ -243,15 +240,19 @@ def test_ring_step_delay_zero_is_the_shipped_ratio_and_a_delay_makes_it_rise(che
     assert ratios[0] < 1.01 and ratios[2] > 1.05
 
 
-def test_one_f_one_b_last_stage_kept_speeds_up_only_1f1b(checks, hardware):
+def test_last_stage_kept_speeds_up_only_1f1b(checks, hardware):
     runs = {run.label: run for run in paper.COMPARISON_2048}
-    before = {label: checks.rp.predict(hardware, run) for label, run in runs.items()}
-    with checks.one_f_one_b_last_stage_kept():
-        after = {label: checks.rp.predict(hardware, run) for label, run in runs.items()}
-    assert after["1F1B/DAPPLE"] > 1.05 * before["1F1B/DAPPLE"]
-    for label in runs:
-        if label != "1F1B/DAPPLE":
-            assert after[label] == pytest.approx(before[label], rel=1e-12)
+    constants = checks.rp.constants_of(hardware)
+    for whole_stage in (False, True):
+        recomputed, kept = (checks.rp.hardware_of(constants,
+                                                  checks.recomputation_profile(whole_stage, k))
+                            for k in ((), ("1f1b",)))
+        before = {label: checks.rp.predict(recomputed, run) for label, run in runs.items()}
+        after = {label: checks.rp.predict(kept, run) for label, run in runs.items()}
+        assert after["1F1B/DAPPLE"] > 1.05 * before["1F1B/DAPPLE"]
+        for label in runs:
+            if label != "1F1B/DAPPLE":
+                assert after[label] == pytest.approx(before[label], rel=1e-12)
 
 
 def test_only_1f1bs_last_stage_fits_without_recomputation(checks, hardware):
@@ -264,21 +265,25 @@ def test_only_1f1bs_last_stage_fits_without_recomputation(checks, hardware):
 
 
 def test_authors_recomputation_reruns_whole_stages_but_1f1bs_last(checks, hardware):
-    # the authors' run_backward re-runs the whole stage (the last one's output layer too):
-    # Bk = 3F on GPipe's last stage; 1F1B's last stage keeps its activations: Bk = 2F
+    # the shipped profile (check 12): run_backward re-runs the whole stage (the last one's
+    # output layer too): Bk = 3F on GPipe's last stage; 1F1B's last stage keeps its
+    # activations: Bk = 2F; before 2026-12-02 both re-ran the layers only
     runs = {run.label: run for run in paper.COMPARISON_2048}
-    with checks.authors_recomputation():
-        gpipe = checks.rp.estimate(hardware, runs["GPipe"]).costs
-        one_f_one_b = checks.rp.estimate(hardware, runs["1F1B/DAPPLE"]).costs
-        chimera = checks.rp.estimate(hardware, paper.SWEEP_512[3]).costs  # D=8, recompute
+    gpipe = checks.rp.estimate(hardware, runs["GPipe"]).costs
+    one_f_one_b = checks.rp.estimate(hardware, runs["1F1B/DAPPLE"]).costs
+    chimera = checks.rp.estimate(hardware, paper.SWEEP_512[3]).costs  # D=8, recompute
     assert gpipe.stage_backward[-1] == pytest.approx(3 * gpipe.stage_forward[-1], rel=1e-9)
     assert one_f_one_b.stage_backward[-1] == pytest.approx(2 * one_f_one_b.stage_forward[-1],
                                                            rel=1e-9)
     for costs in (gpipe, one_f_one_b, chimera):
         assert costs.stage_backward[0] == pytest.approx(3 * costs.stage_forward[0], rel=1e-9)
     assert chimera.stage_backward[-1] == pytest.approx(3 * chimera.stage_forward[-1], rel=1e-9)
-    shipped = checks.rp.estimate(hardware, runs["GPipe"]).costs
-    assert shipped.stage_backward[-1] < 3 * shipped.stage_forward[-1] - 1e-6
+    before = checks.rp.hardware_of(checks.rp.constants_of(hardware),
+                                   checks.recomputation_profile(False))
+    for label in ("GPipe", "1F1B/DAPPLE"):
+        old = checks.rp.estimate(before, runs[label]).costs
+        assert 2 * old.stage_forward[-1] + 1e-6 < old.stage_backward[-1] < (
+            3 * old.stage_forward[-1] - 1e-6)
 
 
 def test_held_out_summary_reads_the_reports_leave_one_out_numbers(checks):
