@@ -546,11 +546,11 @@ def format_text(data, fits) -> str:
             f"  order, published:     {' > '.join(order['published'])}"]
     efficiency = data["weak_scaling_efficiency"]
     out += ["", f"Weak scaling 512 -> 2,048 nodes: published {efficiency['published']:.1%}; "
-            f"ours in-sample {efficiency['in_sample']:.1%}, leave-pair-out (one fit without "
-            f"both end points) {efficiency['leave_one_out']:.1%}, fitted without any of the "
-            f"three weak-scaling points {efficiency['without_any_weak_scaling_point']:.1%}, "
+            f"ours in-sample {efficiency['in_sample']:.2%}, leave-pair-out (one fit without "
+            f"both end points) {efficiency['leave_one_out']:.2%}, fitted without any of the "
+            f"three weak-scaling points {efficiency['without_any_weak_scaling_point']:.2%}, "
             f"each end point from its own leave-one-out fit "
-            f"{efficiency['per_point_leave_one_out']:.1%}",
+            f"{efficiency['per_point_leave_one_out']:.2%}",
             f"512-node sweep best: leave-one-out {data['sweep_best']['leave_one_out']}; "
             f"published (measured) {data['sweep_best']['published']}",
             "Sync policy, Bert-48 D=4 B=8 N=8, eager-opt / eager (ours, not fitted) vs "
