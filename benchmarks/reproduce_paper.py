@@ -52,6 +52,11 @@ WEAK_SCALING_HELD_OUT = {
     "all three": (paper.SWEEP_512[1].label, paper.WEAK_SCALING[1].label,
                   paper.COMPARISON_2048[0].label)}
 STAGE_BALANCE = "per-stage"
+#: Iteration cap of the held-out fits (each stops earlier once a step moves the constants' logs
+#: by < 1e-3). 10 stopped the fits without PipeDream-2BW short of the bandwidth bound they
+#: converge to (10.14 instead of 10.2 GB/s: its leave-pair-out speedup 1.051x instead of the
+#: converged 1.049x; 2026-12-02).
+HELD_OUT_ITERATIONS = 40
 
 
 def with_constants(base, efficiency, bandwidth, global_bandwidth_fraction):
@@ -187,16 +192,16 @@ def compute_fits(base=P100_ARIES) -> dict:
     fits = {"in_sample": in_sample, "leave_one_out": {}, "leave_pair_out": {}}
     for run in FIT_POINTS:
         rest = tuple(r for r in FIT_POINTS if r is not run)
-        fits["leave_one_out"][run.label] = fit(rest, start, base, memo=memo)
+        fits["leave_one_out"][run.label] = fit(rest, start, base, HELD_OUT_ITERATIONS, memo)
     chimera = paper.COMPARISON_2048[0]
     for run in paper.COMPARISON_2048[1:]:
         rest = tuple(r for r in FIT_POINTS if r is not run and r is not chimera)
-        fits["leave_pair_out"][run.label] = fit(rest, start, base, memo=memo)
+        fits["leave_pair_out"][run.label] = fit(rest, start, base, HELD_OUT_ITERATIONS, memo)
     # Weak scaling's efficiency is one ratio, like a speedup: held out the same way (one fit
     # without both end points), and once more without the 1,024-node point too.
     fits["weak_scaling_held_out"] = {
         name: fit(tuple(r for r in FIT_POINTS if r.label not in labels), start, base,
-                  memo=memo)
+                  HELD_OUT_ITERATIONS, memo)
         for name, labels in WEAK_SCALING_HELD_OUT.items()}
     return fits
 
@@ -505,6 +510,9 @@ def assumptions(fits) -> str:
         f"PCIe 3.0 x16 ({hw.host_staging_bandwidth / 1e9:.2f} GB/s, datasheet); DDP's 25 MiB "
         "buckets for PipeDream and PipeDream-2BW; dragonfly groups of "
         f"{hw.nodes_per_group} nodes (Cray XC: two cabinets); "
+        "recomputation as the authors' runtimes do it (the whole stage re-run, the last "
+        "stage's output layer too; the last stage never recomputed by PipeDream, "
+        "PipeDream-2BW and 1F1B, whose loops the PipeDream-2BW main runs so); "
         "no per-op overhead, no overlap slowdown. Memory: framework overhead "
         f"{hw.framework_overhead_bytes / 1e9:.1f} GB, carried over from the previous model "
         "(chosen there so the paper's recomputation decisions hold; not refitted here).",
@@ -543,11 +551,11 @@ def format_text(data, fits) -> str:
             f"  order, published:     {' > '.join(order['published'])}"]
     efficiency = data["weak_scaling_efficiency"]
     out += ["", f"Weak scaling 512 -> 2,048 nodes: published {efficiency['published']:.1%}; "
-            f"ours in-sample {efficiency['in_sample']:.1%}, leave-pair-out (one fit without "
-            f"both end points) {efficiency['leave_one_out']:.1%}, fitted without any of the "
-            f"three weak-scaling points {efficiency['without_any_weak_scaling_point']:.1%}, "
+            f"ours in-sample {efficiency['in_sample']:.2%}, leave-pair-out (one fit without "
+            f"both end points) {efficiency['leave_one_out']:.2%}, fitted without any of the "
+            f"three weak-scaling points {efficiency['without_any_weak_scaling_point']:.2%}, "
             f"each end point from its own leave-one-out fit "
-            f"{efficiency['per_point_leave_one_out']:.1%}",
+            f"{efficiency['per_point_leave_one_out']:.2%}",
             f"512-node sweep best: leave-one-out {data['sweep_best']['leave_one_out']}; "
             f"published (measured) {data['sweep_best']['published']}",
             "Sync policy, Bert-48 D=4 B=8 N=8, eager-opt / eager (ours, not fitted) vs "

@@ -108,13 +108,18 @@ def stage_forward_flops(model: ModelSpec, num_stages: int, stage: int,
 
 
 def recompute_flops(model: ModelSpec, num_stages: int, micro_batch_size: int,
-                    recompute, stage: int = 0) -> float:
+                    recompute, stage: int = 0, whole_stage: bool = False) -> float:
     """Extra forward FLOPs one stage's backward re-runs: the stage's layers (full; the output
-    layer is not recomputed), their attention cores (selective), nothing (none)."""
+    layer is not recomputed unless ``whole_stage``: the runtime re-runs the stage's whole
+    forward, ``HardwareSpec.recompute_whole_stage``), their attention cores (selective),
+    nothing (none)."""
     mode = recompute_mode(recompute)
     layers = stage_layers(model, num_stages, stage)
     if mode == "full":
-        return layers * layer_forward_flops(model, micro_batch_size)
+        flops = layers * layer_forward_flops(model, micro_batch_size)
+        if whole_stage and stage == num_stages - 1:
+            flops += output_layer_forward_flops(model, micro_batch_size)
+        return flops
     if mode == "selective":
         return layers * attention_core_forward_flops(model, micro_batch_size)
     return 0.0
@@ -141,7 +146,8 @@ def compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: int,
         raise ValueError(f"unknown stage balance {stage_balance!r}; use 'balanced', 'slowest' "
                          "or 'per-stage'")
     rate = hardware.sustained_rate(micro_batch_size * model.seq_length)
-    extras = [recompute_flops(model, num_stages, micro_batch_size, recompute, s)
+    extras = [recompute_flops(model, num_stages, micro_batch_size, recompute, s,
+                              hardware.recompute_whole_stage)
               for s in range(num_stages)]
     # balanced: the mean stage; slowest: the stage with the most forward FLOPs
     extra = (sum(extras) / num_stages if stage_balance == "balanced"
@@ -154,14 +160,15 @@ def stage_compute_times(model: ModelSpec, hardware: HardwareSpec, num_stages: in
                         micro_batch_size: int, recompute):
     """(F of each stage, Bk of each stage) of the layer split: the last stage also runs
     the output layer (2·B·s·h·V FLOPs forward, which at the paper's GPT-2 is three layers'
-    worth), which recomputation does not re-run. Same rate and op overhead as
+    worth), which recomputation re-runs only with ``hardware.recompute_whole_stage``. Same rate and op overhead as
     :func:`compute_times`."""
     check_split(model, num_stages)
     rate = hardware.sustained_rate(micro_batch_size * model.seq_length)
     overhead = hardware.op_overhead_seconds
     flops = [stage_forward_flops(model, num_stages, s, micro_batch_size)
              for s in range(num_stages)]
-    extras = [recompute_flops(model, num_stages, micro_batch_size, recompute, s)
+    extras = [recompute_flops(model, num_stages, micro_batch_size, recompute, s,
+                              hardware.recompute_whole_stage)
               for s in range(num_stages)]
     return (tuple(f / rate + overhead for f in flops),
             tuple((2 * f + extra) / rate + overhead for f, extra in zip(flops, extras)))

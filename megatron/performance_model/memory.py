@@ -9,7 +9,7 @@ from megatron.core.pipeline_parallel.planning.dependencies import peak_activatio
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.performance_model.costs import (
     activation_bytes, activation_bytes_per_layer, stage_parameters)
-from megatron.performance_model.schemes import lowered_schedule, num_replicas
+from megatron.performance_model.schemes import last_stage_kept, lowered_schedule, num_replicas
 from megatron.performance_model.specs import HardwareSpec, ModelSpec, recompute_mode
 
 
@@ -59,7 +59,8 @@ def memory_per_worker(model: ModelSpec, hardware: HardwareSpec, scheme: str, num
     """Bytes each pipeline rank needs: state of its hosted model stages (2 for 2-pipeline
     Chimera, the paper's 2·Mθ; v chunks for interleaved 1F1B) + peak stored micro-batches (from
     the lowered schedule) × one model stage's activations + working set +
-    ``framework_overhead_bytes``."""
+    ``framework_overhead_bytes``. The last stage of a scheme in ``hardware.last_stage_kept``
+    keeps its full activations (it never recomputes)."""
     layout, _ = lowered_schedule(scheme, num_stages, num_microbatches, registry=registry)
     peaks = peak_stored_microbatches(scheme, num_stages, num_microbatches, registry)
     model_stages = layout.num_stages
@@ -67,11 +68,14 @@ def memory_per_worker(model: ModelSpec, hardware: HardwareSpec, scheme: str, num
     memory = []
     for rank in range(num_stages):
         stages = [stage for _, stage in layout.hosted(rank)]
+        # a runtime that never recomputes the last stage keeps its full activations there
+        mode = ("none" if last_stage_kept(scheme, hardware) and model_stages > 1
+                and model_stages - 1 in stages else recompute)
         # uneven stages: each stored micro-batch counted at the rank's largest hosted stage
-        stored = activation_bytes(model, micro_batch_size, model_stages, recompute, stages)
+        stored = activation_bytes(model, micro_batch_size, model_stages, mode, stages)
         memory.append(
             state_bytes(model, hardware, model_stages, stages, replicas, distributed_optimizer)
             + peaks[rank] * stored + hardware.framework_overhead_bytes
-            + working_bytes(model, model_stages, micro_batch_size, recompute,
+            + working_bytes(model, model_stages, micro_batch_size, mode,
                             model_stages - 1 in stages))
     return memory

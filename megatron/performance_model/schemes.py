@@ -19,6 +19,7 @@ from __future__ import annotations
 from fractions import Fraction
 from functools import lru_cache
 
+from megatron.performance_model.specs import HardwareSpec
 from megatron.core.pipeline_parallel.planning.schedules import (
     BUILTIN_SCHEDULES, ScheduleLayout, ScheduleRegistry, check_schedule_options, resolve_schedule)
 
@@ -33,6 +34,13 @@ DDP_SCHEMES = ("pipedream", "pipedream-2bw")
 #: (r.num_stages - 1)`` (github.com/Shigangli/Chimera@ChimeraBk, baselines/gpt2_pipedream2bw);
 #: its Chimera and GPipe paths recompute every stage.
 LAST_STAGE_NOT_RECOMPUTED = DDP_SCHEMES
+
+
+def last_stage_kept(scheme: str, hardware: HardwareSpec) -> bool:
+    """Whether ``scheme``'s last stage never recomputes: the PipeDream runtimes
+    (:data:`LAST_STAGE_NOT_RECOMPUTED`) and the schedule-backed schemes the hardware profile's
+    runtime runs so (``HardwareSpec.last_stage_kept``)."""
+    return scheme in LAST_STAGE_NOT_RECOMPUTED or scheme in hardware.last_stage_kept
 
 
 def scheme_table(registry: ScheduleRegistry = BUILTIN_SCHEDULES) -> dict:

@@ -15,7 +15,8 @@ from megatron.performance_model.costs import (
 from megatron.core.pipeline_parallel.planning.op_costs import StageCosts as OpStageCosts
 from megatron.core.pipeline_parallel.planning.schedules import BUILTIN_SCHEDULES, ScheduleRegistry
 from megatron.performance_model.schemes import (
-    ANALYTIC_SCHEMES, DDP_SCHEMES, LAST_STAGE_NOT_RECOMPUTED, critical_path, lowered_schedule, model_stages, num_replicas, scheme_layout)
+    ANALYTIC_SCHEMES, DDP_SCHEMES, critical_path, last_stage_kept, lowered_schedule, model_stages,
+    num_replicas, scheme_layout)
 from megatron.performance_model.specs import HardwareSpec, ModelSpec
 
 
@@ -48,9 +49,12 @@ def stage_costs(model: ModelSpec, hardware: HardwareSpec, scheme: str, data_para
     # The authors' PipeDream runtime passes recompute_step = args.recompute_step and stage !=
     # num_stages - 1 (main_with_runtime.py): its last stage keeps its activations and skips
     # the recomputed forward (the one with the most FLOPs, so ``slowest`` is that stage).
+    # So does the 1F1B-scheduled loop of the authors' PipeDream-2BW main for any scheme in
+    # ``hardware.last_stage_kept``.
     skipped = 0.0
-    if scheme in LAST_STAGE_NOT_RECOMPUTED and stages > 1:
-        skipped = (recompute_flops(model, stages, micro_batch_size, recompute, stages - 1)
+    if last_stage_kept(scheme, hardware) and stages > 1:
+        skipped = (recompute_flops(model, stages, micro_batch_size, recompute, stages - 1,
+                                   hardware.recompute_whole_stage)
                    / hardware.sustained_rate(micro_batch_size * model.seq_length))
         backward -= skipped / stages if stage_balance == "balanced" else skipped
     stage_forward = stage_backward = ()

@@ -81,6 +81,8 @@ def test_measure_on_cpu_writes_a_profile_that_profile_reads_back(tmp_path):
     hardware = load_profile(str(out))
     assert hardware.flops_per_second > 0 and hardware.nodes_per_group == 0
     assert hardware.flops_per_second == data["hardware"]["flops_per_second"]
+    # this project's runtime recomputes as Megatron does, not as the paper's authors' did
+    assert not hardware.recompute_whole_stage and hardware.last_stage_kept == ()
     ranked = subprocess.run(
         [sys.executable, str(TOOL), *TINY_FLAGS, "--profile", str(out), "--world-size", "4",
          "--global-batch-size", "8", "--schemes", "chimera-direct,1f1b", "--top", "3"],

@@ -4,6 +4,8 @@ transcribed, and the baselines' replayed schedules against hand cases."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron.performance_model import (
@@ -186,7 +188,7 @@ def test_gems_amortises_its_sync_over_the_accumulated_steps():
 def test_optimizer_step_is_paid_per_update():
     """The AdamW step (72 bytes per parameter at the device's memory bandwidth) follows each
     update: once per iteration for Chimera and GEMS, once per micro-batch for PipeDream."""
-    import dataclasses
+
 
     from megatron.performance_model.costs import (
         OPTIMIZER_STEP_BYTES_PER_PARAMETER, optimizer_step_time)
@@ -216,7 +218,7 @@ def test_gloo_stages_every_message_through_the_host():
     """gloo on CUDA tensors copies each message to the host and the result back over the
     card's PCIe 3.0 x16 link (15.75 GB/s per direction, stated): 2·L / that bandwidth on top
     of the network terms, for p2p and all-reduce alike, not slowed by contention."""
-    import dataclasses
+
 
     from megatron.performance_model.costs import allreduce_time, host_staging_time, p2p_time
     from megatron.performance_model.specs import PCIE3_X16_BANDWIDTH
@@ -235,19 +237,55 @@ def test_gloo_stages_every_message_through_the_host():
 
 
 @pytest.mark.parametrize("scheme, recomputes_last", [
-    ("pipedream-2bw", False), ("pipedream", False), ("1f1b", True), ("gpipe", True)])
-def test_the_authors_pipedream_runtime_never_recomputes_the_last_stage(scheme, recomputes_last):
+    ("pipedream-2bw", False), ("pipedream", False), ("1f1b", False), ("gpipe", True)])
+def test_the_authors_runtimes_recompute_whole_stages_but_never_the_1f1b_last(scheme,
+                                                                             recomputes_last):
     # main_with_runtime.py (baselines/gpt2_pipedream2bw): recompute_step = args.recompute_step
-    # and r.stage != (r.num_stages - 1); the schedule-backed schemes recompute every stage.
+    # and r.stage != (r.num_stages - 1) on its 1F1B-scheduled loop (PipeDream, PipeDream-2BW;
+    # 1F1B here: P100_ARIES.last_stage_kept), every stage on --gpipe; run_backward re-runs the
+    # whole stage, the last stage's output layer included (P100_ARIES.recompute_whole_stage)
     from megatron.performance_model import stage_costs
-    from megatron.performance_model.costs import recompute_flops
     depth = 8
+    assert P100_ARIES.recompute_whole_stage and P100_ARIES.last_stage_kept == ("1f1b",)
     costs = stage_costs(GPT2_PAPER, P100_ARIES, scheme, 4, depth, 1, "full", "per-stage")
     forward, backward = costs.stage_forward, costs.stage_backward
-    layers = recompute_flops(GPT2_PAPER, depth, 1, "full", depth - 1) / P100_ARIES.flops_per_second
     assert backward[0] == pytest.approx(3 * forward[0])  # a middle/first stage recomputes
-    expected_last = 2 * forward[-1] + (layers if recomputes_last else 0.0)
-    assert backward[-1] == pytest.approx(expected_last)
+    assert backward[-1] == pytest.approx((3 if recomputes_last else 2) * forward[-1])
+
+
+@pytest.mark.parametrize("scheme", ["1f1b", "gpipe"])
+def test_megatron_style_recomputation_reruns_the_layers_only_on_every_stage(scheme):
+    from megatron.performance_model import stage_costs
+    from megatron.performance_model.costs import recompute_flops
+    megatron_style = dataclasses.replace(P100_ARIES, recompute_whole_stage=False,
+                                         last_stage_kept=())
+    depth = 8
+    costs = stage_costs(GPT2_PAPER, megatron_style, scheme, 4, depth, 1, "full", "per-stage")
+    layers = recompute_flops(GPT2_PAPER, depth, 1, "full", depth - 1) / P100_ARIES.flops_per_second
+    assert costs.stage_backward[-1] == pytest.approx(2 * costs.stage_forward[-1] + layers)
+    assert recompute_flops(GPT2_PAPER, depth, 1, "full", depth - 1, whole_stage=True) > (
+        recompute_flops(GPT2_PAPER, depth, 1, "full", depth - 1))
+    assert recompute_flops(GPT2_PAPER, depth, 1, "full", 3, whole_stage=True) == (
+        recompute_flops(GPT2_PAPER, depth, 1, "full", 3))
+
+
+def test_1f1bs_last_rank_keeps_its_full_activations_and_gpipes_does_not():
+    from megatron.performance_model.costs import activation_bytes
+    from megatron.performance_model.memory import memory_per_worker
+    depth, replicas = 16, 128
+    megatron_style = dataclasses.replace(P100_ARIES, last_stage_kept=())
+    kept = memory_per_worker(GPT2_PAPER, P100_ARIES, "1f1b", depth, 16, 1, "full", replicas)
+    all_recomputed = memory_per_worker(GPT2_PAPER, megatron_style, "1f1b", depth, 16, 1, "full",
+                                       replicas)
+    # one micro-batch in flight on 1F1B's last rank: its full activations instead of the
+    # recomputation's stored inputs, and no recomputed layer in its working set
+    assert kept[:-1] == all_recomputed[:-1]
+    assert kept[-1] > all_recomputed[-1]
+    assert kept[-1] - all_recomputed[-1] <= (activation_bytes(GPT2_PAPER, 1, depth, "none",
+                                                              [depth - 1]) + 1.0)
+    assert max(kept) < P100_ARIES.device_memory_bytes  # the paper's 1F1B run still fits
+    gpipe = memory_per_worker(GPT2_PAPER, P100_ARIES, "gpipe", 8, 8, 1, "full", 256)
+    assert gpipe == memory_per_worker(GPT2_PAPER, megatron_style, "gpipe", 8, 8, 1, "full", 256)
 
 
 def test_the_last_pipedream_rank_keeps_its_full_activations():
@@ -277,9 +315,10 @@ def test_every_stage_balance_skips_the_last_stages_recomputation(balance):
     from megatron.performance_model import stage_costs
     from megatron.performance_model.costs import recompute_flops
     depth = 8
-    skipped = (recompute_flops(GPT2_PAPER, depth, 1, "full", depth - 1)
+    skipped = (recompute_flops(GPT2_PAPER, depth, 1, "full", depth - 1,
+                               P100_ARIES.recompute_whole_stage)
                / P100_ARIES.flops_per_second)
     pipedream = stage_costs(GPT2_PAPER, P100_ARIES, "pipedream-2bw", 4, depth, 1, "full", balance)
-    one_f_one_b = stage_costs(GPT2_PAPER, P100_ARIES, "1f1b", 4, depth, 1, "full", balance)
+    gpipe = stage_costs(GPT2_PAPER, P100_ARIES, "gpipe", 4, depth, 1, "full", balance)
     share = 1 / depth if balance == "balanced" else 1.0
-    assert one_f_one_b.backward - pipedream.backward == pytest.approx(skipped * share)
+    assert gpipe.backward - pipedream.backward == pytest.approx(skipped * share)
