@@ -361,17 +361,21 @@ def _our_configuration(label, flags, parallel_state, depth, count, times, sizes,
     def forward_step(microbatch, chunk):
         return chunk(microbatch["x"]), lambda out: (emulated_loss(out), {})
 
+    def zero_grads():
+        for reducer in reducers:
+            reducer.zero_grad()
+
     def step(record: bool = False):
         """One iteration; ``record``: with the timeline (its trace written under the temporary
         directory), returning the iteration's message hops (collective, every rank)."""
         if record:
             runtime.timeline_iteration = runtime.iterations + 1
             runtime.log = lambda *args, **kwargs: None  # the trace file is enough
-        for reducer in reducers:
-            reducer.zero_grad()
+        # zeroed by the runtime where it has time, as the training loop has it do
         runtime.forward_backward(forward_step_func=forward_step, model_chunks=chunks,
                                  microbatches=microbatches, scale_loss=lambda loss: loss,
-                                 gradient_reducers=reducers, forward_only=False)
+                                 gradient_reducers=reducers, forward_only=False,
+                                 zero_grad=zero_grads)
         for reducer in reducers:
             reducer.wait()
         optimizer.step()

@@ -24,8 +24,9 @@ The critical path is walked back from the op that ends last (per op: its input m
 waited longer than ``--waited-ms`` for it, else its predecessor on the rank); its lateness is
 split into those terms summed along the path. Then the tail: measured list end -> iteration end
 (the stage all-reduce wait, SGD), which the free simulation charges nothing for. Printed per
-configuration: medians over iterations of each term, and the ops with the largest lateness
-increments. docs/benchmarks.md §9 ("Where the plans lose time, op by op") has a run.
+configuration: medians over iterations of each term, the ops with the largest lateness
+increments, and the delay of every message a consumer waited for (send post -> data in hand,
+median and p90, and how many of their receives were posted only after the send). docs/benchmarks.md §9 ("Where the plans lose time, op by op") has a run.
 """
 
 from __future__ import annotations
@@ -93,13 +94,13 @@ def _rank(rank, world_size, labels, times, sizes, count, iterations):
         rows = []
         for iteration in range(iterations + 1):  # the first warms up
             runtime.timeline_iteration = runtime.iterations + 1
-            for reducer in reducers:
-                reducer.zero_grad()
             dist.barrier()
             start = time.perf_counter()
+            # the runtime zeroes the gradients where it has time, as in emulated_depth.py
             runtime.forward_backward(forward_step_func=forward_step, model_chunks=chunks,
                                      microbatches=microbatches, scale_loss=lambda loss: loss,
-                                     gradient_reducers=reducers, forward_only=False)
+                                     gradient_reducers=reducers, forward_only=False,
+                                     zero_grad=lambda: [reducer.zero_grad() for reducer in reducers])
             list_end = time.perf_counter()
             for reducer in reducers:
                 reducer.wait()
@@ -258,10 +259,20 @@ def analyse(per_rank_rows: list, simulated, waited: float) -> dict:
                 gaps["posting"].append(op["post"])
                 gaps["input"].append(op["wait"])
     reduce_waits = [row["reduced"] - row["list_end"] for row in per_rank_rows]
+    # every message its consumer waited for (longer than ``waited``): send post -> data in hand,
+    # and whether the receive was posted only after the send (then gloo's rendezvous adds a trip)
+    waited_hops, late_receives = [], 0
+    for key, (_, receive_posted, asked, returned) in receives.items():
+        if key in sends and returned - asked > waited:
+            send_posted = sends[key][2]
+            waited_hops.append(returned - send_posted)
+            late_receives += receive_posted - origin > send_posted
     return {"makespan": simulated.makespan, "last_end": last["end"],
             "late_at_end": last["end"] - last["sim_end"], "terms": terms,
             "path_ops": len(path), "path_hops": hops_on_path, "list_end": list_end, "end": end,
             "tail": end - last["end"], "reduce_wait_max": max(reduce_waits),
+            "optimizer_max": max(row["end"] - row["reduced"] for row in per_rank_rows),
+            "waited_hops": waited_hops, "late_receives": late_receives,
             "increments": sorted(increments, reverse=True)[:6],
             "overrun_mean": {k: statistics.mean(v) for k, v in overruns.items()},
             "gap_mean": {k: statistics.mean(v) if v else 0.0 for k, v in gaps.items()},
@@ -286,7 +297,14 @@ def report(label, analyses, verbose: bool = False) -> str:
                  + f"; path of {first['path_ops']} ops, {first['path_hops']} of them gated by a message")
     lines.append(f"  tail: last op end -> iteration end {_ms(med(lambda a: a['tail']))} ms "
                  f"(all-reduce wait after the list, max over ranks "
-                 f"{_ms(med(lambda a: a['reduce_wait_max']))} ms)")
+                 f"{_ms(med(lambda a: a['reduce_wait_max']))} ms, then the optimizer step, max "
+                 f"{_ms(med(lambda a: a['optimizer_max']))} ms)")
+    hops = sorted(hop for a in analyses for hop in a["waited_hops"])
+    if hops:
+        lines.append(f"  waited messages (all iterations): {len(hops)}, send post -> data in hand "
+                     f"median {_ms(statistics.median(hops))} ms, p90 "
+                     f"{_ms(hops[int(0.9 * (len(hops) - 1))])} ms; receive posted after the send: "
+                     f"{sum(a['late_receives'] for a in analyses)}")
     lines.append("  mean overrun per op kind (ms): " + ", ".join(
         f"{k} {_ms(statistics.median(a['overrun_mean'].get(k, 0.0) for a in analyses))}"
         for k in sorted(first["overrun_mean"])))

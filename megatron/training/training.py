@@ -202,16 +202,17 @@ def train_step(components: TrainingComponents, forward_step_func, microbatches: 
         forward_step_func = per_token_forward_step(forward_step_func, per_token)
 
     def forward_backward_and_reduce() -> list[dict]:
-        optimizer.zero_grad()
         if gradient_norms is not None:
             gradient_norms.clear()
         clock = timers.instruction_clock() if timers is not None else None
         with _timed(timers, "forward-backward"):
+            # the runtime zeroes the gradients where it has time (a pipeline: in its fill)
             loss_dicts = components.runtime.forward_backward(
                 forward_step_func=forward_step_func, model_chunks=components.model_chunks,
                 microbatches=microbatches, scale_loss=optimizer.scale_loss,
                 gradient_reducers=components.gradient_reducers, forward_only=False,
-                autocast=components.autocast, instruction_seconds=clock)
+                autocast=components.autocast, instruction_seconds=clock,
+                zero_grad=optimizer.zero_grad)
         if clock is not None:
             timers.add(clock.seconds)
         components.after_compute()

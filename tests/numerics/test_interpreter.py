@@ -69,7 +69,7 @@ def _tiny_config() -> ModelConfig:
                        attention_dropout=0.0)
 
 
-def _first_stage_of_1f1b_pp2(reducer, record_timeline: bool = False):
+def _first_stage_of_1f1b_pp2(reducer, record_timeline: bool = False, zero_grad=None):
     """Stage 0 of 1F1B at PP 2 with two micro-batches, on a recording transport: (chunk,
     transport, interpreter, lowered plan)."""
     config = _tiny_config()
@@ -85,7 +85,8 @@ def _first_stage_of_1f1b_pp2(reducer, record_timeline: bool = False):
         chunks={ModuleKey(0, 0): chunk}, layout=layout, transport=transport,
         forward_step_func=pretrain_gpt.forward_step, microbatches=microbatches, loss_divisor=2,
         activation_shape=(SEQ, BATCH, HIDDEN), wire_dtype=torch.float32,
-        reducers={ModuleKey(0, 0): reducer}, record_timeline=record_timeline))
+        reducers={ModuleKey(0, 0): reducer}, record_timeline=record_timeline,
+        zero_grad=zero_grad))
     transport.interpreter = interpreter
     return chunk, transport, interpreter, lowered
 
@@ -234,3 +235,59 @@ def test_an_op_without_a_handler_is_named_in_the_error():
     with pytest.raises(TypeError, match="no handler for the lowered op.*OverlappedBackwardForward"
                                         ".*extra_handlers"):
         interpreter.run(lowered, rank=0)
+
+
+def test_zero_grad_runs_once_at_the_first_wait_and_the_gradients_are_a_fresh_runs():
+    # Stage 0 of 1F1B at PP 2 runs F0 F1, then waits for the gradient of micro-batch 0: the
+    # zeroing belongs there (the pipeline's fill), after both forwards and before any backward.
+    torch.manual_seed(0)  # the same micro-batches for both runs
+    reference_chunk, _, reference, lowered = _first_stage_of_1f1b_pp2(CountingReducer())
+    reference.run(lowered, rank=0)
+    expected = {name: p.grad.clone() for name, p in reference_chunk.named_parameters()}
+
+    calls, running = [], []
+
+    def zero_grad():
+        interpreter = running[0]
+        calls.append((len(interpreter.stored), sorted(interpreter.received)))
+        for param in chunk.parameters():
+            param.grad.zero_()
+
+    torch.manual_seed(0)
+    chunk, _, interpreter, lowered = _first_stage_of_1f1b_pp2(CountingReducer(),
+                                                              zero_grad=zero_grad)
+    running.append(interpreter)
+    chunk.load_state_dict(reference_chunk.state_dict())
+    for param in chunk.parameters():  # stale gradients of an earlier iteration
+        param.grad = torch.full_like(param, 3.0)
+    interpreter.run(lowered, rank=0)
+    assert len(calls) == 1
+    stored, received = calls[0]
+    assert stored == 2  # both forwards ran before it
+    assert received and all(str(key[0]).lower().startswith("g")
+                            for key in received)  # it ran before taking a gradient
+    for name, param in chunk.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=0, atol=0)
+
+
+def test_zero_grad_runs_before_the_first_backward_without_any_message():
+    # One rank, no pipeline messages: the zeroing runs before the first backward op.
+    config = _tiny_config()
+    chunk = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234)
+    layout = schedule_layout("1f1b", 1)
+    lowered = lower_schedule(build_schedule("1f1b", 1, 2), layout)
+    tokens = torch.randint(0, 32, (BATCH, SEQ))
+    microbatches = [{"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(BATCH, SEQ),
+                     "sample_ids": torch.arange(BATCH) + 2 * k} for k in range(2)]
+    for param in chunk.parameters():
+        param.grad = torch.full_like(param, 3.0)
+    calls = []
+    interpreter = Interpreter(ExecutionContext(
+        chunks={ModuleKey(0, 0): chunk}, layout=layout, transport=None,
+        forward_step_func=pretrain_gpt.forward_step, microbatches=microbatches, loss_divisor=2,
+        wire_dtype=torch.float32, reducers={ModuleKey(0, 0): CountingReducer()},
+        zero_grad=lambda: calls.append([p.grad.abs().max().item() for p in chunk.parameters()])
+        or [p.grad.zero_() for p in chunk.parameters()]))
+    interpreter.run(lowered, rank=0)
+    assert len(calls) == 1 and all(value == 3.0 for value in calls[0])  # before any backward
+    assert all(p.grad.abs().max() < 3.0 for p in chunk.parameters())  # stale 3s are gone

@@ -74,13 +74,13 @@ class NoPipelineRuntime:
     def forward_backward(self, *, forward_step_func: ForwardStepFunc, model_chunks,
                          microbatches: Sequence[dict], scale_loss: Callable, gradient_reducers,
                          forward_only: bool, autocast: Callable = contextlib.nullcontext,
-                         instruction_seconds: Optional[InstructionSeconds] = None
-                         ) -> list[dict]:
+                         instruction_seconds: Optional[InstructionSeconds] = None,
+                         zero_grad: Optional[Callable[[], None]] = None) -> list[dict]:
         return forward_backward_no_pipelining(
             forward_step_func=forward_step_func, model=model_chunks[0],
             microbatches=microbatches, scale_loss=scale_loss,
             gradient_reducers=gradient_reducers, forward_only=forward_only, autocast=autocast,
-            instruction_seconds=instruction_seconds)
+            instruction_seconds=instruction_seconds, zero_grad=zero_grad)
 
 
 def _untimed(name: str):
@@ -91,13 +91,17 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, model:
                                    microbatches: Sequence[dict], scale_loss: Callable,
                                    gradient_reducers=(), forward_only: bool = False,
                                    autocast: Callable = contextlib.nullcontext,
-                                   instruction_seconds: Optional[InstructionSeconds] = None
+                                   instruction_seconds: Optional[InstructionSeconds] = None,
+                                   zero_grad: Optional[Callable[[], None]] = None
                                    ) -> list[dict]:
     """Forward and backward each micro-batch in turn, accumulating gradients.
 
     Each micro-batch loss is divided by the number of micro-batches before backward, so the
     accumulated gradient is that of the mean loss. The reducers start after the last backward.
+    ``zero_grad`` (unless ``forward_only``) is called first: nothing here waits for anything.
     """
+    if zero_grad is not None and not forward_only:
+        zero_grad()
     num_microbatches = len(microbatches)
     timed = instruction_seconds.time if instruction_seconds is not None else _untimed
     reported = []

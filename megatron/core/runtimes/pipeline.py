@@ -152,7 +152,8 @@ class PipelineRuntime:
     def forward_backward(self, *, forward_step_func, model_chunks, microbatches: Sequence[dict],
                          scale_loss: Callable, gradient_reducers, forward_only: bool,
                          autocast: Callable = contextlib.nullcontext,
-                         instruction_seconds: Optional[InstructionSeconds] = None) -> list[dict]:
+                         instruction_seconds: Optional[InstructionSeconds] = None,
+                         zero_grad: Optional[Callable[[], None]] = None) -> list[dict]:
         instruction_batches = self.instruction_microbatches(microbatches)
         plan = self.plan_for(len(microbatches))
         if not forward_only:
@@ -169,7 +170,7 @@ class PipelineRuntime:
             reducers=self.reducers_by_key, final_reducers=self.final_reducers,
             forward_only=forward_only, autocast=autocast, record_timeline=record,
             saved_bytes_cache=self.saved_bytes_cache, instruction_seconds=instruction_seconds,
-            group_plans=self.group_plans)
+            group_plans=self.group_plans, zero_grad=None if forward_only else zero_grad)
         interpreter = Interpreter(context, self.extra_op_handlers)
         losses = interpreter.run(plan.forward_only if forward_only else plan.lowered,
                                  self.parallel_state.pp_rank)

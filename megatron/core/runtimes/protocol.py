@@ -55,11 +55,15 @@ class TrainingRuntime(Protocol):
     def forward_backward(self, *, forward_step_func: ForwardStepFunc, model_chunks,
                          microbatches: Sequence[dict], scale_loss: Callable, gradient_reducers,
                          forward_only: bool, autocast: Callable,
-                         instruction_seconds: Optional[InstructionSeconds] = None) -> list[dict]:
+                         instruction_seconds: Optional[InstructionSeconds] = None,
+                         zero_grad: Optional[Callable[[], None]] = None) -> list[dict]:
         """Run the micro-batches; return the loss dicts of the micro-batches whose loss this rank
         computed. Unless ``forward_only``, every reducer has been started on return. With
         ``instruction_seconds`` (``--timing-log-level 2``), add the time of each kind of work to it
-        (:mod:`~megatron.core.pipeline_parallel.execution.instruction_timing`)."""
+        (:mod:`~megatron.core.pipeline_parallel.execution.instruction_timing`). ``zero_grad``
+        (unless ``forward_only``) is called once before any gradient is accumulated, where the
+        runtime has time for it (a pipeline: at the rank's first wait for a message or first
+        backward op, whichever comes first)."""
 
     def describe(self) -> str:
         """Log line(s) naming how this runtime runs a step (printed once at start-up)."""

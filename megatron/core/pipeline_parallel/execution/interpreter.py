@@ -176,6 +176,11 @@ class ExecutionContext:
     # id(P2PGroup) -> (group, _GroupPlan): what each group of the lowered lists sends and receives,
     # resolved once (kept by the runtime across iterations, like saved_bytes_cache).
     group_plans: dict = field(default_factory=dict)
+    # Zeroes the gradients (the caller's optimizer.zero_grad) once, late: before this rank's first
+    # wait for a pipeline message or its first backward op, whichever comes first. Every gradient
+    # is accumulated after it; at the start of the list it would delay the first op, while the
+    # first wait falls in the pipeline's fill, where the rank is idle in the plan.
+    zero_grad: Optional[Callable[[], None]] = None
 
 
 def describe_message(p2p) -> str:
@@ -275,6 +280,8 @@ class Interpreter:
         self._trainable_cache: dict = {}  # (pipeline, stage) -> TrainableParameters
         self._signatures: dict = {}  # micro-batch index -> _shape_signature of its tensors
         self._op_start = 0.0
+        # None once called (see ExecutionContext.zero_grad)
+        self._zero_grad: Optional[Callable[[], None]] = context.zero_grad
         self._parameter_pointers = {p.data_ptr() for chunk in context.chunks.values()
                                     for p in _parameters(chunk)}
 
@@ -313,6 +320,8 @@ class Interpreter:
                 self._record(op, self._op_start, handlers[index].lane, handlers[index].timer)
                 if self.context.record_timeline and handlers[index].computes:
                     self._note_produced(op)
+        if self._zero_grad is not None:  # a list without a backward or a message
+            self._zero_grads_now()
         leftovers = [key for key in (*self.received, *self.produced, *self.stored,
                                      *self.deferred)]
         if leftovers:
@@ -443,6 +452,8 @@ class Interpreter:
             self.peak_stored = max(self.peak_stored, len(self.stored))
 
     def _backward(self, op: Instruction) -> None:
+        if self._zero_grad is not None:
+            self._zero_grads_now()
         input_tensor, output, nbytes = self.stored.pop((op.pipeline, op.stage, op.microbatch))
         grad = self._output_gradient(op, output)
         if grad is None:
@@ -462,6 +473,8 @@ class Interpreter:
 
     def _backward_input(self, op: Instruction) -> None:
         """Input half of a split backward: the gradient message now, the weight work kept."""
+        if self._zero_grad is not None:
+            self._zero_grads_now()
         key = (op.pipeline, op.stage, op.microbatch)
         input_tensor, output, _ = self.stored[key]
         is_first = self._chunk(op.pipeline, op.stage)[1]
@@ -476,6 +489,8 @@ class Interpreter:
 
     def _backward_weight(self, op: Instruction) -> None:
         """Weight half of a split backward; the stage's stored activations are released."""
+        if self._zero_grad is not None:
+            self._zero_grads_now()
         key = (op.pipeline, op.stage, op.microbatch)
         backward_weight(self.deferred.pop(key))
         _, _, nbytes = self.stored.pop(key)
@@ -543,6 +558,8 @@ class Interpreter:
 
     def _take_received(self, key) -> torch.Tensor:
         """The received tensor for ``key``, waiting for its message if it is still in flight."""
+        if self._zero_grad is not None:
+            self._zero_grads_now()
         posted, index = self.received.pop(key)
         if posted.tensors is not None or not self._measuring:
             if self.context.record_timeline:
@@ -559,6 +576,12 @@ class Interpreter:
                      "p2p-wait")
         self._op_start = self._now()
         return tensor
+
+    def _zero_grads_now(self) -> None:
+        """Call the context's ``zero_grad`` (once per iteration, see ExecutionContext)."""
+        zero_grad, self._zero_grad = self._zero_grad, None
+        if zero_grad is not None:
+            zero_grad()
 
     def _complete_sends(self) -> None:
         start = self._now() if self._measuring else 0.0
