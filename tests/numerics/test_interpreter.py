@@ -328,7 +328,7 @@ def _logged(kind, events):
 def _one_stage_iteration(stage: int, split: bool, overlap: bool):
     """Stage ``stage`` of 1F1B at PP 2 with four micro-batches (the other stage's messages are
     ones), with a RecordingReducer: (gradients after the reduction, events, backward launches,
-    number of buckets)."""
+    number of buckets, the kind of the rank's last backward-type op)."""
     torch.manual_seed(0)
     config = _tiny_config()
     chunk = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
@@ -355,7 +355,9 @@ def _one_stage_iteration(stage: int, split: bool, overlap: bool):
     interpreter.run(plan.lowered, rank=stage)
     reducer.wait()
     grads = {name: p.grad.clone() for name, p in chunk.named_parameters()}
-    return grads, events, reducer.backward_launches, len(reducer.buckets)
+    last_backward = [op.kind.name for op in plan.lowered[stage]
+                     if isinstance(op, Instruction) and op.kind is not Kind.FORWARD][-1]
+    return grads, events, reducer.backward_launches, len(reducer.buckets), last_backward
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["full-backward", "split-backward"])
@@ -364,9 +366,12 @@ def test_overlap_launches_every_bucket_during_the_modules_last_backward_op(stage
     """--overlap-grad-reduce: the reducer is armed right before the module's last backward-type
     op (its last weight half under split backward, whose engine accumulation fires the hooks),
     every bucket launches during that op, before GradSyncStart; the gradients are bit-identical."""
-    grads, events, launches, buckets = _one_stage_iteration(stage, split, overlap=True)
-    reference, plain_events, plain_launches, _ = _one_stage_iteration(stage, split, overlap=False)
-    last_op = "BACKWARD_WEIGHT" if split else "BACKWARD"
+    grads, events, launches, buckets, last_op = _one_stage_iteration(stage, split, overlap=True)
+    reference, plain_events, plain_launches, _, _ = _one_stage_iteration(stage, split,
+                                                                         overlap=False)
+    # The split plan keeps stage 0's backwards whole (no idle slot to move a weight half to)
+    # and ends stage 1 with a weight half.
+    assert last_op == ("BACKWARD_WEIGHT" if split and stage == 1 else "BACKWARD")
     arm = events.index("arm")
     assert events.count("arm") == 1 and "launch" not in events[:arm]
     assert events[arm + 1:] == ["launch"] * buckets + [last_op, "start"], events
