@@ -15,7 +15,8 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.distributed import GradientReducer
 from megatron.core.pipeline_parallel.execution.interpreter import (
     DEFAULT_OP_HANDLERS, ExecutionContext, Interpreter, OpHandler, _overlap_arming_points)
-from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
+from megatron.core.pipeline_parallel.planning.lowering import (GradSyncStart, GradSyncWait,
+                                                               lower_schedule)
 from megatron.core.pipeline_parallel.execution.model_chunks import ModuleKey
 from megatron.core.pipeline_parallel.planning.instructions import Instruction, Kind
 from megatron.core.pipeline_parallel.planning.plan import make_plan
@@ -390,3 +391,35 @@ def test_an_unknown_op_kind_in_the_list_arms_no_overlap():
                                      Instruction(Kind.FORWARD, 0, 0, 2))]
     assert _overlap_arming_points(ops, {ModuleKey(0, 0): object()}) == {}
     assert list(_overlap_arming_points(ops[:2], {ModuleKey(0, 0): object()})) == [1]
+
+
+class ArmingReducer:
+    """Records whether it was armed; ``issued`` as the test sets it."""
+
+    def __init__(self, issued: bool = False):
+        self.issued = issued
+        self.armed = False
+
+    def start_when_ready(self):
+        self.armed = True
+
+
+def test_a_module_is_armed_only_once_the_modules_before_it_in_the_sync_order_issued():
+    """Collectives of different groups keep the schedule's one sync order on every rank: a
+    module whose last backward comes first but whose sync comes second waits for the first."""
+    late, early = ArmingReducer(), ArmingReducer()
+    reducers = {ModuleKey(0, 1): late, ModuleKey(0, 0): early}
+    backwards = [Instruction(Kind.BACKWARD, 0, 1, 0), Instruction(Kind.BACKWARD, 0, 0, 0)]
+    late_first = backwards + [GradSyncStart(0, 1), GradSyncStart(0, 0), GradSyncWait()]
+    assert _overlap_arming_points(late_first, reducers) == {0: (late, ()), 1: (early, (late,))}
+    early_first = backwards + [GradSyncStart(0, 0), GradSyncStart(0, 1), GradSyncWait()]
+    assert _overlap_arming_points(early_first, reducers) == {0: (late, (early,)), 1: (early, ())}
+
+    interpreter = Interpreter(ExecutionContext(
+        chunks={}, layout=None, transport=None, forward_step_func=None, microbatches=[],
+        loss_divisor=1, wire_dtype=torch.float32))
+    interpreter._arm_overlap(late, (early,))  # early has not issued its reduction yet
+    assert not late.armed
+    early.issued = True
+    interpreter._arm_overlap(late, (early,))
+    assert late.armed
