@@ -19,6 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState, RankLayout, create_parallel_state
 from megatron.core.tensor_parallel.utils import gather_full_state
 from megatron.training.arguments import parse_args
+from megatron.training.gradient_checks import LocalGradientNorms
 from megatron.training.training import (iteration_microbatches, select_runtime_class,
                                         setup_model_and_optimizer, train_step)
 
@@ -39,10 +40,14 @@ def test_model_provider(config, parallel_state, *, pre_process=True, post_proces
 
 
 def train_one_step(rank: int, world_size: int, argv: list[str], runtime_class=None,
-                   pipeline_schedule: str | None = None, registry=None) -> dict:
+                   pipeline_schedule: str | None = None, registry=None,
+                   watch_gradients: bool = False) -> dict:
     """``registry`` (a schedule registry with families of the test's own) goes to the flag parser
     and the runtime, so ``--pipeline-schedule NAME`` can name such a family. ``runtime_class`` and
-    ``pipeline_schedule`` (set after parsing) let a test run a runtime subclass of its own."""
+    ``pipeline_schedule`` (set after parsing) let a test run a runtime subclass of its own.
+    ``watch_gradients``: record the per-bucket local gradient norms (the gradient checks' seam)
+    in ``local_grad_norms``. ``backward_launches``: buckets the reducers launched from the
+    backward's hooks (``--overlap-grad-reduce``), summed over this rank's reducers."""
     config = parse_args(MODEL_FLAGS + list(argv), world_size=world_size,
                         **({} if registry is None else {"registry": registry}))
     if pipeline_schedule is not None:
@@ -63,7 +68,10 @@ def train_one_step(rank: int, world_size: int, argv: list[str], runtime_class=No
     train, _, _ = pretrain_gpt.datasets_provider(config, parallel_state,
                                                  (config.training.global_batch_size, 0, 0))
     microbatches = iteration_microbatches(components, train, 0)
-    record = train_step(components, pretrain_gpt.forward_step, microbatches)
+    norms = (LocalGradientNorms().watch(components.gradient_reducers) if watch_gradients
+             else None)
+    record = train_step(components, pretrain_gpt.forward_step, microbatches,
+                        gradient_norms=norms)
     keys = getattr(runtime, "keys", None) or [None] * len(components.model_chunks)
     grads, params = {}, {}
     for key, chunk in zip(keys, components.model_chunks):
@@ -76,7 +84,10 @@ def train_one_step(rank: int, world_size: int, argv: list[str], runtime_class=No
             "skipped": record.skipped,
             "grads": grads, "params": params,
             "peak_stored": getattr(getattr(runtime, "last_interpreter", None), "peak_stored", None),
-            "eager_sends": getattr(runtime, "eager_sends", None)}
+            "eager_sends": getattr(runtime, "eager_sends", None),
+            "backward_launches": sum(getattr(reducer, "backward_launches", 0)
+                                     for reducer in components.gradient_reducers),
+            "local_grad_norms": None if norms is None else list(norms.norms)}
 
 
 # Layout comparisons: 1e-9 relative for gradients and parameters (float64 model; layouts differ only

@@ -240,9 +240,12 @@ class ParallelConfig:
                "after the step and wait for each model chunk's part just before its next forward "
                "pass (as Megatron), instead of waiting at the end of the step.")
     overlap_grad_reduce: bool = option(
-        False, "Overlap the data-parallel gradient reduction with the backward pass (without a "
-               "pipeline; pipeline schedules place their reductions themselves, see "
-               "--chimera-grad-sync).")
+        False, "Overlap the data-parallel gradient reduction with the backward pass: each "
+               "bucket's all-reduce starts as soon as its gradients are final, during the last "
+               "micro-batch's backward (with a pipeline: during each model chunk's last backward "
+               "op, its last weight half under --split-backward; the schedule's gradient sync "
+               "launches the rest). No effect on --use-distributed-optimizer's reduce-scatter "
+               "or the compressing --dp-gradient-reducer choices.")
     grad_reduce_in_bf16: bool = option(
         False, "With --bf16: run the data-parallel gradient all-reduce (reduce-scatter with "
                "--use-distributed-optimizer) in bfloat16; gradients are still accumulated in "

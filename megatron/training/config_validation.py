@@ -295,10 +295,23 @@ def _resolve_pipeline_schedule(config: MegatronConfig,
         raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter "
                          "all-gather; add --use-distributed-optimizer or drop it")
     if pp > 1 and parallel.overlap_grad_reduce:
-        logger.warning("--overlap-grad-reduce is ignored with pipeline parallelism: the schedule "
-                       "places each stage's gradient reduction itself (for Chimera see "
-                       "--chimera-grad-sync)")
+        _report_overlap_without_effect(parallel)
     _resolve_grad_reduce_in_bf16(config)
+
+
+def _report_overlap_without_effect(parallel) -> None:
+    """--overlap-grad-reduce with a pipeline launches each module's buckets during its last
+    backward op (the pipeline runtime's interpreter); the reductions that cannot start before the
+    schedule's GradSyncStart are named here (they keep the schedule's placement)."""
+    if parallel.use_distributed_optimizer:
+        logger.warning("--overlap-grad-reduce does not overlap the distributed optimizer's "
+                       "gradient reduce-scatter: with --use-distributed-optimizer each stage's "
+                       "reduce-scatter starts at the schedule's gradient sync (see "
+                       "--chimera-grad-sync)")
+    elif not BUILTIN_REDUCERS.get(parallel.dp_gradient_reducer).overlaps:
+        logger.warning(f"--overlap-grad-reduce has no effect with --dp-gradient-reducer "
+                       f"{parallel.dp_gradient_reducer}: it compresses the whole gradient, after "
+                       f"the module's last backward (at the schedule's gradient sync)")
 
 
 def _resolve_grad_reduce_in_bf16(config: MegatronConfig) -> None:

@@ -24,15 +24,17 @@ from megatron.training.rerun import (LocalResults, ResultValidator, gradient_che
 @dataclass
 class LocalGradientNorms:
     """The L2 norm of every gradient bucket this rank's reductions sent in the current run of an
-    iteration, in the order they sent them (computed in float32). ``validator``: the checks to
+    iteration, in the order they sent them (computed in float32, float64 buckets in float64). ``validator``: the checks to
     apply when no re-run engine does (``--rerun-mode disabled``), else None."""
 
     norms: list = field(default_factory=list)
     validator: Optional[ResultValidator] = None
 
     def observe(self, gradients: torch.Tensor) -> None:
-        self.norms.append(float(torch.linalg.vector_norm(gradients.detach(),
-                                                         dtype=torch.float32)))
+        gradients = gradients.detach()
+        # at least float32 (fp16/bf16 buckets are widened; float64 ones cannot be narrowed)
+        wider = torch.float32 if gradients.element_size() < 4 else None
+        self.norms.append(float(torch.linalg.vector_norm(gradients, dtype=wider)))
 
     def watch(self, reducers: Iterable) -> "LocalGradientNorms":
         """Record the buckets of ``reducers`` (each a GradientReduction) from now on."""

@@ -3,8 +3,10 @@ pipelines in opposite directions, so each rank computes the loss of half the mic
 losses without faults are bit-identical to a run without the engine (with the per-bucket
 gradient checks too, and with every iteration run twice by report_stats), and an error injected on one
 rank makes both ranks re-run the iteration and stop with the same Megatron exit status. Under
-Chimera, 1F1B and the distributed optimizer with overlapped communication, re-running every
-iteration and continuing trains exactly as a run without re-runs."""
+Chimera, 1F1B, the distributed optimizer with overlapped communication and Chimera with
+--overlap-grad-reduce (buckets launched from the backward, re-armed by the re-run) and the
+per-bucket gradient checks, re-running every iteration and continuing trains exactly as a run
+without re-runs."""
 
 from __future__ import annotations
 
@@ -69,8 +71,10 @@ def _train_rerunning_every_iteration(rank, world_size, argv):
 @pytest.mark.parametrize("layout", [
     "--pipeline-model-parallel-size 2 --pipeline-schedule chimera",
     "--pipeline-model-parallel-size 2",
-    "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"],
-    ids=["chimera-pp2", "1f1b-pp2", "dp2-distopt-overlap"])
+    "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather",
+    "--pipeline-model-parallel-size 2 --pipeline-schedule chimera --overlap-grad-reduce "
+    "--check-for-large-grads --check-for-nan-in-loss-and-grad"],
+    ids=["chimera-pp2", "1f1b-pp2", "dp2-distopt-overlap", "chimera-pp2-overlap-grad-checks"])
 def test_a_rerun_that_continues_trains_exactly_as_one_run(layout):
     """The re-run starts from the iteration's own state (gradients zeroed, reducers and parameter
     gathers settled), so stepping with its gradients gives the losses of a run without re-runs."""

@@ -1,5 +1,6 @@
 """The interpreter on one rank with a fake transport: sent activations keep no data, received
-gradients flow into the backward, reductions start at the schedule's points."""
+gradients flow into the backward, reductions start at the schedule's points (with
+--overlap-grad-reduce, during each module's last backward op)."""
 
 import copy
 from dataclasses import dataclass
@@ -11,11 +12,14 @@ import pretrain_gpt
 from megatron.core.config import ModelConfig, RecomputeConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import ParallelState
+from megatron.core.distributed import GradientReducer
 from megatron.core.pipeline_parallel.execution.interpreter import (
-    DEFAULT_OP_HANDLERS, ExecutionContext, Interpreter, OpHandler)
-from megatron.core.pipeline_parallel.planning.lowering import lower_schedule
+    DEFAULT_OP_HANDLERS, ExecutionContext, Interpreter, OpHandler, _overlap_arming_points)
+from megatron.core.pipeline_parallel.planning.lowering import (GradSyncStart, GradSyncWait,
+                                                               lower_schedule)
 from megatron.core.pipeline_parallel.execution.model_chunks import ModuleKey
 from megatron.core.pipeline_parallel.planning.instructions import Instruction, Kind
+from megatron.core.pipeline_parallel.planning.plan import make_plan
 from megatron.core.pipeline_parallel.planning.schedules import build_schedule, schedule_layout
 
 SEQ, BATCH, HIDDEN = 8, 2, 16
@@ -291,3 +295,131 @@ def test_zero_grad_runs_before_the_first_backward_without_any_message():
     interpreter.run(lowered, rank=0)
     assert len(calls) == 1 and all(value == 3.0 for value in calls[0])  # before any backward
     assert all(p.grad.abs().max() < 3.0 for p in chunk.parameters())  # stale 3s are gone
+
+
+class RecordingReducer(GradientReducer):
+    """A one-rank GradientReducer (no group: only the division) that logs the interpreter-facing
+    events of an iteration into ``events``: "arm", "launch" (one bucket), "start"."""
+
+    def __init__(self, params, events: list, overlap: bool):
+        super().__init__(params, None, divide_by=2, bucket_size=300, overlap=overlap)
+        self.events = events
+
+    def start_when_ready(self):
+        self.events.append("arm")
+        super().start_when_ready()
+
+    def _launch(self, bucket):
+        self.events.append("launch")
+        super()._launch(bucket)
+
+    def start(self):
+        self.events.append("start")
+        super().start()
+
+
+def _logged(kind, events):
+    """The built-in handler of ``kind`` that also logs the op's kind after it ran."""
+    default = DEFAULT_OP_HANDLERS[kind]
+    return OpHandler(lambda interpreter, op: (default.run(interpreter, op),
+                                              events.append(kind.name)),
+                     default.timer, computes=True)
+
+
+def _one_stage_iteration(stage: int, split: bool, overlap: bool):
+    """Stage ``stage`` of 1F1B at PP 2 with four micro-batches (the other stage's messages are
+    ones), with a RecordingReducer: (gradients after the reduction, events, backward launches,
+    number of buckets, the kind of the rank's last backward-type op)."""
+    torch.manual_seed(0)
+    config = _tiny_config()
+    chunk = GPTModel(config, RecomputeConfig(), ParallelState.single_process(), 1234,
+                     layer_range=range(stage, stage + 1), pre_process=stage == 0,
+                     post_process=stage == 1)
+    plan = make_plan("1f1b", 2, 4, split_backward=0 if split else None)
+    tokens = torch.randint(0, 32, (4, BATCH, SEQ))
+    microbatches = [{"tokens": tokens[k], "labels": tokens[k],
+                     "loss_mask": torch.ones(BATCH, SEQ),
+                     "sample_ids": torch.arange(BATCH) + 2 * k} for k in range(4)]
+    events: list = []
+    reducer = RecordingReducer(chunk.parameters(), events, overlap)
+    assert len(reducer.buckets) > 2
+    transport = RecordingTransport()
+    logged = {kind: _logged(kind, events) for kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT,
+                                                       Kind.BACKWARD_WEIGHT)}
+    interpreter = Interpreter(ExecutionContext(
+        chunks={ModuleKey(0, stage): chunk}, layout=plan.layout, transport=transport,
+        forward_step_func=pretrain_gpt.forward_step, microbatches=microbatches, loss_divisor=4,
+        activation_shape=(SEQ, BATCH, HIDDEN), wire_dtype=torch.float32,
+        reducers={ModuleKey(0, stage): reducer}, overlap_grad_reduce=overlap,
+        zero_grad=reducer.zero_grad), extra_handlers=logged)
+    transport.interpreter = interpreter
+    interpreter.run(plan.lowered, rank=stage)
+    reducer.wait()
+    grads = {name: p.grad.clone() for name, p in chunk.named_parameters()}
+    last_backward = [op.kind.name for op in plan.lowered[stage]
+                     if isinstance(op, Instruction) and op.kind is not Kind.FORWARD][-1]
+    return grads, events, reducer.backward_launches, len(reducer.buckets), last_backward
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["full-backward", "split-backward"])
+@pytest.mark.parametrize("stage", [0, 1], ids=["first-stage", "last-stage"])
+def test_overlap_launches_every_bucket_during_the_modules_last_backward_op(stage, split):
+    """--overlap-grad-reduce: the reducer is armed right before the module's last backward-type
+    op (its last weight half under split backward, whose engine accumulation fires the hooks),
+    every bucket launches during that op, before GradSyncStart; the gradients are bit-identical."""
+    grads, events, launches, buckets, last_op = _one_stage_iteration(stage, split, overlap=True)
+    reference, plain_events, plain_launches, _, _ = _one_stage_iteration(stage, split,
+                                                                         overlap=False)
+    # The split plan keeps stage 0's backwards whole (no idle slot to move a weight half to)
+    # and ends stage 1 with a weight half.
+    assert last_op == ("BACKWARD_WEIGHT" if split and stage == 1 else "BACKWARD")
+    arm = events.index("arm")
+    assert events.count("arm") == 1 and "launch" not in events[:arm]
+    assert events[arm + 1:] == ["launch"] * buckets + [last_op, "start"], events
+    assert launches == buckets
+    assert plain_launches == 0 and plain_events[-buckets - 1:] == ["start"] + ["launch"] * buckets
+    assert "arm" not in plain_events
+    for name, value in reference.items():
+        torch.testing.assert_close(grads[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_an_unknown_op_kind_in_the_list_arms_no_overlap():
+    """A fused op the interpreter cannot see inside may hold a module's last backward: arming
+    before an earlier backward would launch buckets too early, so nothing is armed."""
+    ops = [Instruction(Kind.FORWARD, 0, 0, 0), Instruction(Kind.BACKWARD, 0, 0, 0),
+           OverlappedBackwardForward(Instruction(Kind.BACKWARD, 0, 0, 1),
+                                     Instruction(Kind.FORWARD, 0, 0, 2))]
+    assert _overlap_arming_points(ops, {ModuleKey(0, 0): object()}) == {}
+    assert list(_overlap_arming_points(ops[:2], {ModuleKey(0, 0): object()})) == [1]
+
+
+class ArmingReducer:
+    """Records whether it was armed; ``issued`` as the test sets it."""
+
+    def __init__(self, issued: bool = False):
+        self.issued = issued
+        self.armed = False
+
+    def start_when_ready(self):
+        self.armed = True
+
+
+def test_a_module_is_armed_only_once_the_modules_before_it_in_the_sync_order_issued():
+    """Collectives of different groups keep the schedule's one sync order on every rank: a
+    module whose last backward comes first but whose sync comes second waits for the first."""
+    late, early = ArmingReducer(), ArmingReducer()
+    reducers = {ModuleKey(0, 1): late, ModuleKey(0, 0): early}
+    backwards = [Instruction(Kind.BACKWARD, 0, 1, 0), Instruction(Kind.BACKWARD, 0, 0, 0)]
+    late_first = backwards + [GradSyncStart(0, 1), GradSyncStart(0, 0), GradSyncWait()]
+    assert _overlap_arming_points(late_first, reducers) == {0: (late, ()), 1: (early, (late,))}
+    early_first = backwards + [GradSyncStart(0, 0), GradSyncStart(0, 1), GradSyncWait()]
+    assert _overlap_arming_points(early_first, reducers) == {0: (late, (early,)), 1: (early, ())}
+
+    interpreter = Interpreter(ExecutionContext(
+        chunks={}, layout=None, transport=None, forward_step_func=None, microbatches=[],
+        loss_divisor=1, wire_dtype=torch.float32))
+    interpreter._arm_overlap(late, (early,))  # early has not issued its reduction yet
+    assert not late.armed
+    early.issued = True
+    interpreter._arm_overlap(late, (early,))
+    assert late.armed

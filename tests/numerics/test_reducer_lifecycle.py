@@ -123,3 +123,25 @@ def test_pretrain_drives_the_lifecycle_and_the_state_survives_a_checkpoint(tmp_p
     assert fresh.loaded["steps"] == 4 and fresh.loaded["marker"].tolist() == [4.0] * 3
     assert [record.iteration for record in resumed.history] == [5]
     assert fresh.steps == 5
+
+
+def test_overlapped_buckets_launch_in_bucket_order_and_are_issued_once_all_launched():
+    """A complete bucket waits for the earlier ones (every rank of a group then issues its
+    collectives in one order, whatever order its backward produced the gradients in)."""
+    first, second = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    # Buckets follow the reversed parameter order: bucket 0 holds ``second``, bucket 1 ``first``.
+    reducer = GradientReducer([first, second], None, bucket_size=1, overlap=True)
+    assert [bucket.params for bucket in reducer.buckets] == [[second], [first]]
+    sent = []
+    reducer.watch_local_gradients(lambda gradients: sent.append(gradients.numel()))
+    reducer.zero_grad()
+    reducer.start_when_ready()
+    (first * 2).sum().backward()  # bucket 1 is complete, bucket 0 is not: nothing launches
+    assert sent == [] and reducer.backward_launches == 0 and not reducer.issued
+    (second * 3).sum().backward()  # bucket 0 completes: both launch, in bucket order
+    assert sent == [3, 2] and reducer.backward_launches == 2 and reducer.issued
+    reducer.start()  # nothing left to launch; every bucket seen once
+    reducer.wait()
+    assert sent == [3, 2]
+    assert torch.equal(first.grad, torch.full((2,), 2.0))
+    assert torch.equal(second.grad, torch.full((3,), 3.0))

@@ -308,12 +308,17 @@ def test_real_schedule_options_reject_bad_microbatch_counts():
                    world_size=2)
 
 
-def test_overlap_grad_reduce_with_a_pipeline_is_reported_as_ignored(caplog):
+def test_overlap_grad_reduce_with_a_pipeline_is_kept_and_its_ineffective_cases_named(caplog):
+    """With a pipeline the flag launches each module's buckets during its last backward op (the
+    interpreter); only the reductions that cannot start earlier are reported."""
     import logging
     argv = TINY + ["--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"]
     with caplog.at_level(logging.WARNING):
-        parse_args(argv, world_size=2)
-    assert any("--overlap-grad-reduce is ignored with pipeline parallelism" in r.getMessage()
+        assert parse_args(argv, world_size=2).parallel.overlap_grad_reduce
+    assert not any("overlap-grad-reduce" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING):
+        parse_args(argv + ["--use-distributed-optimizer"], world_size=4)
+    assert any("--overlap-grad-reduce does not overlap the distributed optimizer" in r.getMessage()
                for r in caplog.records)
 
 

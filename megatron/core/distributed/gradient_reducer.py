@@ -17,7 +17,12 @@ accumulated in their own dtype, only the communication (and the sum) happens in 
 With ``overlap=True`` (``--overlap-grad-reduce``) the reductions can overlap the backward pass: after
 ``start_when_ready()``, a bucket's all-reduce is launched from a post-accumulate-grad hook as soon as
 the next backward has produced all of its gradients; ``start()`` then launches whatever is left. The
-numbers are identical to the non-overlapped reduction.
+numbers are identical to the non-overlapped reduction. Buckets launch in bucket order (a complete
+bucket waits for the earlier ones): the replicas of a stage can produce gradients in different orders
+(Chimera's two directions; a full backward on one rank, a weight half on another), and the
+collectives of one group must be issued in one order on every rank. The pipeline runtime arms each
+module's reducer before that module's last backward op (:mod:`..pipeline_parallel.execution.
+interpreter`); without a pipeline it is armed before the last micro-batch's backward.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ import torch.distributed as dist
 from megatron.core.distributed.collectives import group_size
 from megatron.core.distributed.reduction import GradientReduction
 from megatron.core.distributed.timeouts import awaiting, describe_group
+
+# Elements per all-reduce bucket with --overlap-grad-reduce (Megatron's default is 40M elements;
+# smaller buckets start earlier in the backward).
+OVERLAP_BUCKET_SIZE = 40_000_000
 
 
 class _Completed:
@@ -81,6 +90,9 @@ class GradientReducer(GradientReduction):
         self._offsets: dict[int, tuple[torch.Tensor, int]] = {}
         self._started = False
         self._armed = False
+        self._next_launch = 0  # the first bucket the armed backward has not launched
+        # buckets launched from the backward's hooks since the last start_when_ready()
+        self.backward_launches = 0
         self._build(bucket_size)
         self.overlap = overlap
         if overlap:
@@ -145,6 +157,11 @@ class GradientReducer(GradientReduction):
     def started(self) -> bool:
         return self._started
 
+    @property
+    def issued(self) -> bool:
+        """Started, or every bucket already launched by the armed backward's hooks."""
+        return self._started or (self._armed and self._next_launch == len(self.buckets))
+
     def start_when_ready(self) -> None:
         """Arm the overlap: during the next backward, launch each bucket once its gradients are
         complete (call before the last micro-batch's backward). No-op without ``overlap``."""
@@ -154,14 +171,22 @@ class GradientReducer(GradientReduction):
             self._rebind(param)  # the hooks' buckets must hold the gradients autograd writes
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
+        self._next_launch = 0
+        self.backward_launches = 0
         self._armed = True
 
     def _on_grad_ready(self, bucket: _Bucket) -> None:
-        if not self._armed or bucket.handle is not None:
+        """A parameter's gradient is complete: launch every complete bucket, in bucket order."""
+        if not self._armed or bucket.pending <= 0:
             return
         bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch(bucket)
+        buckets = self.buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
+            ready = buckets[self._next_launch]
+            self._next_launch += 1
+            if ready.handle is None:
+                self._launch(ready)
+                self.backward_launches += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         self.observe_local_gradients(bucket.data)

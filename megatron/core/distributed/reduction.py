@@ -5,7 +5,8 @@ A *gradient reduction* owns the gradients of some parameters and makes them equa
 
 * ``start()`` launches the reduction without blocking (the schedule decides when);
 * ``start_when_ready()`` optionally arms a launch from inside the next backward (overlap);
-* ``wait()`` completes it (starting it first if nobody did); ``started`` says whether it is in flight;
+* ``wait()`` completes it (starting it first if nobody did); ``started`` says whether it is in flight
+  (``issued``: whether all its collectives are launched, which an armed overlap can reach first);
 * ``zero_grad()`` clears the gradients for the next iteration.
 
 The lifecycle, called by the training loop and the checkpointer (no-ops by default, so a plain
@@ -59,6 +60,14 @@ class GradientReduction:
     @property
     def started(self) -> bool:
         raise NotImplementedError
+
+    @property
+    def issued(self) -> bool:
+        """Every collective of this iteration's reduction has been launched (by default: once
+        started). The pipeline interpreter arms a later module's overlap only after the earlier
+        modules' reductions are issued, so every rank launches its groups' collectives in the
+        schedule's one sync order."""
+        return self.started
 
     def start_when_ready(self) -> None:
         """Arm a launch during the next backward; by default the reduction waits for start()."""

@@ -12,15 +12,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron.core.distributed.gradient_reducer import OVERLAP_BUCKET_SIZE
 from megatron.core.distributed.reducers import BUILTIN_REDUCERS, build_gradient_reducers
 from megatron.core.optimizer import default_owns_grad_norm
 from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
 
 from .protocol import ForwardStepFunc
-
-# Elements per all-reduce bucket with --overlap-grad-reduce (Megatron's default is 40M elements;
-# smaller buckets start earlier in the backward).
-OVERLAP_BUCKET_SIZE = 40_000_000
 
 class NoPipelineRuntime:
     """One model chunk per rank; tensor and data parallelism only (pipeline size 1).

@@ -15,6 +15,11 @@ k-th half for Chimera's backward halving), so the union over all pipelines is ex
 batch. Each micro-batch loss is divided by the number of instruction micro-batches; the reducers
 sum over a stage's replicas and divide by the data-parallel size, which equals non-pipelined
 training on the same global batch.
+
+``--overlap-grad-reduce``: each module's reduction (of a kind that ``overlaps``) is built with
+buckets and armed by the interpreter before the module's last backward op, so its buckets launch
+during that op (as Megatron-LM launches each model chunk's buckets during its last micro-batch's
+backward); the schedule's GradSyncStart launches the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.gradient_reducer import OVERLAP_BUCKET_SIZE
 from megatron.core.distributed.reducers import BUILTIN_REDUCERS
 from megatron.core.parallel_state import RankLayout
 from megatron.core.pipeline_parallel.execution.instruction_timing import InstructionSeconds
@@ -114,11 +120,14 @@ class PipelineRuntime:
         return chunks
 
     def build_gradient_reducers(self, model_chunks) -> list:
+        parallel = self.config.parallel
+        overlap = parallel.overlap_grad_reduce
         reducers = pipeline_reducers(model_chunks, self.keys, self.parallel_state, self.layout,
-                                     sharded=self.config.parallel.use_distributed_optimizer,
-                                     parallel=self.config.parallel,
-                                     kind=self.reducer_table.get(
-                                         self.config.parallel.dp_gradient_reducer))
+                                     sharded=parallel.use_distributed_optimizer,
+                                     parallel=parallel,
+                                     kind=self.reducer_table.get(parallel.dp_gradient_reducer),
+                                     overlap=overlap,
+                                     bucket_size=OVERLAP_BUCKET_SIZE if overlap else None)
         self.reducers_by_key = reducers.by_module
         # Reducers no GradSyncStart names (the tied embedding): started at the end of the list.
         self.final_reducers = reducers.final
@@ -170,7 +179,8 @@ class PipelineRuntime:
             reducers=self.reducers_by_key, final_reducers=self.final_reducers,
             forward_only=forward_only, autocast=autocast, record_timeline=record,
             saved_bytes_cache=self.saved_bytes_cache, instruction_seconds=instruction_seconds,
-            group_plans=self.group_plans, zero_grad=None if forward_only else zero_grad)
+            group_plans=self.group_plans, zero_grad=None if forward_only else zero_grad,
+            overlap_grad_reduce=self.config.parallel.overlap_grad_reduce)
         interpreter = Interpreter(context, self.extra_op_handlers)
         losses = interpreter.run(plan.forward_only if forward_only else plan.lowered,
                                  self.parallel_state.pp_rank)

@@ -27,6 +27,12 @@ no data (only its autograd graph, which the backward needs). Stored-activation b
 saves for the backward, parameters excluded) are counted per micro-batch, and their peak is kept;
 the counting hook runs on the first forward of each module and micro-batch shape only.
 
+With ``--overlap-grad-reduce`` (``ExecutionContext.overlap_grad_reduce``) each module's reducer is
+armed right before that module's last backward-type op of the list, so its buckets launch from the
+parameters' post-accumulate-grad hooks while that op runs (Megatron-LM's overlap with a pipeline:
+during the last micro-batch's backward of each model chunk); the module's GradSyncStart then
+launches whatever is left. Reducers that do not overlap ignore the arming.
+
 Any exception is re-raised with the rank's op list printed as a grid, the failing step marked.
 """
 
@@ -181,6 +187,10 @@ class ExecutionContext:
     # is accumulated after it; at the start of the list it would delay the first op, while the
     # first wait falls in the pipeline's fill, where the rank is idle in the plan.
     zero_grad: Optional[Callable[[], None]] = None
+    # --overlap-grad-reduce: arm each module's reducer (``start_when_ready()``) right before that
+    # module's last backward-type op of the list, so its buckets launch during that op (see
+    # _overlap_arming_points); GradSyncStart launches what is left.
+    overlap_grad_reduce: bool = False
 
 
 def describe_message(p2p) -> str:
@@ -296,13 +306,17 @@ class Interpreter:
         handlers = [self._handler(op) for op in ops]
         prefetch = _prefetch_plan(ops, handlers)
         measuring, last = self._measuring, len(ops) - 1
+        arming = (_overlap_arming_points(ops, self.context.reducers)
+                  if self.context.overlap_grad_reduce and not self.context.forward_only else {})
         # Everything an op needs from the plan is resolved here, before the first op runs.
-        steps = [(op, handler.run, prefetch.get(index, ())) for index, (op, handler)
-                 in enumerate(zip(ops, handlers))]
-        for index, (op, run_op, prefetch_groups) in enumerate(steps):
+        steps = [(op, handler.run, prefetch.get(index, ()), arming.get(index))
+                 for index, (op, handler) in enumerate(zip(ops, handlers))]
+        for index, (op, run_op, prefetch_groups, armed_reducer) in enumerate(steps):
             try:
                 for group in prefetch_groups:
                     self._post_receives(group, prefetch=True)
+                if armed_reducer is not None:
+                    self._arm_overlap(*armed_reducer)
                 # A compute op's record starts once its inputs are in (see _take_received).
                 if measuring:
                     self._op_start = self._now()
@@ -361,6 +375,18 @@ class Interpreter:
                             f"known kinds: {list(self.handlers)}; pass one to Interpreter(..., "
                             f"extra_handlers={{kind: OpHandler(...)}})")
         return handler
+
+    def _arm_overlap(self, reducer: GradientReduction,
+                     earlier: Sequence[GradientReduction]) -> None:
+        """--overlap-grad-reduce: arm ``reducer`` before its module's last backward op, unless a
+        reduction ``earlier`` in the rank's sync order has not issued all its collectives yet
+        (then the module's GradSyncStart launches it, as without overlap: the collectives of
+        different groups keep the schedule's one order on every rank). The gradients are zeroed
+        first if nothing did yet (the op would do it before accumulating)."""
+        if self._zero_grad is not None:
+            self._zero_grads_now()
+        if all(other.issued for other in earlier):
+            reducer.start_when_ready()
 
     def _start_grad_sync(self, op: GradSyncStart) -> None:
         self.context.reducers[ModuleKey(op.pipeline, op.stage)].start()
@@ -619,6 +645,41 @@ def _prefetch_plan(ops: Sequence, handlers: Sequence[OpHandler]) -> dict:
         elif isinstance(op, P2PGroup) and last_compute is not None:
             plan.setdefault(last_compute, []).append(op)
     return plan
+
+
+# The op types whose effect on gradients the interpreter knows: only backward-type Instructions
+# accumulate into a module's parameters.
+_KNOWN_OP_TYPES = (Instruction, P2PGroup, GradSyncStart, GradSyncWait)
+
+
+def _overlap_arming_points(ops: Sequence, reducers: Mapping) -> dict:
+    """{index in ``ops``: (the reducer to arm right before that op, the reducers of the modules
+    before it in the rank's sync order)}: each module's last backward-type op (a full backward,
+    or the last weight half of a split backward; the op after which the lowering places the
+    module's GradSyncStart). Every parameter of the module receives its last contribution of the
+    iteration there, at most once (one engine call, or weight halves whose parts own disjoint
+    parameters), so a bucket whose hooks have all fired is final. The sync order is that of the
+    list's GradSyncStart ops (one global order, see the lowering); a module arms only once the
+    modules before it have issued their reductions (:meth:`Interpreter._arm_overlap`).
+
+    A list holding an op of another kind (an ``extra_handlers`` op, e.g. a fused backward and
+    forward) arms nothing: the interpreter cannot tell which modules it accumulates into, and
+    arming before an earlier backward would launch buckets before their last contribution."""
+    if any(not isinstance(op, _KNOWN_OP_TYPES) for op in ops):
+        return {}
+    last_backward: dict = {}
+    sync_order: list = []
+    for index, op in enumerate(ops):
+        if isinstance(op, Instruction) and op.kind is not Kind.FORWARD:
+            last_backward[ModuleKey(op.pipeline, op.stage)] = index
+        elif isinstance(op, GradSyncStart):
+            sync_order.append(ModuleKey(op.pipeline, op.stage))
+    arming = {}
+    for key, index in last_backward.items():
+        if key in reducers:
+            earlier = sync_order[:sync_order.index(key)] if key in sync_order else sync_order
+            arming[index] = (reducers[key], tuple(reducers[k] for k in earlier if k in reducers))
+    return arming
 
 
 def _parameters(chunk) -> list:

@@ -19,7 +19,7 @@ by :func:`megatron.core.distributed.reducers.build_gradient_reducers`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -102,17 +102,22 @@ def tied_embedding_group(parallel_state, schedule_layout):
 
 def pipeline_reducers(chunks: Sequence[torch.nn.Module], keys: Sequence, parallel_state,
                       schedule_layout, sharded: bool = False,
-                      kind: ReducerKind = ALLREDUCE_REDUCER, parallel=None) -> ModelReducers:
+                      kind: ReducerKind = ALLREDUCE_REDUCER, parallel=None,
+                      overlap: bool = False,
+                      bucket_size: Optional[int] = None) -> ModelReducers:
     """This rank's reductions: each hosted module over its stage's replica group (built by
     ``kind``, the ``--dp-gradient-reducer`` entry), plus the tied-embedding reduction when the
     embedding and the output layer are different stages. A kind that ``needs_direction_groups``
-    gets this replica's group over its copies of the stage as ``request.direction_group()``."""
+    gets this replica's group over its copies of the stage as ``request.direction_group()``.
+    ``overlap`` / ``bucket_size``: ``--overlap-grad-reduce`` (dropped unless the kind
+    ``overlaps``; the interpreter arms each module's reduction before its last backward op)."""
     tied = None
     if schedule_layout.num_stages > 1:
         tied = lambda: tied_embedding_group(parallel_state, schedule_layout)  # noqa: E731
     return build_gradient_reducers(
         chunks, keys, lambda key: stage_group(parallel_state, schedule_layout, key.stage),
         divide_by=parallel_state.dp_size, tied_group=tied, sharded=sharded, kind=kind,
+        overlap=overlap, bucket_size=bucket_size,
         parallel=parallel, data_group=parallel_state.data_group,
         direction_group_of=lambda key: direction_group(parallel_state, schedule_layout,
                                                        key.stage),

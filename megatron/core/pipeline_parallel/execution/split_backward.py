@@ -7,7 +7,8 @@ node computes just the gradients on that path (a linear layer computes ``dX``, n
 runs, a pre-hook captures the incoming gradient of every *boundary node*: a node on the input path
 with an edge into a part of the graph that leads only to parameters. :func:`backward_weight` later
 starts autograd from exactly those nodes with the captured gradients, towards the parameters only,
-and adds the results into ``param.grad``. Each gradient is the same operation on the same operands
+and lets the engine accumulate the results into ``param.grad`` (firing their post-accumulate-grad
+hooks, as a full backward does). Each gradient is the same operation on the same operands
 as in one full backward, so the numbers equal the full backward's (only the order in which several
 contributions to one parameter are summed may differ: float64 agreement ~1e-16 relative).
 
@@ -210,17 +211,13 @@ def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor],
 def backward_weight(deferred: DeferredWeightGradients) -> None:
     """Compute the deferred weight gradients and add them into ``param.grad``; frees the graph.
 
-    The engine is called directly, as ``torch.autograd.grad(roots, params, grad_outputs=grads,
-    allow_unused=True)`` would after its argument checks (every root has its captured gradient;
-    the checks cost ~0.15 ms on this op's critical path after a sleep, docs/benchmarks.md §9)."""
+    The engine is called directly, as ``torch.autograd.backward(roots, grads, inputs=params)``
+    would after its argument checks (every root has its captured gradient; the checks cost
+    ~0.15 ms on this op's critical path after a sleep, docs/benchmarks.md §9). The engine
+    accumulates each parameter's gradient itself (``param.grad += g``, as a full backward does),
+    so the parameters' post-accumulate-grad hooks fire: ``--overlap-grad-reduce`` launches a
+    bucket's reduction from them during the module's last weight half. Each parameter belongs to
+    one part (:func:`_boundary_nodes`), so its hook fires once per weight half."""
     for roots, grads, params in deferred.parts:
-        for param, param_grad in zip(params, _engine_backward(roots, grads, params,
-                                                               keep_graph=False,
-                                                               accumulate=False)):
-            if param_grad is None:
-                continue
-            if param.grad is None:
-                param.grad = param_grad
-            else:
-                param.grad.add_(param_grad)
+        _engine_backward(roots, grads, params, keep_graph=False, accumulate=True)
     deferred.parts = []
