@@ -343,6 +343,10 @@ class TrainingConfig:
     exit_signal_handler: bool = option(
         False, "On SIGTERM, save (if --save) at the end of the current iteration on every rank "
                "and exit normally.")
+    iterations_to_skip: Optional[list[int]] = option(
+        None, "Skip these iterations (Megatron's numbering: N skips the step taken after N "
+              "completed iterations, logged as iteration N+1): their samples are consumed, "
+              "nothing is computed, the learning rate does not advance.")
     seed: int = option(1234, "Random seed.")
     deterministic_mode: bool = option(
         False, "Bitwise-reproducible runs: PyTorch deterministic algorithms (an op without one "

@@ -562,6 +562,10 @@ def _validate_logging_and_checkpoints(config: MegatronConfig) -> None:
                          "only one")
     require_positive(config.checkpoint, ("save_interval", "save_retain_interval"), allow_none=True)
     require_positive(config.training, ("exit_interval",), allow_none=True)
+    negative = [n for n in config.training.iterations_to_skip or () if n < 0]
+    if negative:
+        raise ValueError(f"--iterations-to-skip {negative} must be >= 0 (N skips the step after N "
+                         f"completed iterations)")
     if config.checkpoint.save_interval is not None and config.checkpoint.save is None:
         logger.warning("--save-interval %d is given without --save: no checkpoints will be written",
                        config.checkpoint.save_interval)

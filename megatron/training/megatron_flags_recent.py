@@ -362,7 +362,6 @@ RECENT_UNIMPLEMENTED_FLAGS: tuple[UnimplementedFlag, ...] = (
                       "--micro-batch-size x data-parallel size"),
     UnimplementedFlag("--exit-signal",
                       "--exit-signal-handler listens for SIGTERM only; send SIGTERM"),
-    UnimplementedFlag("--iterations-to-skip", "every iteration is trained; none is skipped"),
     UnimplementedFlag("--dump-param-to-param-group-map", reasons.ONE_LEARNING_RATE),
     UnimplementedFlag("--freeze-all-layers", "every layer is trained (no frozen parameters)"),
     UnimplementedFlag("--load-main-params-from-ckpt",

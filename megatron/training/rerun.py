@@ -466,7 +466,8 @@ class RerunEngine:
                 message=f"{where}: the rejected result reproduces on other hardware: it is what "
                         f"the model computes on this data (Megatron's 'correct result'), not a "
                         f"hardware fault. Exiting (status {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}); "
-                        f"look at this iteration's data and the learning rate before resuming")
+                        f"skip its data (--iterations-to-skip {iteration - 1}) or lower the "
+                        f"learning rate before resuming")
         return result, None
 
     def _validate_initial(self, iteration: int, results: LocalResults) -> Optional[_Failure]:

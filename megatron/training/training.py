@@ -535,7 +535,11 @@ def train(components: TrainingComponents, forward_step_func, train_dataset, vali
 def _run_loop(loop: _LoopContext, train_dataset, valid_dataset) -> TrainingResult:
     state, config = loop.state, loop.config
     loop.restart_interval_clock()
+    skip = set(config.training.iterations_to_skip or ())
     while state.iteration < config.training.train_iters:
+        if state.iteration in skip:
+            _skip_iteration(loop)
+            continue
         record, batch_size = _train_iteration(loop, train_dataset)
         if record.rerun_stop is not None:
             return _stop_for_rerun(loop, record.rerun_stop)
@@ -550,6 +554,19 @@ def _run_loop(loop: _LoopContext, train_dataset, valid_dataset) -> TrainingResul
     if state.iteration > 0:
         loop.save()
     return loop.result
+
+
+def _skip_iteration(loop: _LoopContext) -> None:
+    """--iterations-to-skip (Megatron's): the step after this many completed iterations consumes
+    its global batch of samples and does nothing else (no compute, update, learning-rate step,
+    logging, evaluation or save)."""
+    state = loop.state
+    batch_size = global_batch_size_at(loop.config.training, state.consumed_train_samples)
+    state.iteration += 1
+    state.consumed_train_samples += batch_size
+    if is_logging_rank(loop.components.parallel_state):
+        loop.log(f"skipping iteration {state.iteration} (--iterations-to-skip): its {batch_size} "
+                 f"samples are consumed, not trained on")
 
 
 def _resume_pending_rerun(loop: _LoopContext) -> None:

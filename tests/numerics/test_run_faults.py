@@ -84,3 +84,21 @@ def test_exit_on_missing_checkpoint_stops_instead_of_starting_afresh(tmp_path):
     with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint: --load .* holds no "
                                               "checkpoint"):
         _main("--load", tmp_path / "empty", "--exit-on-missing-checkpoint")
+
+
+def test_iterations_to_skip_consume_their_samples_and_train_nothing(capsys):
+    """--iterations-to-skip 1 (Megatron's numbering): the step after one completed iteration is
+    skipped: its samples are consumed (the run ends with a plain run's sample count) and the
+    learning-rate schedule advances only on trained iterations; a negative N is refused."""
+    plain = pretrain_gpt.train_one_job(TINY + ["--lr-decay-style", "linear"], log=lambda _: None)
+    skipping = pretrain_gpt.train_one_job(TINY + ["--lr-decay-style", "linear",
+                                                  "--iterations-to-skip", "1"], log=print)
+    assert [r.iteration for r in skipping.history] == [1, 3, 4]
+    assert skipping.history[0].losses == plain.history[0].losses
+    assert skipping.state.consumed_train_samples == plain.state.consumed_train_samples == 16
+    assert [r.learning_rate for r in skipping.history] == \
+        [r.learning_rate for r in plain.history[:3]]
+    assert "skipping iteration 2 (--iterations-to-skip): its 4 samples" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        _main("--iterations-to-skip", "-1")
+    assert "--iterations-to-skip [-1] must be >= 0" in capsys.readouterr().err
