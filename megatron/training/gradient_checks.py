@@ -24,8 +24,9 @@ from megatron.training.rerun import (LocalResults, ResultValidator, gradient_che
 @dataclass
 class LocalGradientNorms:
     """The L2 norm of every gradient bucket this rank's reductions sent in the current run of an
-    iteration, in the order they sent them (computed in float32, float64 buckets in float64). ``validator``: the checks to
-    apply when no re-run engine does (``--rerun-mode disabled``), else None."""
+    iteration, in the order they sent them (computed in float32, float64 buckets in float64).
+    ``validator``: the checks to apply when no re-run engine does (``--rerun-mode disabled``),
+    else None."""
 
     norms: list = field(default_factory=list)
     validator: Optional[ResultValidator] = None

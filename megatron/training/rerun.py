@@ -72,7 +72,6 @@ TOLERANCE = 0.0            # forward passes are deterministic: any difference is
 LARGE_GRADS_FACTOR = 10.0  # Megatron's threshold for "unexpected large grads"
 GRADS_TOLERANCE = 0.001    # Megatron's tolerance for re-run gradient norms
 
-RERUN_MODES = ("disabled", "validate_results", "report_stats")
 INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 
 MATCH = 0.0
@@ -139,7 +138,7 @@ class LocalResults:
 def gradient_checks(training) -> tuple[Check, ...]:
     """The gradient checks the flags ask for (``config.training``)."""
     return (((GRAD_NAN_CHECK, GRAD_INF_CHECK) if training.check_for_nan_in_loss_and_grad else ())
-            + ((LARGE_GRADS_CHECK,) if getattr(training, "check_for_large_grads", False) else ()))
+            + ((LARGE_GRADS_CHECK,) if training.check_for_large_grads else ()))
 
 
 @dataclass

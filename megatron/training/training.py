@@ -377,7 +377,7 @@ class _LoopContext:
     timers: Timers
     exit_signal: Optional[ExitSignalHandler] = None
     health: Optional[IterationHealth] = None
-    rerun: Optional[RerunEngine] = None  # --rerun-mode validate_results
+    rerun: Optional[RerunEngine] = None  # --rerun-mode validate_results or report_stats
     gradient_norms: Optional[LocalGradientNorms] = None  # per-bucket gradient checks
     interval: IntervalStats = field(default_factory=IntervalStats)
     interval_start: float = 0.0
