@@ -105,9 +105,6 @@ sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 import reproduce_paper as rp  # noqa: E402
-from megatron.core.pipeline_parallel.planning.instructions import Instruction  # noqa: E402
-from megatron.core.pipeline_parallel.planning.lowering import (  # noqa: E402
-    GradSyncStart, GradSyncWait)
 from megatron.performance_model import (  # noqa: E402
     baselines, costs as cost_terms, paper, timing)
 from megatron.performance_model.schemes import (  # noqa: E402
@@ -119,24 +116,11 @@ START = {"efficiency": 0.392, "bandwidth": 6.84e9, "global_bandwidth_fraction": 
 
 def _timelines(result, policy):
     """(ready time of each stage's sync, per rank: hosted stages, compute end, first start)."""
-    costs = result.costs
     _, count = schedule_microbatches(result.scheme, result.pipeline, result.micro_batch_size,
                                      result.num_microbatches)
-    simulated = timing._compute_timelines(
-        result.scheme, result.pipeline, count, policy, timing.BUILTIN_SCHEDULES, costs.forward,
-        costs.backward, costs.p2p, costs.stage_forward, costs.stage_backward)
-    ready, ranks = {}, []
-    for line in simulated.timelines:
-        stages, end, first = [], 0.0, math.inf
-        for entry in line:
-            if isinstance(entry.op, GradSyncStart):
-                ready[entry.op.stage] = max(ready.get(entry.op.stage, 0.0), entry.start)
-                stages.append(entry.op.stage)
-            elif not isinstance(entry.op, GradSyncWait):
-                end = max(end, entry.end)
-                if isinstance(entry.op, Instruction):
-                    first = min(first, entry.start)
-        ranks.append((stages, end, 0.0 if first == math.inf else first))
+    ready, computes = timing.sync_ready_times(timing.compute_timelines(
+        result.scheme, result.pipeline, count, result.costs, policy))
+    ranks = [(list(rank.stages), rank.end, rank.first) for rank in computes]
     return ready, ranks, count
 
 

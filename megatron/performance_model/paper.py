@@ -137,5 +137,9 @@ SYNC_POLICY_SOURCE = "chimera.md §8 (gradient sync: 1.01x, 1.09x, 1.10x at 16, 
 #: The 512-node sweep's best measured configuration (chimera.md §8: (64, 8, recompute) 143
 #: measured; the paper's own model ranked (16, 32) first: 149 vs 143).
 SWEEP_BEST_MEASURED = "W=64 D=8 recompute"
+#: The paper's own performance model on the same sweep (chimera.md §8, "measured / model": the
+#: second number of each pair), transcribed: seq/s per sweep row.
+SWEEP_512_PAPERS_MODEL = {"W=8 D=64": 128, "W=16 D=32": 149, "W=32 D=16 recompute": 138,
+                          "W=64 D=8 recompute": 143}
 #: The paper's choice at 2,048 nodes.
 PAPER_CHOICE_2048 = {"scheme": "chimera", "W": 64, "D": 32}

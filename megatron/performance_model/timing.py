@@ -3,6 +3,8 @@ lowered schedule, both with all-reduces that share each rank's link."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 from megatron.core.pipeline_parallel.planning.instructions import Instruction
@@ -148,20 +150,11 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
     syncs is slowed by σ (:func:`overlap_delay`); the largest delay that a rank's idle time
     cannot absorb is added (the stretched ops are in the coupled tail of the schedule).
     """
-    result = _compute_timelines(scheme, num_stages, num_microbatches, grad_sync_policy,
-                                registry, costs.forward, costs.backward, costs.p2p,
-                                costs.stage_forward, costs.stage_backward)
-    ready, compute_end, hosted = {}, [], []
-    for timeline in result.timelines:
-        stages, end = [], 0.0
-        for entry in timeline:
-            if isinstance(entry.op, GradSyncStart):
-                ready[entry.op.stage] = max(ready.get(entry.op.stage, 0.0), entry.start)
-                stages.append(entry.op.stage)
-            elif not isinstance(entry.op, GradSyncWait):
-                end = max(end, entry.end)
-        compute_end.append(end)
-        hosted.append(stages)
+    result = compute_timelines(scheme, num_stages, num_microbatches, costs, grad_sync_policy,
+                               registry)
+    ready, ranks = sync_ready_times(result)
+    compute_end = [rank.end for rank in ranks]
+    hosted = [list(rank.stages) for rank in ranks]
     stage_end, windows = {}, []
     for stages in hosted:
         finishes = shared_link_finish_times([(ready[s], costs.allreduce[s]) for s in stages])
@@ -179,8 +172,46 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
     return makespan + max(delays, default=0.0)
 
 
+@dataclass(frozen=True)
+class RankCompute:
+    """One rank of a simulated iteration (all-reduce cost 0): the stages whose syncs it starts,
+    in order, the end of its last compute op and the start of its first instruction."""
+
+    stages: tuple
+    end: float
+    first: float
+
+
+def compute_timelines(scheme: str, num_stages: int, num_microbatches: int, costs: StageCosts,
+                      grad_sync_policy: str = "eager-opt",
+                      registry: ScheduleRegistry = BUILTIN_SCHEDULES):
+    """The simulator's run of the lowered schedule with ``costs``' F, Bk, Cp2p (per stage where
+    it has them) and all-reduce cost 0 (cached, see :func:`_cached_timelines`)."""
+    return _cached_timelines(scheme, num_stages, num_microbatches, grad_sync_policy, registry,
+                             costs.forward, costs.backward, costs.p2p, costs.stage_forward,
+                             costs.stage_backward)
+
+
+def sync_ready_times(result) -> tuple[dict, list[RankCompute]]:
+    """From :func:`compute_timelines`' result: when each stage's sync can start (its last
+    replica's ``GradSyncStart``) and every rank's :class:`RankCompute`."""
+    ready, ranks = {}, []
+    for timeline in result.timelines:
+        stages, end, first = [], 0.0, math.inf
+        for entry in timeline:
+            if isinstance(entry.op, GradSyncStart):
+                ready[entry.op.stage] = max(ready.get(entry.op.stage, 0.0), entry.start)
+                stages.append(entry.op.stage)
+            elif not isinstance(entry.op, GradSyncWait):
+                end = max(end, entry.end)
+                if isinstance(entry.op, Instruction):
+                    first = min(first, entry.start)
+        ranks.append(RankCompute(tuple(stages), end, 0.0 if first == math.inf else first))
+    return ready, ranks
+
+
 @lru_cache(maxsize=128)
-def _compute_timelines(scheme, num_stages, num_microbatches, grad_sync_policy, registry,
+def _cached_timelines(scheme, num_stages, num_microbatches, grad_sync_policy, registry,
                        forward, backward, p2p, stage_forward, stage_backward):
     """The simulator's run of the lowered schedule (all-reduce cost 0), cached per
     configuration and compute/p2p costs: the all-reduce terms (bandwidth, contention) do not

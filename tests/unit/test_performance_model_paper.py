@@ -62,6 +62,16 @@ def test_the_sweeps_depth_8_row_keeps_the_papers_mini_batch_not_its_scripts_accu
     assert all(r.global_batch_size == 512 for r in paper.SWEEP_512)
 
 
+def test_the_papers_own_model_of_the_sweep_is_transcribed_row_by_row():
+    """chimera.md §8 pairs each sweep row's measurement with the paper's model: 117/128,
+    140/149, 129/138, 143/143; the model's best is not the measurement's."""
+    assert set(paper.SWEEP_512_PAPERS_MODEL) == {r.label for r in paper.SWEEP_512}
+    assert [paper.SWEEP_512_PAPERS_MODEL[r.label] for r in paper.SWEEP_512] == [128, 149, 138,
+                                                                                143]
+    assert max(paper.SWEEP_512_PAPERS_MODEL, key=paper.SWEEP_512_PAPERS_MODEL.get) != \
+        paper.SWEEP_BEST_MEASURED
+
+
 def test_bert48_pipedream_2bw_is_its_scripts_run_at_double_width():
     """daint_bert48_32nodes_pipedream2bw_4wx8d_16b.sh: 4 x 8, B=16, recomputation, an update
     every D micro-batches; at 64 nodes only W doubles."""
