@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,11 +39,11 @@ from megatron.training.checkpointing import (
     CHECKPOINT_FILENAME, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
     CheckpointError, _read_metadata, _verify_file, checkpoint_file, describe_layout, file_crc32,
     iteration_dir_name, load_file, model_keys, parallel_layout, rank_dir_name, read_tracker,
-    save_file, write_tracker)
+    save_file)
 from megatron.training.checkpointing import torch_dist
 from megatron.training.checkpointing.global_keys import (Piece, PieceSet, TensorPlacement,
                                                         fill_from)
-from megatron.training.checkpointing.files import fresh_staging_dir
+from megatron.training.checkpointing.files import published_iteration_dir
 
 #: What the converter writes unless told otherwise: the training runs' default ``--ckpt-format``.
 DEFAULT_CKPT_FORMAT = CheckpointConfig().ckpt_format
@@ -391,7 +390,6 @@ def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, 
     """Write ``chunks`` (from :func:`split_for_layout`) as a weights-only checkpoint of the
     layout of ``config`` into ``root``: rank files, metadata with CRCs, then the tracker.
     Returns the iteration directory. Refuses to overwrite an existing iteration directory."""
-    final_dir, staging_dir = fresh_staging_dir(root, iteration, ConversionError)
     num_chunks = len(next(iter(chunks.values())))
     layout = parallel_layout(config, num_chunks, registry)
     header = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION,
@@ -401,7 +399,7 @@ def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, 
               "layout": layout, "data_parallel_size": 1}
     pp_size = config.parallel.pipeline_model_parallel_size
     files = {}
-    try:
+    with published_iteration_dir(root, iteration, ConversionError) as (final_dir, staging_dir):
         for (tp_rank, pp_rank), states in sorted(chunks.items()):
             relative = os.path.join(rank_dir_name(tp_rank, pp_rank, pp_size), CHECKPOINT_FILENAME)
             payload = {**header, "config": dataclasses.asdict(config), "weights_only": True,
@@ -416,11 +414,6 @@ def write_weights_checkpoint(root: str, iteration: int, config: MegatronConfig, 
         with open(os.path.join(staging_dir, METADATA_FILENAME), "w") as handle:
             json.dump({**header, "weights_only": True, "files": dict(sorted(files.items()))},
                       handle, indent=2)
-        os.replace(staging_dir, final_dir)
-    except BaseException:
-        shutil.rmtree(staging_dir, ignore_errors=True)
-        raise
-    write_tracker(root, iteration)
     return final_dir
 
 

@@ -84,3 +84,22 @@ def test_an_offline_writer_never_overwrites_an_iteration_and_clears_a_leftover_s
     os.makedirs(final_dir)
     with pytest.raises(KeyError, match="iter_0000007 already exists; choose an empty --save"):
         fresh_staging_dir(str(tmp_path), 7, KeyError)
+
+
+def test_an_offline_writer_publishes_only_what_it_finished(tmp_path):
+    """published_iteration_dir: a block that raises leaves no iteration and no tracker behind;
+    one that ends renames its staging directory into place and then writes the tracker."""
+    from megatron.training.checkpointing.files import published_iteration_dir, read_tracker
+    root = str(tmp_path)
+    with pytest.raises(RuntimeError, match="disk full"):
+        with published_iteration_dir(root, 3) as (final_dir, staging_dir):
+            os.makedirs(staging_dir)
+            (tmp_path / os.path.basename(staging_dir) / "part").write_text("half")
+            raise RuntimeError("disk full")
+    assert sorted(os.listdir(root)) == []
+    with published_iteration_dir(root, 3) as (final_dir, staging_dir):
+        os.makedirs(staging_dir)
+        (tmp_path / os.path.basename(staging_dir) / "part").write_text("whole")
+        assert not os.path.exists(final_dir)
+    assert open(os.path.join(final_dir, "part")).read() == "whole"
+    assert read_tracker(root) == 3 and not os.path.exists(staging_dir)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -51,6 +52,22 @@ def fresh_staging_dir(root: str, iteration: int, error: type = ValueError) -> tu
     os.makedirs(root, exist_ok=True)
     shutil.rmtree(staging_dir, ignore_errors=True)
     return final_dir, staging_dir
+
+
+@contextlib.contextmanager
+def published_iteration_dir(root: str, iteration: int, error: type = ValueError):
+    """Write ``iteration`` under ``root`` outside training: yields the (final, staging)
+    directories of :func:`fresh_staging_dir`; when the block ends the staging directory is
+    renamed to the final one and the tracker written; when it raises, the staging directory is
+    removed and nothing is published."""
+    final_dir, staging_dir = fresh_staging_dir(root, iteration, error)
+    try:
+        yield final_dir, staging_dir
+        os.replace(staging_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(staging_dir, ignore_errors=True)
+        raise
+    write_tracker(root, iteration)
 
 
 def empty_staging_dir(root: str, staging_dir: str) -> None:

@@ -547,20 +547,18 @@ def write_full_weights(root: str, iteration: int, config, full: dict, progress: 
     layout with --finetune or --no-load-optim): staging directory, metadata with CRC-32s, rename,
     then the tracker. Refuses to overwrite an existing iteration directory."""
     import json
-    import shutil
 
     from megatron.training.checkpointing.files import (CHECKPOINT_FORMAT,
                                                       CHECKPOINT_FORMAT_VERSION, METADATA_FILENAME,
-                                                      fresh_staging_dir, write_tracker)
+                                                      published_iteration_dir)
     from megatron.training.checkpointing.global_keys import Piece, model_key
 
-    final_dir, staging_dir = fresh_staging_dir(root, iteration, CheckpointError)
     progress = {"iteration": iteration,
                 "consumed_train_samples": int(progress.get("consumed_train_samples", 0)),
                 "consumed_valid_samples": int(progress.get("consumed_valid_samples", 0))}
     pieces = [Piece(model_key(name), tuple(value.shape), (0,) * value.dim(),
                     value.detach().contiguous()) for name, value in sorted(full.items())]
-    try:
+    with published_iteration_dir(root, iteration, CheckpointError) as (final_dir, staging_dir):
         dcp.save({}, storage_writer=writer_for(staging_dir),
                  planner=PieceSavePlanner(pieces, {"progress": progress,
                                                    "config": dataclasses.asdict(config)}),
@@ -574,9 +572,4 @@ def write_full_weights(root: str, iteration: int, config, full: dict, progress: 
                     "files": own_files(staging_dir, 0)}
         with open(os.path.join(staging_dir, METADATA_FILENAME), "w") as handle:
             json.dump(metadata, handle, indent=2)
-        os.replace(staging_dir, final_dir)
-    except BaseException:
-        shutil.rmtree(staging_dir, ignore_errors=True)
-        raise
-    write_tracker(root, iteration)
     return final_dir
