@@ -38,7 +38,7 @@ import time
 
 from _harness import DEMO_DATA_FLAGS as DATA_FLAGS  # also puts the repo and tests/ on sys.path
 from _harness import REPO_ROOT as REPO
-from _harness import oversubscription_note, run_distributed
+from _harness import oversubscription_note, parallel_state_for, run_distributed
 MODEL_FLAGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
                "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 "
                "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5 "
@@ -54,22 +54,16 @@ def _train_variant(rank, world_size, argv, granularity):
 
     import pretrain_gpt
     from megatron.core.distributed.a2sgd import a2sgd_reducers
-    from megatron.core.parallel_state import RankLayout, create_parallel_state
-    from megatron.core.runtimes import select_runtime_class
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import set_random_seeds
-    from megatron.training.training import (TrainingState, _build_datasets,
+    from megatron.training.training import (TrainingState, _build_datasets, select_runtime_class,
                                             setup_model_and_optimizer, train)
 
     config = parse_args(argv, world_size=world_size)
     pretrain_gpt.build_run_tokenizer(config)  # fills the padded vocabulary size
-    runtime_class = select_runtime_class(config)
-    layout = RankLayout.from_world_size(world_size, 1, 1)
-    state = create_parallel_state(layout, rank, "gloo",
-                                  extra_group_ranks=runtime_class.required_group_ranks(config,
-                                                                                       layout))
+    state = parallel_state_for(rank, world_size, [argv])
     set_random_seeds(config.training.seed)
-    runtime = runtime_class(config, state, torch.device("cpu"))
+    runtime = select_runtime_class(config)(config, state, torch.device("cpu"))
     components = setup_model_and_optimizer(config, state, runtime, pretrain_gpt.model_provider,
                                            torch.device("cpu"))
     for reducer in a2sgd_reducers(components.gradient_reducers):

@@ -31,6 +31,7 @@ import time
 
 from _harness import DEMO_DATA_FLAGS as DATA_FLAGS  # also puts the repo and tests/ on sys.path
 from _harness import REPO_ROOT as REPO
+from _harness import parallel_state_for
 SCHEDULE_FLAGS = "--lr-decay-style cosine --lr-warmup-iters 10 --clip-grad 1.0 --log-interval 100000"
 
 
@@ -82,19 +83,13 @@ def _rank_train(rank, world_size, argv):
     import torch
 
     import pretrain_gpt
-    from megatron.core.parallel_state import RankLayout, create_parallel_state
-    from megatron.core.runtimes import select_runtime_class
     from megatron.training.arguments import parse_args
     from megatron.training.training import pretrain
 
     torch.set_num_threads(1)
     config = parse_args(argv, world_size=world_size)
     pretrain_gpt.build_run_tokenizer(config)  # fills the padded vocabulary size
-    runtime_class = select_runtime_class(config)
-    layout = RankLayout.from_world_size(world_size, 1, 1)
-    state = create_parallel_state(layout, rank, "gloo",
-                                  extra_group_ranks=runtime_class.required_group_ranks(config,
-                                                                                       layout))
+    state = parallel_state_for(rank, world_size, [argv])
     started = time.perf_counter()
     result = pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.datasets_provider,
                       pretrain_gpt.forward_step, parallel_state=state, log=lambda _: None)
@@ -143,6 +138,10 @@ def run(args) -> dict:
     if any(interval <= 0 or args.eval_interval % interval for interval in args.sync_intervals):
         sys.exit(f"--eval-interval {args.eval_interval} must be a multiple of both sync "
                  f"intervals {args.sync_intervals} (an evaluation syncs A2SGD's replicas)")
+    unknown = sorted(set(args.only or ()) - set(table))
+    if unknown:
+        sys.exit(f"--only: no variant named {', '.join(map(repr, unknown))}; the variants are: "
+                 + ", ".join(table))
     for seed in args.seeds:
         for name, (_, flags) in table.items():
             if args.only and name not in args.only:
