@@ -72,7 +72,6 @@ TOLERANCE = 0.0            # forward passes are deterministic: any difference is
 LARGE_GRADS_FACTOR = 10.0  # Megatron's threshold for "unexpected large grads"
 GRADS_TOLERANCE = 0.001    # Megatron's tolerance for re-run gradient norms
 
-INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 
 MATCH = 0.0
 MISMATCH = math.inf
