@@ -46,6 +46,7 @@ for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.path.dirname(os.pa
         sys.path.insert(0, _path)
 
 import _emulated_stages  # noqa: E402
+import _thread_cpu  # noqa: E402
 import emulated_depth  # noqa: E402
 
 from megatron.core.pipeline_parallel.planning.lowering import SEND  # noqa: E402
@@ -337,6 +338,12 @@ def parse_args(argv=None):
                              "(see emulated_depth.py); default: leave it")
     parser.add_argument("--verbose", action="store_true",
                         help="print every step of the first iteration's critical path")
+    parser.add_argument("--thread-cpu", type=int, nargs="?", const=10, default=None,
+                        metavar="WINDOWS",
+                        help="poll every rank thread's CPU and run-queue time (Linux /proc) and "
+                             "print, over WINDOWS equal windows of each configuration's last "
+                             "iteration (default 10), the cores used by main threads, gloo's "
+                             "TCP loops and its collective workers, and the ops' overrun")
     parser.add_argument("--param-floats", type=int, default=1 << 20)
     parser.add_argument("--activation-floats", type=int, default=1 << 14)
     return parser.parse_args(argv)
@@ -354,9 +361,11 @@ def main(argv=None) -> int:
     if args.timer_slack_ns is not None:
         _emulated_stages.set_timer_slack(args.timer_slack_ns)
     load = os.getloadavg()[0]
+    sampler = _thread_cpu.ThreadCpuSampler().start() if args.thread_cpu else None
     per_rank = run_distributed(_rank, depth, labels, times,
                                (args.param_floats, args.activation_floats), count,
                                args.iterations, timeout=3600)
+    samples = sampler.stop() if sampler is not None else []
     print(f"D = {depth}, N = {count}, F = I = W = {args.unit_ms:g} ms per stage; load average "
           f"{load:.1f} before, {os.getloadavg()[0]:.1f} after")
     for label in labels:
@@ -365,7 +374,25 @@ def main(argv=None) -> int:
         analyses = [analyse([per_rank[r][label][i] for r in range(depth)], simulated,
                             args.waited_ms / 1e3) for i in range(args.iterations)]
         print(report(label, analyses, args.verbose))
+        if sampler is not None:
+            rows = [per_rank[r][label][-1] for r in range(depth)]
+            print("\n".join(_thread_cpu.window_table(
+                samples, min(row["start"] for row in rows), max(row["end"] for row in rows),
+                args.thread_cpu, op_overruns(rows, simulated))))
     return 0
+
+
+def op_overruns(rows: list, simulated) -> list:
+    """(end time, overrun seconds, kind letter) of every compute op of one iteration (``rows``:
+    every rank's row, see _rank): measured duration minus the simulation's."""
+    result = []
+    for rank, row in enumerate(rows):
+        charged = {str(e.op): e.end - e.start for e in simulated.timelines[rank]
+                   if _is_compute(str(e.op))}
+        for name, start, end in row["records"]:
+            if _is_compute(name):
+                result.append((row["origin"] + end, end - start - charged[name], name[0]))
+    return result
 
 
 if __name__ == "__main__":
