@@ -119,11 +119,15 @@ class _WeightPath(torch.autograd.Function):
     def backward(ctx, grad):
         deadline = ctx.clock.deadline(ctx.weight_seconds)
         (weight,) = ctx.saved_tensors
-        weight_grad = torch.full_like(weight, float(grad.mean()) * 1e-6)
+        value = float(grad.mean()) * 1e-6
         accumulated, weight.grad = weight.grad, None
-        if accumulated is not None:
-            weight_grad = accumulated.add_(weight_grad)
+        # One pass over the weight's floats: add the value in place where a gradient is already
+        # held, fill a new one where not (the same float32 values as filling then adding; the
+        # two-pass form cost 2.1 ms of CPU per backward of 1 M floats, which at D = 16 crowded
+        # the two cores in the W-only drain: docs/benchmarks.md §9, "The W phase at depth").
         # Writing (and accumulating) a large gradient takes time of its own: it counts towards W.
+        weight_grad = (torch.full_like(weight, value) if accumulated is None
+                       else accumulated.add_(value))
         sleep_until(deadline)
         return None, weight_grad, None, None
 
