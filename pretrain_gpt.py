@@ -32,6 +32,7 @@ from megatron.training.crossover import load_crossover_jobs, run_crossover
 from megatron.training.gpt_spec import gpt_model_spec
 from megatron.training.initialize import shutdown_distributed
 from megatron.training.launch_env import read_launch_environment
+from megatron.training.logging_utils import configure_entry_point_logging
 from megatron.training.restarts import StopWatchdog
 from megatron.training.training import pretrain
 
@@ -158,9 +159,18 @@ def _run(argv, log) -> int:
     return 0
 
 
+def _launch_rank() -> int:
+    """This process's rank from the launcher's variables; 0 when they cannot be read (the
+    configuration step then reports why, so that message must not be filtered away)."""
+    try:
+        return read_launch_environment().rank
+    except ValueError:
+        return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_entry_point_logging(_launch_rank())
     log = functools.partial(print, flush=True)
     previous_handler = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     # A rank blocked in C++ (a collective, process-group creation) stops within seconds of
