@@ -103,13 +103,18 @@ def _configure(argv):
         # does not resume, or could not save at all, stops now instead of at its first save.
         check_checkpoint_directories(config.checkpoint)
         tokenizer = build_run_tokenizer(config)
+        if not config.data.mock_data and config.data.data_path:
+            # Missing .bin/.idx: one line now, instead of a traceback per rank after the rendezvous.
+            from megatron.core.datasets.builder import check_data_path_files
+            check_data_path_files(config.data.data_path)
         if config.data.fim_data:  # its tokens must be in the vocabulary: say so before any work
             from megatron.core.datasets.fim_dataset import fim_settings_from_config
             fim_settings_from_config(config.data, tokenizer)
         return config, tokenizer
     except (ValueError, FileNotFoundError) as error:
-        # A bad flag combination or missing tokenizer file: the message says how to fix it, a
-        # traceback would only bury it (argparse's convention: usage error, exit status 2).
+        # A bad flag combination, a missing tokenizer or data file, an unusable --load tracker:
+        # the message says how to fix it, a traceback would only bury it (argparse's convention:
+        # usage error, exit status 2).
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
 
