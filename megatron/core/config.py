@@ -196,15 +196,26 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = option(
         None, "Pipeline schedule (default 1f1b, or interleaved-1f1b when "
               "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank "
-              "is given).",
+              "is given). chimera: Li & Hoefler's bidirectional pipelines (SC'21), the same "
+              "losses as 1f1b up to rounding; it needs an even --pipeline-model-parallel-size "
+              "and keeps two stages, "
+              "so two weight copies, per rank; see --chimera-*.",
         choices=BUILTIN_SCHEDULES.choices)  # parse_args(registry=...) lists that registry's
     chimera_pipelines: int = option(
         2, "Number of Chimera pipelines 2f (f down, f up); f must divide D/2.")
     chimera_variant: str = option(
-        "direct", "How Chimera handles more micro-batches than stages.",
+        "direct", "How Chimera schedules more micro-batches than stages: direct (basic units "
+                  "back to back), forward-doubling (two forwards per step; micro-batches a "
+                  "multiple of D; doubles stored activations, pair it with "
+                  "--recompute-granularity full), backward-halving (forward doubling on half "
+                  "micro-batches; even --micro-batch-size) or interleaved (each direction cut "
+                  "into 2D half-size stages; --num-layers a multiple of 2D).",
         choices=CHIMERA_VARIANTS)
     chimera_grad_sync: str = option(
-        "eager-opt", "When the all-reduce between the replicas of a Chimera stage starts.",
+        "eager-opt", "When the all-reduce between the replicas of a Chimera stage starts: "
+                     "eager-opt (after the stage's last backward, except on the two middle "
+                     "ranks, which sync at the end: the paper's choice), eager (always right "
+                     "after the last backward) or end (after the whole schedule).",
         choices=GRAD_SYNC_POLICIES)
     split_backward: bool = option(
         False, "Split every backward into its input-gradient and weight-gradient halves and move "

@@ -92,3 +92,20 @@ def test_missing_data_and_bad_load_tracker_stop_before_any_process_group(case, e
     error = capsys.readouterr().err
     assert error.startswith("pretrain_gpt.py: error: ") and expected in error, error
     assert "Traceback" not in error
+
+
+def test_help_says_how_to_switch_to_chimera_its_variants_and_what_is_refused(capsys):
+    """What a Megatron user looks for in --help: how to switch schedules, what Chimera needs, what
+    each variant and grad-sync policy does, and where the unimplemented features are."""
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for phrase in ("add --pipeline-schedule chimera (an even --pipeline-model-parallel-size",
+                   "the losses equal 1f1b's up to rounding",
+                   "mixture of experts, FP8, context parallelism",
+                   "direct (basic units back to back)", "forward-doubling (two forwards per step",
+                   "backward-halving (forward doubling on half micro-batches",
+                   "interleaved (each direction cut into 2D half-size stages",
+                   "eager-opt (after the stage's last backward", "end (after the whole schedule)"):
+        assert phrase in text, phrase
