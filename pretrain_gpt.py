@@ -32,7 +32,7 @@ from megatron.training.crossover import load_crossover_jobs, run_crossover
 from megatron.training.gpt_spec import gpt_model_spec
 from megatron.training.initialize import shutdown_distributed
 from megatron.training.launch_env import read_launch_environment
-from megatron.training.logging_utils import configure_entry_point_logging
+from megatron.training.logging_utils import check_logging_packages, configure_entry_point_logging
 from megatron.training.restarts import StopWatchdog
 from megatron.training.training import pretrain
 
@@ -102,6 +102,7 @@ def _configure(argv):
         # Before any process group, model or iteration: a run that would overwrite checkpoints it
         # does not resume, or could not save at all, stops now instead of at its first save.
         check_checkpoint_directories(config.checkpoint)
+        check_logging_packages(config.logging)  # --tensorboard-dir / --wandb-project usable here
         tokenizer = build_run_tokenizer(config)
         if not config.data.mock_data and config.data.data_path:
             # Missing .bin/.idx: one line now, instead of a traceback per rank after the rendezvous.

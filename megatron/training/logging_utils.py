@@ -179,6 +179,29 @@ def check_logging_packages(logging_config) -> None:
         except ImportError:
             raise ValueError("--wandb-project needs the wandb package; install it (pip install "
                              "wandb) or drop --wandb-project") from None
+        if wandb_login_missing():
+            raise ValueError("--wandb-project: W&B is in online mode but finds no API key on this "
+                             "machine (WANDB_API_KEY, ~/.netrc, wandb settings), so wandb.init "
+                             "would stop the run once the model is built; run `wandb login` (or "
+                             "set WANDB_API_KEY) where the job runs, or set WANDB_MODE=offline to "
+                             "write the run locally and `wandb sync` it later")
+
+
+def wandb_login_missing() -> bool:
+    """True only when wandb would certainly refuse to start a run: online mode and wandb's own
+    credential lookup (environment, .netrc, settings; no prompt) finds nothing. Any doubt (offline
+    or disabled mode, a wandb version without these internals) gives False, leaving it to
+    ``wandb.init``: a check that stopped a run wandb would have started would be worse."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate
+        settings = wandb_setup.singleton().settings
+        if settings.mode not in ("online", "run"):
+            return False
+        return authenticate.authenticate_session(host=settings.base_url, source="--wandb-project",
+                                                 prompt=False, update_session=False) is None
+    except Exception:  # wandb's internals moved: no opinion
+        return False
 
 
 class WandbWriter:
