@@ -548,11 +548,14 @@ class LoggingConfig:
     """Log lines, TensorBoard and pipeline timelines."""
 
     log_interval: int = option(100, "Print a log line every this many iterations.")
-    log_throughput: bool = option(False, "Include TFLOP/s per GPU in the log line.")
+    log_throughput: bool = option(
+        False, "Accepted as in Megatron; the log line here always includes the throughput per GPU "
+               "(model TFLOP/s/GPU, the README's convention), with or without this flag.")
     timing_log_level: int = option(
-        0, "Timers in the block after each log line: 0 forward-backward and optimizer; 1 also "
-           "batch-generator and all-grads-sync; 2 also per instruction kind (forward-compute, "
-           "backward-compute or its split halves, p2p-post, p2p-wait, grad-sync-start).",
+        0, "Timers in the block after each log line, at Megatron's levels: 0 none (no block); "
+           "1 forward-backward, all-grads-sync and optimizer; 2 also batch-generator and one per "
+           "instruction kind (forward-compute, backward-compute or its split halves, p2p-post, "
+           "p2p-wait, grad-sync-start).",
         choices=(0, 1, 2))
     timing_log_option: str = option(
         "minmax", "How the timer block summarises ranks.", choices=("max", "minmax", "all"))
