@@ -32,6 +32,7 @@ from megatron.training.crossover import load_crossover_jobs, run_crossover
 from megatron.training.gpt_spec import gpt_model_spec
 from megatron.training.initialize import shutdown_distributed
 from megatron.training.launch_env import read_launch_environment
+from megatron.training.logging_utils import check_logging_packages, configure_entry_point_logging
 from megatron.training.restarts import StopWatchdog
 from megatron.training.training import pretrain
 
@@ -101,14 +102,20 @@ def _configure(argv):
         # Before any process group, model or iteration: a run that would overwrite checkpoints it
         # does not resume, or could not save at all, stops now instead of at its first save.
         check_checkpoint_directories(config.checkpoint)
+        check_logging_packages(config.logging)  # --tensorboard-dir / --wandb-project usable here
         tokenizer = build_run_tokenizer(config)
+        if not config.data.mock_data and config.data.data_path:
+            # Missing .bin/.idx: one line now, instead of a traceback per rank after the rendezvous.
+            from megatron.core.datasets.builder import check_data_path_files
+            check_data_path_files(config.data.data_path)
         if config.data.fim_data:  # its tokens must be in the vocabulary: say so before any work
             from megatron.core.datasets.fim_dataset import fim_settings_from_config
             fim_settings_from_config(config.data, tokenizer)
         return config, tokenizer
     except (ValueError, FileNotFoundError) as error:
-        # A bad flag combination or missing tokenizer file: the message says how to fix it, a
-        # traceback would only bury it (argparse's convention: usage error, exit status 2).
+        # A bad flag combination, a missing tokenizer or data file, an unusable --load tracker:
+        # the message says how to fix it, a traceback would only bury it (argparse's convention:
+        # usage error, exit status 2).
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -158,9 +165,18 @@ def _run(argv, log) -> int:
     return 0
 
 
+def _launch_rank() -> int:
+    """This process's rank from the launcher's variables; 0 when they cannot be read (the
+    configuration step then reports why, so that message must not be filtered away)."""
+    try:
+        return read_launch_environment().rank
+    except ValueError:
+        return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_entry_point_logging(_launch_rank())
     log = functools.partial(print, flush=True)
     previous_handler = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     # A rank blocked in C++ (a collective, process-group creation) stops within seconds of

@@ -196,15 +196,26 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = option(
         None, "Pipeline schedule (default 1f1b, or interleaved-1f1b when "
               "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank "
-              "is given).",
+              "is given). chimera: Li & Hoefler's bidirectional pipelines (SC'21), the same "
+              "losses as 1f1b up to rounding; it needs an even --pipeline-model-parallel-size "
+              "and keeps two stages, "
+              "so two weight copies, per rank; see --chimera-*.",
         choices=BUILTIN_SCHEDULES.choices)  # parse_args(registry=...) lists that registry's
     chimera_pipelines: int = option(
         2, "Number of Chimera pipelines 2f (f down, f up); f must divide D/2.")
     chimera_variant: str = option(
-        "direct", "How Chimera handles more micro-batches than stages.",
+        "direct", "How Chimera schedules more micro-batches than stages: direct (basic units "
+                  "back to back), forward-doubling (two forwards per step; micro-batches a "
+                  "multiple of D; doubles stored activations, pair it with "
+                  "--recompute-granularity full), backward-halving (forward doubling on half "
+                  "micro-batches; even --micro-batch-size) or interleaved (each direction cut "
+                  "into 2D half-size stages; --num-layers a multiple of 2D).",
         choices=CHIMERA_VARIANTS)
     chimera_grad_sync: str = option(
-        "eager-opt", "When the all-reduce between the replicas of a Chimera stage starts.",
+        "eager-opt", "When the all-reduce between the replicas of a Chimera stage starts: "
+                     "eager-opt (after the stage's last backward, except on the two middle "
+                     "ranks, which sync at the end: the paper's choice), eager (always right "
+                     "after the last backward) or end (after the whole schedule).",
         choices=GRAD_SYNC_POLICIES)
     split_backward: bool = option(
         False, "Split every backward into its input-gradient and weight-gradient halves and move "
@@ -537,11 +548,14 @@ class LoggingConfig:
     """Log lines, TensorBoard and pipeline timelines."""
 
     log_interval: int = option(100, "Print a log line every this many iterations.")
-    log_throughput: bool = option(False, "Include TFLOP/s per GPU in the log line.")
+    log_throughput: bool = option(
+        False, "Accepted as in Megatron; the log line here always includes the throughput per GPU "
+               "(model TFLOP/s/GPU, the README's convention), with or without this flag.")
     timing_log_level: int = option(
-        0, "Timers in the block after each log line: 0 forward-backward and optimizer; 1 also "
-           "batch-generator and all-grads-sync; 2 also per instruction kind (forward-compute, "
-           "backward-compute or its split halves, p2p-post, p2p-wait, grad-sync-start).",
+        0, "Timers in the block after each log line, at Megatron's levels: 0 none (no block); "
+           "1 forward-backward, all-grads-sync and optimizer; 2 also batch-generator and one per "
+           "instruction kind (forward-compute, backward-compute or its split halves, p2p-post, "
+           "p2p-wait, grad-sync-start).",
         choices=(0, 1, 2))
     timing_log_option: str = option(
         "minmax", "How the timer block summarises ranks.", choices=("max", "minmax", "all"))

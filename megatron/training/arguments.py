@@ -239,7 +239,14 @@ def build_parser(registry: ScheduleRegistry = BUILTIN_SCHEDULES,
         # A short usage line keeps error messages readable; --help lists every flag.
         usage="%(prog)s [flags] (see --help or docs/flags.md)",
         description="Megatron-Chimera: Megatron-LM-style GPT training with Chimera pipelines. "
-                    f"Flags are Megatron's names; {DOCS_HINT}.")
+                    f"Flags are Megatron's names; {DOCS_HINT}. To train a Megatron launch "
+                    "script with Chimera, add --pipeline-schedule chimera (an even "
+                    "--pipeline-model-parallel-size; the --chimera-* flags of the parallel "
+                    "section choose its variant); the losses equal 1f1b's up to rounding. Megatron "
+                    "flags that change nothing here are accepted and reported in the log; flags "
+                    "of features not implemented here (mixture of experts, FP8, context "
+                    "parallelism, ...) are listed in the last section and refused with a "
+                    "message naming them.")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for spec in config_fields(model_section):
         if spec.derived:

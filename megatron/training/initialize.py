@@ -109,8 +109,10 @@ def initialize_megatron(config, *, env: Optional[Mapping[str, str]] = None,
         if launch.launcher == "torchrun":
             # torchrun's store, under a prefix per restart attempt (see restarts.attempt_store)
             dist.init_process_group(
-                backend=backend, store=attempt_store(env, rank, world_size, timeout), rank=rank,
-                world_size=world_size, timeout=timeout)
+                backend=backend, store=attempt_store(env, rank, world_size, timeout,
+                                                     master_addr=launch.master_addr,
+                                                     master_port=launch.master_port),
+                rank=rank, world_size=world_size, timeout=timeout)
         else:
             host = launch.master_addr
             init_method = f"tcp://[{host}]:{launch.master_port}" if ":" in host else \

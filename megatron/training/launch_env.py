@@ -106,7 +106,12 @@ def read_launch_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEn
             if not nodelist:
                 raise ValueError("under srun the master address comes from SLURM_JOB_NODELIST, "
                                  "which is not set; set MASTER_ADDR to the first node's host name")
-            master_addr = expand_nodelist(nodelist)[0]
+            try:
+                master_addr = expand_nodelist(nodelist)[0]
+            except ValueError as error:
+                raise ValueError(f"{error}: the master address is its first host; fix "
+                                 f"SLURM_JOB_NODELIST (SLURM's host list, e.g. node[01-04,07]) or "
+                                 f"set MASTER_ADDR to the first node's host name") from None
         return LaunchEnvironment(rank, world_size, local_rank, master_addr, _read_port(env),
                                  "slurm")
     return LaunchEnvironment(0, 1, 0, env.get("MASTER_ADDR", DEFAULT_MASTER_ADDR),

@@ -18,15 +18,52 @@ Validation::
      validation loss at iteration 10 | lm loss value: 6.543210E+00 | lm loss PPL: 6.952042E+02 |
 
 between two lines of dashes.
+
+Warnings about the command line (accepted-but-ignored flags, flags switched off as Megatron does)
+are the same on every rank, so the entry point shows them once, on rank 0
+(:class:`CommandLineWarningsOnce`), as Megatron's ``warn_rank_0`` does.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
+
+
+# Loggers whose warnings are about the command line alone: every rank parses the same flags, so
+# every rank would print the same lines.
+COMMAND_LINE_LOGGERS = frozenset({"megatron.training.arguments",
+                                  "megatron.training.config_validation",
+                                  "megatron.training.megatron_leniency"})
+
+
+class CommandLineWarningsOnce(logging.Filter):
+    """A handler filter that keeps the command-line loggers' records on rank 0 only.
+
+    Under torchrun or srun every rank parses the same flags; without it a launch of 4 processes
+    printed each "accepted and ignored" warning 4 times. Records of every other logger (rank-specific
+    faults, checkpoint notes) pass on every rank."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or record.name not in COMMAND_LINE_LOGGERS
+
+
+def configure_entry_point_logging(rank: int) -> logging.Handler:
+    """The entry point's logging: warnings to stderr as ``LEVEL logger: message``, the
+    command-line ones on rank 0 only. Returns the handler (it is the root logger's)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(CommandLineWarningsOnce(rank))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    return handler
 
 
 def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int,
@@ -142,6 +179,29 @@ def check_logging_packages(logging_config) -> None:
         except ImportError:
             raise ValueError("--wandb-project needs the wandb package; install it (pip install "
                              "wandb) or drop --wandb-project") from None
+        if wandb_login_missing():
+            raise ValueError("--wandb-project: W&B is in online mode but finds no API key on this "
+                             "machine (WANDB_API_KEY, ~/.netrc, wandb settings), so wandb.init "
+                             "would stop the run once the model is built; run `wandb login` (or "
+                             "set WANDB_API_KEY) where the job runs, or set WANDB_MODE=offline to "
+                             "write the run locally and `wandb sync` it later")
+
+
+def wandb_login_missing() -> bool:
+    """True only when wandb would certainly refuse to start a run: online mode and wandb's own
+    credential lookup (environment, .netrc, settings; no prompt) finds nothing. Any doubt (offline
+    or disabled mode, a wandb version without these internals) gives False, leaving it to
+    ``wandb.init``: a check that stopped a run wandb would have started would be worse."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate
+        settings = wandb_setup.singleton().settings
+        if settings.mode not in ("online", "run"):
+            return False
+        return authenticate.authenticate_session(host=settings.base_url, source="--wandb-project",
+                                                 prompt=False, update_session=False) is None
+    except Exception:  # wandb's internals moved: no opinion
+        return False
 
 
 class WandbWriter:

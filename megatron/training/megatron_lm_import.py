@@ -156,7 +156,7 @@ def read_megatron_core_dist(iteration_dir: str) -> tuple:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron.training.checkpointing.dcp_io import PieceLoadPlanner
+    from megatron.training.checkpointing.dcp_io import PieceLoadPlanner, single_process_dcp
     from megatron.training.checkpointing.global_keys import Piece
 
     common = os.path.join(iteration_dir, "common.pt")
@@ -178,8 +178,9 @@ def read_megatron_core_dist(iteration_dir: str) -> tuple:
               and not key.startswith(("optimizer.", "rng_state")) and
               not key.endswith("_extra_state")]
     try:
-        dcp.load({}, storage_reader=FileSystemReader(iteration_dir),
-                 planner=PieceLoadPlanner(pieces, []), no_dist=True)
+        with single_process_dcp():
+            dcp.load({}, storage_reader=FileSystemReader(iteration_dir),
+                     planner=PieceLoadPlanner(pieces, []), no_dist=True)
     except BaseException as error:  # DCP's CheckpointException is a BaseException
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise

@@ -36,11 +36,16 @@ def restart_attempt(env: Mapping[str, str]) -> int:
 
 
 def attempt_store(env: Mapping[str, str], rank: int, world_size: int,
-                  timeout: datetime.timedelta):
+                  timeout: datetime.timedelta, *, master_addr: str, master_port: int):
     """The rendezvous store of this attempt: torchrun's store (the agent's, or rank 0's when the
-    agent does not share one) under the prefix of the restart count."""
+    agent does not share one) under the prefix of the restart count.
+
+    ``master_addr`` / ``master_port`` come from
+    :func:`~megatron.training.launch_env.read_launch_environment`, which defaults them
+    (127.0.0.1:29500) when a launcher that sets RANK and WORLD_SIZE (``torch.distributed.launch``,
+    a site's own wrapper) leaves them unset; reading ``env`` directly raised a bare KeyError."""
     uses_agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+    store = dist.TCPStore(master_addr, master_port, world_size,
                           is_master=not uses_agent_store and rank == 0, timeout=timeout)
     return dist.PrefixStore(f"{ATTEMPT_PREFIX}{restart_attempt(env)}", store)
 

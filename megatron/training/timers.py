@@ -4,8 +4,9 @@
         forward-backward ...............................: (1234.56, 1240.03)
         optimizer ......................................: (12.34, 13.01)
 
-``--timing-log-level`` picks which timers run (0: forward-backward and optimizer; 1: also
-batch-generator and all-grads-sync; 2: also the per-instruction timers of
+``--timing-log-level`` picks which timers run, at Megatron's levels (0, the default: none, so no
+block is printed; 1: forward-backward, all-grads-sync and optimizer; 2: also batch-generator and
+the per-instruction timers of
 :mod:`megatron.core.pipeline_parallel.execution.instruction_timing`: forward-compute,
 backward-compute, the split-backward halves, p2p-post, p2p-wait, grad-sync-start; timers that
 stayed at zero on every rank, e.g. the split halves without --split-backward, are not printed);
@@ -26,8 +27,10 @@ from megatron.core.pipeline_parallel.execution.instruction_timing import (INSTRU
                                                                           InstructionSeconds,
                                                                           synchronized_clock)
 
-# The level at which each timer starts running (Megatron's levels).
-TIMER_LEVELS = {"forward-backward": 0, "optimizer": 0, "batch-generator": 1, "all-grads-sync": 1,
+# The level at which each timer starts running, and the block's order: Megatron's (its
+# ``timers(name, log_level=...)`` calls and training_log's ``timers_to_log``: forward-backward,
+# all-grads-sync and optimizer at 1, batch-generator and the compute/p2p timers at 2; nothing at 0).
+TIMER_LEVELS = {"forward-backward": 1, "all-grads-sync": 1, "optimizer": 1, "batch-generator": 2,
                 **{name: 2 for name in INSTRUCTION_TIMERS}}
 
 
@@ -68,6 +71,8 @@ class Timers:
         A collective when ``world_size > 1``: every rank must call it."""
         # Every rank reports the same names (the ones its level runs), so the gather lines up.
         names = [name for name, level in TIMER_LEVELS.items() if level <= self.log_level]
+        if not names:  # level 0: no timer ran (the same on every rank: no collective either)
+            return []
         mine = torch.tensor([self.elapsed_s.get(name, 0.0) * 1000.0 / iterations
                              for name in names], dtype=torch.float64, device=self.device)
         self.elapsed_s.clear()

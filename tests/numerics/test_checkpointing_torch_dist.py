@@ -253,3 +253,19 @@ def test_convert_checkpoint_reads_and_writes_both_formats(saved_run, tmp_path):
     assert state.iteration == 0
     for name, value in reference.items():
         assert torch.equal(components.model_chunks[0].state_dict()[name], value), name
+
+
+def test_saving_and_loading_in_one_process_gives_no_dcp_single_process_warning(tmp_path):
+    """DCP warns "assuming the intent is to load in a single process" for every no_dist call;
+    ours are on purpose (one process, or each rank reading the packed small tensors itself), and
+    the warning was printed by every rank at every resume: it is silenced around those calls."""
+    import warnings
+
+    from megatron.training.checkpointing.dcp_io import SINGLE_PROCESS_WARNING
+
+    save_dir = tmp_path / "ckpt"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(f"{DIST} --save {save_dir} --exit-interval 3")
+        _load(save_dir)
+    assert not [w for w in caught if SINGLE_PROCESS_WARNING in str(w.message)]

@@ -57,6 +57,16 @@ def test_slurm_falls_back_to_slurm_nodelist():
     assert read_launch_environment(env).master_addr == "b"
 
 
+def test_a_malformed_slurm_nodelist_names_the_variable_and_the_way_around_it():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+           "SLURM_JOB_NODELIST": "node[01-02"}
+    with pytest.raises(ValueError, match=r"unbalanced '\[' in SLURM node list 'node\[01-02'.*"
+                                         r"fix SLURM_JOB_NODELIST .* or set MASTER_ADDR"):
+        read_launch_environment(env)
+    env["MASTER_ADDR"] = "node01"  # given: the list is not read
+    assert read_launch_environment(env).master_addr == "node01"
+
+
 def test_no_launcher_is_one_process():
     assert read_launch_environment({}) == LaunchEnvironment(0, 1, 0, "127.0.0.1",
                                                             DEFAULT_MASTER_PORT, "none")

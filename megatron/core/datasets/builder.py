@@ -18,7 +18,7 @@ import numpy as np
 from megatron.core.datasets.blended_dataset import (BlendedDataset, cached_blending_indices,
                                                     normalize_weights, samples_needed_per_dataset)
 from megatron.core.datasets.gpt_dataset import GPTDataset
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, check_dataset_files
 
 SPLIT_NAMES = ("train", "valid", "test")
 # Tokens read from the start of each .bin to check that its ids fit the tokenizer.
@@ -97,6 +97,15 @@ def check_vocabulary(dataset: IndexedDataset, vocab_size: int) -> None:
             f"ids; the data was preprocessed with another tokenizer. Pass the tokenizer files used "
             f"by tools/preprocess_data.py (--tokenizer-type, --vocab-file/--merge-file or "
             f"--tokenizer-model)")
+
+
+def check_data_path_files(data_path) -> None:
+    """Check that every prefix of ``--data-path`` has its ``.bin`` and ``.idx`` (FileNotFoundError
+    naming the first missing one and the fix). Cheap and process-group free: the entry point calls
+    it before any rendezvous, so a mistyped path stops every rank at once with one line."""
+    prefixes, _ = parse_data_path(data_path)
+    for prefix in prefixes:
+        check_dataset_files(prefix)
 
 
 def build_gpt_datasets(data_config, seq_length: int, seed: int,

@@ -11,8 +11,15 @@ Three index arrays, built with vectorised numpy and cached next to the data (see
 - shuffle index: the order in which samples are served, a permutation within each epoch, so all of
   one epoch is seen before the next begins.
 
-Sample ``i`` is a pure function of (data, documents, seq_length, num_samples, seed): the training loop
-resumes from the consumed-samples count by index. A sample is ``{"text": int64[seq_length + 1]}``;
+Epoch ``e`` owns the windows that start in its tokens, ``[e T, (e + 1) T)`` of the stream (``T``
+tokens per epoch); each epoch's permutation covers all of them, drawn from a random state of its own
+(seed, epoch), and the document index holds enough further epochs for the last window to end. So
+sample ``i`` is a pure function of (data, documents, seq_length, seed), whatever ``num_samples``:
+a run with a longer ``--train-iters``, or one resumed with a longer one, serves the same samples in
+the same order as far as the shorter one went (Megatron's order is stable this way only while the
+epoch count does not change; until 2026-12-02 ours depended on ``num_samples`` even within one
+epoch, so resuming with another ``--train-iters`` served a different permutation). The training
+loop resumes from the consumed-samples count by index. A sample is ``{"text": int64[seq_length + 1]}``;
 tokens are ``text[:-1]`` and labels ``text[1:]``.
 """
 
@@ -30,10 +37,24 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
 
+# Bump when the meaning of the cached index arrays changes (old cache entries are then rebuilt).
+INDEX_VERSION = 2
+
+
+def windows_starting_before(tokens: int, seq_length: int) -> int:
+    """Windows whose start ``s * seq_length`` lies in the first ``tokens`` tokens of the stream."""
+    return -(-tokens // seq_length)
+
+
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Fewest epochs whose concatenated tokens hold ``num_samples`` windows of seq_length + 1."""
-    tokens_needed = num_samples * seq_length + 1
-    return max(1, -(-tokens_needed // tokens_per_epoch))
+    """Fewest epochs in which at least ``num_samples`` windows start."""
+    return max(1, (max(num_samples, 1) - 1) * seq_length // tokens_per_epoch + 1)
+
+
+def document_epochs_needed(num_epochs: int, tokens_per_epoch: int, seq_length: int) -> int:
+    """Epochs of documents the stream needs so that the last window starting in ``num_epochs``
+    epochs ends inside it (it may reach ``seq_length`` tokens into the following ones)."""
+    return num_epochs + -(-(seq_length + 1) // tokens_per_epoch)
 
 
 def build_document_index(document_ids: np.ndarray, num_epochs: int,
@@ -63,19 +84,23 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     return np.stack([positions.astype(np.int64), offsets], axis=1)
 
 
+def epoch_random_state(seed: int, epoch: int) -> np.random.RandomState:
+    """The random state of one epoch's sample order: a function of (seed, epoch) only."""
+    return np.random.RandomState([seed % 2 ** 32, epoch])
+
+
 def build_shuffle_index(num_samples: int, seq_length: int, tokens_per_epoch: int,
-                        random_state: np.random.RandomState) -> np.ndarray:
-    """Order of the samples: shuffled within each epoch (by where a window starts), epoch by epoch."""
+                        seed: int) -> np.ndarray:
+    """Order of the first ``num_samples`` samples: each epoch's windows (those starting in its
+    tokens) permuted as a whole with the epoch's own random state, epoch after epoch."""
     dtype = np.int32 if num_samples < 2 ** 31 else np.int64
-    window_starts = np.arange(num_samples, dtype=np.int64) * seq_length
-    epoch_bounds = np.searchsorted(
-        window_starts, np.arange(1, window_starts[-1] // tokens_per_epoch + 2) * tokens_per_epoch)
-    shuffle_index = np.empty(num_samples, dtype=dtype)
-    begin = 0
-    for end in epoch_bounds:
-        shuffle_index[begin:end] = begin + random_state.permutation(end - begin)
-        begin = end
-    return shuffle_index
+    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    pieces = []
+    for epoch in range(num_epochs):
+        begin = windows_starting_before(epoch * tokens_per_epoch, seq_length)
+        end = windows_starting_before((epoch + 1) * tokens_per_epoch, seq_length)
+        pieces.append(begin + epoch_random_state(seed, epoch).permutation(end - begin))
+    return np.concatenate(pieces)[:num_samples].astype(dtype)
 
 
 class GPTDataset:
@@ -96,8 +121,9 @@ class GPTDataset:
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
         self.sequence_lengths = indexed_dataset.sequence_lengths
         self.tokens_per_epoch = int(self.sequence_lengths[self.document_ids].sum(dtype=np.int64))
-        one_epoch = (self.tokens_per_epoch - 1) // self.seq_length
-        if self.tokens_per_epoch == 0 or (not num_samples and one_epoch == 0):
+        one_epoch = windows_starting_before(self.tokens_per_epoch, self.seq_length)
+        fits_one_window = self.tokens_per_epoch >= self.seq_length + 1
+        if self.tokens_per_epoch == 0 or (not num_samples and not fits_one_window):
             raise ValueError(
                 f"the {split_name} split of {indexed_dataset.path_prefix} has {self.tokens_per_epoch} "
                 f"tokens in {self.document_ids.size} documents, fewer than one sample of "
@@ -116,6 +142,7 @@ class GPTDataset:
             "num_samples": self.num_samples,
             "seed": self.seed,
             "split": split_name,
+            "index_version": INDEX_VERSION,
         }
         stem = f"{os.path.basename(indexed_dataset.path_prefix)}-{split_name}"
         arrays = load_or_build(cache_dir, stem, description, _INDEX_NAMES, self._build_indices, log)
@@ -125,12 +152,16 @@ class GPTDataset:
         assert self.shuffle_index.shape[0] == self.num_samples, "cache entry does not match"
 
     def _build_indices(self) -> dict:
-        random_state = np.random.RandomState(self.seed % 2 ** 32)
-        document_index = build_document_index(self.document_ids, self.num_epochs, random_state)
-        sample_index = build_sample_index(self.sequence_lengths, document_index, self.seq_length,
-                                          self.num_samples)
+        random_state = np.random.RandomState(self.seed % 2 ** 32)  # epoch e: the e-th draw
+        document_index = build_document_index(
+            self.document_ids,
+            document_epochs_needed(self.num_epochs, self.tokens_per_epoch, self.seq_length),
+            random_state)
+        sample_index = build_sample_index(
+            self.sequence_lengths, document_index, self.seq_length,
+            windows_starting_before(self.num_epochs * self.tokens_per_epoch, self.seq_length))
         shuffle_index = build_shuffle_index(self.num_samples, self.seq_length,
-                                            self.tokens_per_epoch, random_state)
+                                            self.tokens_per_epoch, self.seed)
         return {"document_index": document_index, "sample_index": sample_index,
                 "shuffle_index": shuffle_index}
 

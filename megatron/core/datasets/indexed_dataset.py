@@ -100,6 +100,26 @@ def encode_index(dtype, sequence_lengths, document_indices) -> bytes:
             + documents.astype("<i8").tobytes(order="C"))
 
 
+def check_dataset_files(path_prefix: str) -> None:
+    """Raise FileNotFoundError naming a missing ``PREFIX.idx`` / ``PREFIX.bin`` and the fix.
+
+    A prefix given with its extension (``corpus_text_document.bin``, a frequent slip) is named as
+    such, with the prefix to pass instead."""
+    index_path, data_path = index_file_path(path_prefix), data_file_path(path_prefix)
+    for path, role in ((index_path, "index"), (data_path, "data")):
+        if os.path.isfile(path):
+            continue
+        stem, extension = os.path.splitext(path_prefix)
+        if extension in (".bin", ".idx") and os.path.isfile(index_file_path(stem)):
+            raise FileNotFoundError(
+                f"--data-path {path_prefix} names a file, not a dataset prefix: pass {stem} "
+                f"(without {extension}; the dataset is {stem}.bin + {stem}.idx)")
+        raise FileNotFoundError(
+            f"indexed dataset {role} file {path} does not exist; --data-path takes the prefix "
+            f"without extension and needs both {index_path} and {data_path} (write them with "
+            f"tools/preprocess_data.py)")
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of a ``PREFIX.bin`` / ``PREFIX.idx`` pair.
 
@@ -113,12 +133,7 @@ class IndexedDataset:
         self.index_path = index_file_path(path_prefix)
         self.data_path = data_file_path(path_prefix)
         self._fingerprint: Optional[str] = None
-        for path, role in ((self.index_path, "index"), (self.data_path, "data")):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"indexed dataset {role} file {path} does not exist; --data-path takes the "
-                    f"prefix without extension and needs both {self.index_path} and {self.data_path} "
-                    f"(write them with tools/preprocess_data.py)")
+        check_dataset_files(path_prefix)
         self._read_index()
         self._check_data_file()
 

@@ -93,27 +93,35 @@ class _SequenceParallelLinear(torch.autograd.Function):
     """``all_gather(x) W^T + b`` that stores only ``x``, this rank's block of the sequence, and
     all-gathers it again in the backward pass (Megatron's choice: the full-sequence input of a
     column-parallel layer is never kept between forward and backward). Backward: the input
-    gradient is reduce-scattered along the sequence; the weight and bias gradients are local."""
+    gradient is reduce-scattered along the sequence; the weight and bias gradients are local.
+
+    Under autocast (``--bf16`` / ``--fp16``) ``F.linear`` computes in the autocast dtype, but the
+    backward runs outside autocast with the saved fp32 weight: it computes in the gradient's dtype
+    (the output's) and casts each gradient back to its input's dtype, as autograd does for the
+    casts inside the plain layer (a bf16 gradient times the fp32 weight used to fail)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
         ctx.group = group
         ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_for_backward(x, weight)
         return F.linear(all_gather_dim(x, 0, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        compute_dtype = grad.dtype  # the forward's: the autocast dtype under mixed precision
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = reduce_scatter_dim(grad.matmul(weight), 0, ctx.group)
+            grad_x = reduce_scatter_dim(grad.matmul(weight.to(compute_dtype)).to(x.dtype), 0,
+                                        ctx.group)
         if ctx.needs_input_grad[1]:
-            full = all_gather_dim(x, 0, ctx.group)
+            full = all_gather_dim(x, 0, ctx.group).to(compute_dtype)
             grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(
-                full.reshape(-1, full.shape[-1]))
+                full.reshape(-1, full.shape[-1])).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0).to(ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias, None
 
 

@@ -10,6 +10,8 @@ size and CRC-32 before DCP reads from it.
   was saved in (DCP computes the overlaps: that is the resharding), and reads into them.
 - :class:`VerifyingReader` verifies a file against ``metadata.json`` the first time it is read, so
   a truncated or flipped file fails with a message naming it instead of loading wrong numbers.
+- :func:`single_process_dcp` silences DCP's "assuming the intent is to ... in a single process"
+  warning around the calls that read or write in one process on purpose (``no_dist=True``).
 - :class:`ChecksummingFileSystem` records the size and CRC-32 of every file DCP's writer writes,
   from the bytes as they are written (what ``metadata.json`` records, without reading the file
   back).
@@ -23,7 +25,8 @@ import io
 import json
 import math
 import os
-from typing import Optional
+import warnings
+from typing import Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -38,6 +41,20 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from megatron.training.checkpointing.files import CheckpointError, _verify_file, crc32
+
+# The start of the UserWarning torch.distributed.checkpoint's load and save give for no_dist=True.
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """Around a DCP load or save that runs in this process alone on purpose (``no_dist=True``: a
+    one-process run, or each rank reading the small packed tensors itself): silence the warning
+    that DCP "assumes" so, which every rank printed at every resume. Other warnings pass. Use it
+    on the main thread only (``warnings.catch_warnings`` is not thread-safe)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning)
+        yield
 
 DCP_METADATA_FILENAME = ".metadata"  # written by DCP's FileSystemWriter
 

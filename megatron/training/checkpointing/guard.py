@@ -1,7 +1,8 @@
 """Checks made before the first iteration so that no fault loses work.
 
 :func:`check_checkpoint_directories` refuses a run that would overwrite checkpoints it does not
-resume from, and proves that ``--save`` is writable, before any model is built or any iteration
+resume from or whose ``--load`` tracker is unreadable or names a missing iteration, and proves that
+``--save`` is writable, before any model is built or any iteration
 run (a bad ``--save`` used to surface only at the first save, after the work before it was done).
 Every rank may run it independently (it only reads the shared file system and writes a file named
 after its own host and process), so it needs no process group.
@@ -14,7 +15,7 @@ import re
 import socket
 from typing import Optional
 
-from megatron.training.checkpointing.files import TRACKER_FILENAME, read_tracker
+from megatron.training.checkpointing.files import TRACKER_FILENAME, iteration_dir_name, read_tracker
 
 ITERATION_DIR_PATTERN = re.compile(r"^iter_\d{7}$")
 ALLOW_OVERWRITE_FLAG = "--allow-overwrite-checkpoints"
@@ -83,6 +84,29 @@ def check_no_overwrite(checkpoint_config) -> None:
                          f"--save, or {ALLOW_OVERWRITE_FLAG}")
 
 
+def check_load_tracker(load: Optional[str]) -> None:
+    """Raise ValueError when ``--load``'s tracker cannot be resumed from: it is not an iteration
+    number, or names an iteration whose directory is missing. Checked before any process group,
+    so the run stops with one line instead of a traceback per rank after building the model. A
+    missing directory or tracker is not an error here (the run starts from scratch, as in
+    Megatron; :func:`check_no_overwrite` guards ``--save``)."""
+    if not load or not os.path.isdir(load):
+        return
+    try:
+        iteration = read_tracker(load)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--load {load}: {error}") from None
+    if iteration is None or os.path.isdir(os.path.join(load, iteration_dir_name(iteration))):
+        return
+    present = saved_iterations(load)
+    choice = (f"the directory holds {', '.join(present[-3:])}: write the newest complete one's "
+              f"number into {os.path.join(load, TRACKER_FILENAME)}" if present else
+              "the directory holds no iter_* directory: point --load at the directory the "
+              "checkpoints were saved to")
+    raise ValueError(f"--load {load}: {TRACKER_FILENAME} names iteration {iteration}, but "
+                     f"{iteration_dir_name(iteration)} does not exist there; {choice}")
+
+
 def check_save_writable(save: Optional[str]) -> None:
     """Create ``--save`` and write, then remove, a probe file; ValueError naming the path if not."""
     if not save:
@@ -102,6 +126,8 @@ def check_save_writable(save: Optional[str]) -> None:
 
 
 def check_checkpoint_directories(checkpoint_config) -> None:
-    """Both checks, in the order a user fixes them: nothing overwritten, then writability."""
+    """The checks, in the order a user fixes them: a resumable --load, nothing overwritten, then
+    writability."""
+    check_load_tracker(checkpoint_config.load)
     check_no_overwrite(checkpoint_config)
     check_save_writable(checkpoint_config.save)

@@ -41,6 +41,7 @@ from megatron.training.checkpointing.collectives import (_all_gather, _raise_for
 from megatron.training.checkpointing.dcp_io import (DCP_METADATA_FILENAME,
                                                    ChecksummingFileSystem, PieceLoadPlanner,
                                                    PieceSavePlanner, VerifyingReader,
+                                                   single_process_dcp,
                                                    unpack_boxes)
 from megatron.training.checkpointing.files import (CheckpointError, _describe, file_crc32,
                                                   weights_only_note)
@@ -240,9 +241,10 @@ def file_record(path: str) -> dict:
 def write_pieces(components, pieces, objects, staging_dir: str, error=None) -> None:
     """The collective DCP save of every rank's pieces (raises on every rank if one failed, or
     if one arrived with an ``error``)."""
-    dcp.save({}, storage_writer=writer_for(staging_dir),
-             planner=planner_for(components.parallel_state, pieces, objects, error),
-             no_dist=_no_dist(components.parallel_state))
+    with single_process_dcp():
+        dcp.save({}, storage_writer=writer_for(staging_dir),
+                 planner=planner_for(components.parallel_state, pieces, objects, error),
+                 no_dist=_no_dist(components.parallel_state))
 
 
 def save_files(components, state, checkpoint_config, root: str, staging_dir: str) -> dict:
@@ -293,8 +295,9 @@ def read_packed(iteration_dir: str, files: dict, dcp_metadata) -> PieceSet:
         return pieces
     planner = PieceLoadPlanner([], keys)
     try:
-        dcp.load({}, storage_reader=VerifyingReader(iteration_dir, files), planner=planner,
-                 no_dist=True)
+        with single_process_dcp():
+            dcp.load({}, storage_reader=VerifyingReader(iteration_dir, files), planner=planner,
+                     no_dist=True)
     except CheckpointException as caught:  # not an Exception: named here, raised as ours
         raise CheckpointError(describe_failure(caught)) from None
     for key in keys:
@@ -412,8 +415,9 @@ def plan_load(components, checkpoint_config, metadata: dict, dcp_metadata,
 def read(components, request: LoadRequest, iteration_dir: str, files: dict) -> dict:
     """The collective DCP load of every rank's request; returns the objects read."""
     planner = PieceLoadPlanner(request.pieces, request.object_keys)
-    dcp.load({}, storage_reader=VerifyingReader(iteration_dir, files), planner=planner,
-             no_dist=_no_dist(components.parallel_state))
+    with single_process_dcp():
+        dcp.load({}, storage_reader=VerifyingReader(iteration_dir, files), planner=planner,
+                 no_dist=_no_dist(components.parallel_state))
     planner.fill_copies()
     _fill_packed(request.packed_targets, request.packed, iteration_dir)
     return planner.objects
@@ -532,8 +536,9 @@ def read_full_weights(iteration_dir: str, metadata: dict) -> tuple[dict, dict]:
         packed_keys = {piece.key for piece in packed}
         planner = PieceLoadPlanner([piece for piece in pieces if piece.key not in packed_keys],
                                    ["config", "progress"])
-        dcp.load({}, storage_reader=VerifyingReader(iteration_dir, metadata["files"]),
-                 planner=planner, no_dist=True)
+        with single_process_dcp():
+            dcp.load({}, storage_reader=VerifyingReader(iteration_dir, metadata["files"]),
+                     planner=planner, no_dist=True)
     except CheckpointException as caught:
         raise CheckpointError(describe_failure(caught)) from None
     _fill_packed([piece for piece in pieces if piece.key in packed_keys], packed, iteration_dir)
@@ -559,10 +564,11 @@ def write_full_weights(root: str, iteration: int, config, full: dict, progress: 
     pieces = [Piece(model_key(name), tuple(value.shape), (0,) * value.dim(),
                     value.detach().contiguous()) for name, value in sorted(full.items())]
     with published_iteration_dir(root, iteration, CheckpointError) as (final_dir, staging_dir):
-        dcp.save({}, storage_writer=writer_for(staging_dir),
-                 planner=PieceSavePlanner(pieces, {"progress": progress,
-                                                   "config": dataclasses.asdict(config)}),
-                 no_dist=True)
+        with single_process_dcp():
+            dcp.save({}, storage_writer=writer_for(staging_dir),
+                     planner=PieceSavePlanner(pieces, {"progress": progress,
+                                                       "config": dataclasses.asdict(config)}),
+                     no_dist=True)
         model = dataclasses.asdict(config.model)
         metadata = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION,
                     **progress, "layout": parallel_layout(config, 1), "data_parallel_size": 1,
