@@ -110,3 +110,15 @@ def test_consumers_do_not_branch_on_schedule_names(relative):
     with open(os.path.join(ROOT, relative)) as handle:
         source = handle.read()
     assert not SCHEDULE_NAME_COMPARISON.search(source), SCHEDULE_NAME_COMPARISON.search(source)
+
+
+def test_an_indivisible_layer_count_names_the_uneven_stage_flags_as_a_fix():
+    from megatron.core.pipeline_parallel.planning.schedules.family import even_stage_config
+    parallel = dataclasses.replace(ParallelConfig(), pipeline_model_parallel_size=4)
+    with pytest.raises(ValueError, match="--num-layers 6 is not divisible by "
+                                         "--pipeline-model-parallel-size 4; choose a multiple of "
+                                         "4, or .*--decoder-first-pipeline-num-layers"):
+        even_stage_config(parallel, 6)
+    uneven = dataclasses.replace(parallel, decoder_first_pipeline_num_layers=3,
+                                 decoder_last_pipeline_num_layers=1)
+    assert even_stage_config(uneven, 6) == {}

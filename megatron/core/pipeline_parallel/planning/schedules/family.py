@@ -74,8 +74,10 @@ def even_stage_config(parallel_config, num_layers: int) -> dict:
         return {}
     if num_layers % pp:
         raise ValueError(f"--num-layers {num_layers} is not divisible by "
-                         f"--pipeline-model-parallel-size {pp}; every stage needs the same number "
-                         f"of layers")
+                         f"--pipeline-model-parallel-size {pp}; choose a multiple of {pp}, or "
+                         f"give the first and/or last stage its own count with "
+                         f"--decoder-first-pipeline-num-layers / "
+                         f"--decoder-last-pipeline-num-layers (the rest split evenly)")
     return {}
 
 
