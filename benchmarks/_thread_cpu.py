@@ -22,24 +22,11 @@ import threading
 import time
 from typing import Optional
 
+from megatron.training.process_tree import child_pids
+
 MAIN = "main"
 KINDS = (MAIN, "gloo_tcp_loop", "pt_gloo_runloop")
 OTHER = "other"
-
-
-def _children(parent: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            pids.append(int(entry))
-    return pids
 
 
 class ThreadCpuSampler:
@@ -80,7 +67,7 @@ class ThreadCpuSampler:
         while not self._stop.is_set():
             now = time.monotonic()
             if now - scanned > self.rescan:
-                pids, scanned = _children(parent), now
+                pids, scanned = child_pids(parent), now
             for pid in pids:
                 try:
                     tids = os.listdir(f"/proc/{pid}/task")

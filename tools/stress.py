@@ -36,6 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from megatron.training.process_tree import child_pids
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --vocab-size 64 --mock-data --seed 1234 "
@@ -73,22 +75,6 @@ class LaunchOutcome:
     tail: str = field(default="", repr=False)
 
 
-def _worker_pids(agent_pid: int) -> list[int]:
-    """Direct children of the torchrun agent (its workers), in start order."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == agent_pid:  # fields[1] is the parent pid
-            children.append(int(entry))
-    return sorted(children)
-
-
 def _inject(process: subprocess.Popen, fault: str, rank: int, after: float,
             log_path: str) -> Optional[float]:
     """Once the run logged its first iteration, wait ``after`` seconds and signal worker
@@ -104,7 +90,7 @@ def _inject(process: subprocess.Popen, fault: str, rank: int, after: float,
         if process.poll() is not None:
             return None
         time.sleep(0.2)
-    workers = _worker_pids(process.pid)
+    workers = child_pids(process.pid)
     if len(workers) <= rank:
         return None
     os.kill(workers[rank], signal.SIGSTOP if fault == "stop" else signal.SIGKILL)

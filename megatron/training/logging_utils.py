@@ -175,11 +175,11 @@ def check_logging_packages(logging_config) -> None:
                              "--tensorboard-dir") from None
     if logging_config.wandb_project is not None:
         try:
-            import wandb  # noqa: F401
+            import wandb
         except ImportError:
             raise ValueError("--wandb-project needs the wandb package; install it (pip install "
                              "wandb) or drop --wandb-project") from None
-        if wandb_login_missing():
+        if wandb_login_missing(wandb):
             raise ValueError("--wandb-project: W&B is in online mode but finds no API key on this "
                              "machine (WANDB_API_KEY, ~/.netrc, wandb settings), so wandb.init "
                              "would stop the run once the model is built; run `wandb login` (or "
@@ -187,15 +187,17 @@ def check_logging_packages(logging_config) -> None:
                              "write the run locally and `wandb sync` it later")
 
 
-def wandb_login_missing() -> bool:
-    """True only when wandb would certainly refuse to start a run: online mode and wandb's own
-    credential lookup (environment, .netrc, settings; no prompt) finds nothing. Any doubt (offline
-    or disabled mode, a wandb version without these internals) gives False, leaving it to
-    ``wandb.init``: a check that stopped a run wandb would have started would be worse."""
+def wandb_login_missing(wandb) -> bool:
+    """True only when ``wandb`` (the module ``import wandb`` gave) would certainly refuse to start
+    a run: online mode and wandb's own credential lookup (environment, .netrc, settings; no
+    prompt) finds nothing. Any doubt (offline or disabled mode, a wandb version without these
+    internals, a stand-in module) gives False, leaving it to ``wandb.init``: a check that stopped
+    a run wandb would have started would be worse. The internals are read as attributes of that
+    module, never imported by name: a stand-in ``wandb`` in ``sys.modules`` must not be paired
+    with the real package's submodules that an earlier import left there."""
     try:
-        from wandb.sdk import wandb_setup
-        from wandb.sdk.lib.wbauth import authenticate
-        settings = wandb_setup.singleton().settings
+        authenticate = wandb.sdk.lib.wbauth.authenticate
+        settings = wandb.sdk.wandb_setup.singleton().settings
         if settings.mode not in ("online", "run"):
             return False
         return authenticate.authenticate_session(host=settings.base_url, source="--wandb-project",

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from megatron.training.checkpointing import read_tracker
+from megatron.training.process_tree import child_pids
 from torchrun_helpers import REPO, finish, launch
 
 pytestmark = pytest.mark.smoke
@@ -38,20 +39,6 @@ def _last_losses(output: str) -> dict:
     return {int(i): value for i, value in LOSS.findall(output)}
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    fields = handle.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return sorted(found)
-
-
 def _run_and_kill_a_worker(save_dir: str, ckpt_flags: str, after_iteration: int = 17):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
@@ -65,7 +52,7 @@ def _run_and_kill_a_worker(save_dir: str, ckpt_flags: str, after_iteration: int 
         for line in process.stdout:
             lines.append(line)
             if killed_at is None and re.search(rf" iteration +{after_iteration}/ +40 ", line):
-                workers = _children(process.pid)
+                workers = child_pids(process.pid)
                 assert len(workers) == 2, workers
                 os.kill(workers[-1], signal.SIGKILL)
                 killed_at = time.monotonic()

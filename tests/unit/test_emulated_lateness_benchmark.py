@@ -64,7 +64,9 @@ def test_thread_table_charges_each_poll_to_its_window():
 @pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_tiny_run_reports_the_ranks_threads(capsys):
-    assert emulated_lateness.main(["--unit-ms", "2", "--iterations", "1", "--only",
+    # 20 ms units: the iteration lasts ~0.5 s, many of the sampler's 20 ms polls (2 ms units
+    # ended the iteration within one or two polls, and the windows could see no CPU at all)
+    assert emulated_lateness.main(["--unit-ms", "20", "--iterations", "1", "--only",
                                    "chimera split", "--thread-cpu", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(out) if "threads (cores used" in line)
