@@ -45,6 +45,29 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
     return output
 
 
+def run_ranks_directly(environments: list[dict], arguments: list[str],
+                       timeout: float = 120) -> list[str]:
+    """Start ``pretrain_gpt.py`` once per environment (one rank each, no launcher: the way
+    ``srun`` or a site's own wrapper starts them) and return every rank's output; a rank that
+    fails or a launch that hangs fails the test with the output's tail (every rank is killed)."""
+    processes = [subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"),
+                                   *arguments], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for env in environments]
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            pytest.fail(f"{len(processes)} directly started ranks did not finish within "
+                        f"{timeout:.0f} s")
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    return outputs
+
+
 def logged_losses(output: str, train_iters: int) -> list[float]:
     """The lm loss of every iteration's log line (--log-interval 1)."""
     found = [(int(i), float(v)) for i, total, v in LOSS.findall(output)]

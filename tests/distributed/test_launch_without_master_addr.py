@@ -2,10 +2,8 @@
 loop) trains on 127.0.0.1, as read_launch_environment says, instead of a KeyError traceback."""
 
 import os
-import subprocess
-import sys
 
-from torchrun_helpers import REPO, free_port
+from torchrun_helpers import REPO, free_port, run_ranks_directly
 
 ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
@@ -15,25 +13,13 @@ ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 def test_ranks_started_with_rank_and_world_size_only_train():
     port = free_port()
-    processes = []
+    environments = []
     for rank in range(2):
         env = {name: value for name, value in os.environ.items()
                if not name.startswith(("MASTER_", "SLURM_", "TORCHELASTIC_", "LOCAL_"))}
         env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=REPO)
-        processes.append(subprocess.Popen(
-            [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *ARGV], cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise
-        outputs.append(output)
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-3000:]
+        environments.append(env)
+    outputs = run_ranks_directly(environments, ARGV)
     assert "KeyError" not in "".join(outputs)
     assert "iteration        1/       1 |" in outputs[1]  # the last pipeline rank logs
