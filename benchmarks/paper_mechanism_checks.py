@@ -115,12 +115,11 @@ START = {"efficiency": 0.392, "bandwidth": 6.84e9, "global_bandwidth_fraction": 
 
 
 def _timelines(result, policy):
-    """(ready time of each stage's sync, per rank: hosted stages, compute end, first start)."""
+    """(ready time of each stage's sync, every rank's timing.RankCompute, micro-batches)."""
     _, count = schedule_microbatches(result.scheme, result.pipeline, result.micro_batch_size,
                                      result.num_microbatches)
-    ready, computes = timing.sync_ready_times(timing.compute_timelines(
+    ready, ranks = timing.sync_ready_times(timing.compute_timelines(
         result.scheme, result.pipeline, count, result.costs, policy))
-    ranks = [(list(rank.stages), rank.end, rank.first) for rank in computes]
     return ready, ranks, count
 
 
@@ -129,20 +128,20 @@ def _rank_ends(result, policy, finish_times):
     layout, _ = lowered_schedule(result.scheme, result.pipeline, count, policy)
     finishes = finish_times(ready, ranks)
     stage_end = {}
-    for (stages, _, _), done in zip(ranks, finishes):
-        for stage, end in zip(stages, done):
+    for rank, done in zip(ranks, finishes):
+        for stage, end in zip(rank.stages, done):
             stage_end[stage] = max(stage_end.get(stage, 0.0), end)
-    ends = [max([end] + [stage_end[s] for s in stages])
-            + sum(result.costs.optimizer_step_of(s) for _, s in layout.hosted(rank))
-            for rank, (stages, end, _) in enumerate(ranks)]
-    return ends, [first for _, _, first in ranks]
+    ends = [max([rank.end] + [stage_end[s] for s in rank.stages])
+            + sum(result.costs.optimizer_step_of(s) for _, s in layout.hosted(index))
+            for index, rank in enumerate(ranks)]
+    return ends, [rank.first for rank in ranks]
 
 
 def _shared(result):
     def finish_times(ready, ranks):
         return [cost_terms.shared_link_finish_times([(ready[s], result.costs.allreduce[s])
-                                                     for s in stages])
-                for stages, _, _ in ranks]
+                                                     for s in rank.stages])
+                for rank in ranks]
     return finish_times
 
 
@@ -209,7 +208,7 @@ def _contended(result, hardware):
         return costs.allreduce[stage] - bandwidth[stage] * (full - max(1.0, slope * load))
 
     def finish_times(ready, ranks):
-        jobs = [[(ready[s], s) for s in stages] for stages, _, _ in ranks]
+        jobs = [[(ready[s], s) for s in rank.stages] for rank in ranks]
         progress = [[0.0] * len(j) for j in jobs]
         finish = [[start for start, _ in j] for j in jobs]
         starts = sorted({start for j in jobs for start, _ in j})

@@ -153,19 +153,17 @@ def simulated_iteration_time(scheme: str, num_stages: int, num_microbatches: int
     result = compute_timelines(scheme, num_stages, num_microbatches, costs, grad_sync_policy,
                                registry)
     ready, ranks = sync_ready_times(result)
-    compute_end = [rank.end for rank in ranks]
-    hosted = [list(rank.stages) for rank in ranks]
     stage_end, windows = {}, []
-    for stages in hosted:
-        finishes = shared_link_finish_times([(ready[s], costs.allreduce[s]) for s in stages])
-        windows.append([(ready[s], finish) for s, finish in zip(stages, finishes)])
-        for stage, finish in zip(stages, finishes):
+    for rank in ranks:
+        finishes = shared_link_finish_times([(ready[s], costs.allreduce[s]) for s in rank.stages])
+        windows.append([(ready[s], finish) for s, finish in zip(rank.stages, finishes)])
+        for stage, finish in zip(rank.stages, finishes):
             stage_end[stage] = max(stage_end.get(stage, 0.0), finish)
     layout, _ = lowered_schedule(scheme, num_stages, num_microbatches, grad_sync_policy,
                                  registry)
-    makespan = max(max([end] + [stage_end[s] for s in stages])
-                   + sum(costs.optimizer_step_of(stage) for _, stage in layout.hosted(rank))
-                   for rank, (end, stages) in enumerate(zip(compute_end, hosted)))
+    makespan = max(max([rank.end] + [stage_end[s] for s in rank.stages])
+                   + sum(costs.optimizer_step_of(stage) for _, stage in layout.hosted(index))
+                   for index, rank in enumerate(ranks))
     delays = [overlap_delay([(e.start, e.end) for e in timeline if isinstance(e.op, Instruction)],
                             rank_windows, costs.overlap_slowdown)
               for timeline, rank_windows in zip(result.timelines, windows)]
@@ -212,7 +210,7 @@ def sync_ready_times(result) -> tuple[dict, list[RankCompute]]:
 
 @lru_cache(maxsize=128)
 def _cached_timelines(scheme, num_stages, num_microbatches, grad_sync_policy, registry,
-                       forward, backward, p2p, stage_forward, stage_backward):
+                      forward, backward, p2p, stage_forward, stage_backward):
     """The simulator's run of the lowered schedule (all-reduce cost 0), cached per
     configuration and compute/p2p costs: the all-reduce terms (bandwidth, contention) do not
     change it, so fits that vary only those reuse it."""
