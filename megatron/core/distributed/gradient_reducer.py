@@ -41,21 +41,6 @@ from megatron.core.distributed.timeouts import awaiting, describe_group
 OVERLAP_BUCKET_SIZE = 40_000_000
 
 
-def _all_reduce_async(tensor: torch.Tensor, group: Any):
-    """``dist.all_reduce(tensor, group=group, async_op=True)`` (a sum): for a process group this
-    rank belongs to, the group's own ``allreduce``, which is what ``dist.all_reduce`` calls after
-    its per-call checks (a plain real tensor, no coalescing context: true of every gradient
-    bucket). After a sleep those checks cost ~0.07 ms of the op that launches the reduction
-    (docs/benchmarks.md §9, "The W phase at depth ...")."""
-    if (isinstance(group, dist.ProcessGroup) and group != dist.GroupMember.NON_GROUP_MEMBER
-            and type(tensor) is torch.Tensor and not tensor.is_complex()):
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
-        options.asyncOp = True
-        return group.allreduce([tensor], options)
-    return dist.all_reduce(tensor, group=group, async_op=True)
-
-
 class _Completed:
     """Stands in for the handle of a reduction that had nothing to communicate."""
 
@@ -103,7 +88,6 @@ class GradientReducer(GradientReduction):
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
         self._offsets: dict[int, tuple[torch.Tensor, int]] = {}
-        self._size: Optional[int] = None  # the group's size, read at the first launch
         self._started = False
         self._armed = False
         self._next_launch = 0  # the first bucket the armed backward has not launched
@@ -210,15 +194,13 @@ class GradientReducer(GradientReduction):
         self.observe_local_gradients(bucket.data)
         if self.divide_by != 1.0:
             bucket.data.div_(self.divide_by)
-        if self._size is None:
-            self._size = group_size(self.group)
-        if self._size <= 1:
+        if group_size(self.group) <= 1:
             bucket.handle = _DONE
         elif self.reduce_dtype is not None and self.reduce_dtype != bucket.data.dtype:
             bucket.wire = bucket.data.to(self.reduce_dtype)
-            bucket.handle = _all_reduce_async(bucket.wire, self.group)
+            bucket.handle = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
         else:
-            bucket.handle = _all_reduce_async(bucket.data, self.group)
+            bucket.handle = dist.all_reduce(bucket.data, group=self.group, async_op=True)
 
     def start(self) -> None:
         """Divide the gradients and launch the all-reduce of every bucket not yet launched."""
