@@ -4,8 +4,9 @@ A stage's forward sleeps F, its backward sleeps I for the input gradient and W f
 gradient in two separate autograd nodes, so any split-backward runtime (ours and
 torch.distributed.pipelining's ``stage_backward_input`` / ``stage_backward_weight``) really runs the
 two halves apart. A sleeping rank frees its core, so 16 ranks fit on two cores. The modules carry a
-real parameter of configurable size (all-reduced where a schedule has stage replicas, updated by the
-optimizer) and send real activations of configurable size.
+real parameter of a configurable size per layer (all-reduced where a schedule has stage replicas,
+updated by the optimizer), so a module of one layer holds half of what a module of two layers holds,
+as in a real model; they send real activations of configurable size.
 
 Stage graph (``out = input_path(h) + weight_path(h.detach(), weight)``): the input path's node is
 the only one between the stage's input and its output, and the weight path hangs off the sum, so
@@ -186,18 +187,27 @@ def profile_times(path: str, depth: int, layers_per_stage: int, input_share: flo
     return StageTimes(tuple(layers))
 
 
+def param_floats_per_layer(param_floats_per_stage: int, layers_per_stage: int) -> int:
+    """The weight floats of one layer when a stage of ``layers_per_stage`` layers holds
+    ``param_floats_per_stage`` (the benchmarks' ``--param-floats``)."""
+    return max(1, param_floats_per_stage // layers_per_stage)
+
+
 class EmulatedStage(torch.nn.Module):
     """The layers ``layer_range`` of the emulated model (see the module docstring). Implements
     our stage contract (``set_input_tensor``, ``input_activation_shape``) and plain
     ``forward(x)`` for torch.distributed.pipelining."""
 
     def __init__(self, times: StageTimes, layer_range, pre_process: bool, post_process: bool,
-                 param_floats: int, activation_floats: int):
+                 param_floats_per_layer: int, activation_floats: int):
         super().__init__()
         self.seconds = times.of(layer_range)
         self.pre_process, self.post_process = pre_process, post_process
         self.activation_floats = activation_floats
-        self.weight = torch.nn.Parameter(torch.zeros(max(1, param_floats)))
+        # As in a real model, a module's weights grow with its layers: a chunk of one layer of an
+        # interleaved or V schedule holds half of what a stage of two layers holds.
+        self.weight = torch.nn.Parameter(
+            torch.zeros(max(1, param_floats_per_layer * len(layer_range))))
         self.gain = torch.nn.Parameter(torch.ones(1)) if pre_process else None
         self.input_tensor = None
 

@@ -12,9 +12,10 @@ Every stage is :class:`_emulated_stages.EmulatedStage`: its forward sleeps F, it
 (input gradient) and W (weight gradient) in two separate autograd nodes, so split-backward schedules
 really split on both sides; the same module runs under both runtimes. A sleeping rank frees its
 core, so D = 16 ranks fit on two cores and a cluster configuration's schedule can be rehearsed on one
-machine. Messages are real gloo messages (``--activation-floats`` per micro-batch), each stage has a
-real parameter of ``--param-floats`` floats (all-reduced between a stage's replicas where a schedule
-has them, Chimera; updated by SGD every iteration on both sides).
+machine. Messages are real gloo messages (``--activation-floats`` per micro-batch), each stage of 1/D
+of the model has a real parameter of ``--param-floats`` floats (a chunk of one of its two layers, in
+interleaved and V schedules, half of it; all-reduced between a stage's replicas where a schedule has
+them, Chimera; updated by SGD every iteration on both sides).
 
 Per-op times: uniform (``--unit-ms``: F = I = W per stage, or ``--forward-ms`` / ``--input-ms`` /
 ``--weight-ms``) or from ``--profile`` (``{"stages": [[F, I, W], ...]}`` in seconds, or
@@ -85,10 +86,17 @@ for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.path.dirname(os.pa
         sys.path.insert(0, _path)
 
 from _emulated_stages import (EmulatedStage, StageTimes, emulated_loss,  # noqa: E402
-                              profile_times, set_timer_slack, uniform_times)
+                              param_floats_per_layer, profile_times, set_timer_slack,
+                              uniform_times)
 from _harness import format_table, oversubscription_note, torch_stage_ids  # noqa: E402
 
 LAYERS_PER_STAGE = 2  # so interleaved / V schedules get 2 chunks of one layer per rank
+
+
+def module_sizes(param_floats: int, activation_floats: int) -> tuple[int, int]:
+    """(weight floats per layer, floats per activation message) for ``--param-floats`` per stage
+    of 1/D of the model (:data:`LAYERS_PER_STAGE` layers) and ``--activation-floats``."""
+    return param_floats_per_layer(param_floats, LAYERS_PER_STAGE), activation_floats
 
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
                    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -345,11 +353,11 @@ def _our_configuration(label, flags, parallel_state, depth, count, times, sizes,
     runtime = PipelineRuntime(config, parallel_state, torch.device("cpu"))
     runtime.timeline_iteration = -1  # recorded only when step(record=True) asks
     plan = runtime.plan
-    param_floats, activation_floats = sizes
+    floats_per_layer, activation_floats = sizes
 
     def provider(config, parallel_state, *, pre_process=True, post_process=True,
                  layer_range=None):
-        return EmulatedStage(times, layer_range, pre_process, post_process, param_floats,
+        return EmulatedStage(times, layer_range, pre_process, post_process, floats_per_layer,
                              activation_floats)
 
     chunks = runtime.build_model_chunks(provider)
@@ -417,14 +425,14 @@ def _our_configuration(label, flags, parallel_state, depth, count, times, sizes,
 
 def _torch_configuration(name, rank, depth, count, times, sizes):
     from torch.distributed import pipelining
-    param_floats, activation_floats = sizes
+    floats_per_layer, activation_floats = sizes
     num_stages, stage_ids = torch_stage_ids(name, rank, depth)
     multi = len(stage_ids) > 1
     per_stage = depth * LAYERS_PER_STAGE // num_stages
     stages, params = [], []
     for stage_id in stage_ids:
         module = EmulatedStage(times, range(stage_id * per_stage, (stage_id + 1) * per_stage),
-                               stage_id == 0, stage_id == num_stages - 1, param_floats,
+                               stage_id == 0, stage_id == num_stages - 1, floats_per_layer,
                                activation_floats)
         params += list(module.parameters())
         stages.append(pipelining.PipelineStage(module, stage_id, num_stages, torch.device("cpu")))
@@ -492,10 +500,10 @@ def _message_hops(parallel_state, depth: int, activation_floats: int, hold: floa
 def _op_overheads(times: StageTimes, depth: int, sizes) -> list:
     """(oF, oI, oW) samples of this rank: the emulated module of a middle stage timed for one
     forward, its input gradient alone and its weight gradient alone, minus their sleeps."""
-    param_floats, activation_floats = sizes
+    floats_per_layer, activation_floats = sizes
     layer = (depth // 2) * LAYERS_PER_STAGE
     stage = EmulatedStage(times, range(layer, layer + LAYERS_PER_STAGE), False, False,
-                          param_floats, activation_floats)
+                          floats_per_layer, activation_floats)
     forward, input_half, weight_half = stage.seconds
     samples = []
     for repeat in range(CALIBRATION_OPS + 1):  # the first starts autograd's engine: not counted
@@ -755,7 +763,9 @@ def parse_args(argv=None):
     parser.add_argument("--input-share", type=float, default=0.5,
                         help="I / B when a --measure profile gives the backward whole")
     parser.add_argument("--param-floats", type=int, default=1 << 20,
-                        help="parameter floats per stage (all-reduced between replicas)")
+                        help="parameter floats per stage of 1/D of the model (all-reduced "
+                             "between replicas); a chunk of an interleaved or V schedule holds "
+                             "its layers' share")
     parser.add_argument("--activation-floats", type=int, default=1 << 14,
                         help="floats per activation message")
     parser.add_argument("--message-ms", type=float, default=None,
@@ -821,7 +831,7 @@ def main(argv=None) -> int:
     if args.simulate_only:
         print(simulated_report(simulated_table(args.depths, args.counts, times_for, given)))
         return 0
-    sizes = (args.param_floats, args.activation_floats)
+    sizes = module_sizes(args.param_floats, args.activation_floats)
     if args.timer_slack_ns is not None:
         previous = set_timer_slack(args.timer_slack_ns)
         print(f"timer slack {args.timer_slack_ns} ns on every rank (was {previous} ns)")

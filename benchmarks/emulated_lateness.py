@@ -71,7 +71,7 @@ def _rank(rank, world_size, labels, times, sizes, count, iterations):
     variants = dict(emulated_depth.our_variants(world_size))
     state = parallel_state_for(rank, world_size, [emulated_depth._config_flags(world_size, count)
                                                   + flags for flags in variants.values()])
-    param_floats, activation_floats = sizes
+    floats_per_layer, activation_floats = sizes
     results = {}
     for label in labels:
         config = parse_args(emulated_depth.our_flags(variants[label], world_size, count, times)
@@ -82,7 +82,7 @@ def _rank(rank, world_size, labels, times, sizes, count, iterations):
         def provider(config, parallel_state, *, pre_process=True, post_process=True,
                      layer_range=None):
             return _emulated_stages.EmulatedStage(times, layer_range, pre_process, post_process,
-                                                  param_floats, activation_floats)
+                                                  floats_per_layer, activation_floats)
 
         chunks = runtime.build_model_chunks(provider)
         reducers = runtime.build_gradient_reducers(chunks)
@@ -344,7 +344,9 @@ def parse_args(argv=None):
                              "print, over WINDOWS equal windows of each configuration's last "
                              "iteration (default 10), the cores used by main threads, gloo's "
                              "TCP loops and its collective workers, and the ops' overrun")
-    parser.add_argument("--param-floats", type=int, default=1 << 20)
+    parser.add_argument("--param-floats", type=int, default=1 << 20,
+                        help="parameter floats per stage of 1/D of the model (as in "
+                             "emulated_depth.py)")
     parser.add_argument("--activation-floats", type=int, default=1 << 14)
     return parser.parse_args(argv)
 
@@ -363,8 +365,9 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     sampler = _thread_cpu.ThreadCpuSampler().start() if args.thread_cpu else None
     per_rank = run_distributed(_rank, depth, labels, times,
-                               (args.param_floats, args.activation_floats), count,
-                               args.iterations, timeout=3600)
+                               emulated_depth.module_sizes(args.param_floats,
+                                                           args.activation_floats),
+                               count, args.iterations, timeout=3600)
     samples = sampler.stop() if sampler is not None else []
     print(f"D = {depth}, N = {count}, F = I = W = {args.unit_ms:g} ms per stage; load average "
           f"{load:.1f} before, {os.getloadavg()[0]:.1f} after")

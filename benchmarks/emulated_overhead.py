@@ -231,7 +231,9 @@ def parse_args(argv=None):
     parser.add_argument("--torch", nargs="*", default=["Schedule1F1B"],
                         choices=emulated_depth.TORCH_SCHEDULES,
                         help="PyTorch schedules to run for comparison (per-iteration columns)")
-    parser.add_argument("--param-floats", type=int, default=1 << 20)
+    parser.add_argument("--param-floats", type=int, default=1 << 20,
+                        help="parameter floats per stage of 1/D of the model (as in "
+                             "emulated_depth.py)")
     parser.add_argument("--activation-floats", type=int, default=1 << 14)
     parser.add_argument("--timer-slack-ns", type=int, default=None,
                         help="Linux timer slack of every rank, set before they start "
@@ -259,8 +261,9 @@ def main(argv=None) -> int:
         _emulated_stages.set_timer_slack(args.timer_slack_ns)
     load = os.getloadavg()[0]
     per_rank = run_distributed(_rank, depth, labels, args.torch, times,
-                               (args.param_floats, args.activation_floats), count,
-                               args.iterations, timeout=3600)
+                               emulated_depth.module_sizes(args.param_floats,
+                                                           args.activation_floats),
+                               count, args.iterations, timeout=3600)
     print(f"D = {depth}, N = {count}, F = I = W = {args.unit_ms:g} ms per stage; load average "
           f"{load:.1f} before, {os.getloadavg()[0]:.1f} after; medians over {args.iterations} "
           f"iteration(s) per rank; op rows: means over ranks and iterations")

@@ -43,7 +43,7 @@ def test_emulated_stage_sleeps_input_and_weight_halves_apart(first, monkeypatch)
     monkeypatch.setattr(_emulated_stages, "time", _VirtualClock(slept))
     times = uniform_times(2, 1, 0.1, 0.2, 0.3)
     stage = EmulatedStage(times, range(1), pre_process=first, post_process=False,
-                          param_floats=8, activation_floats=4)
+                          param_floats_per_layer=8, activation_floats=4)
     x = torch.ones(1, 4, requires_grad=not first)
     output = stage(x)
     assert slept == pytest.approx([0.1])
@@ -70,7 +70,7 @@ def test_an_ops_own_work_counts_towards_its_time(whole, monkeypatch):
     clock = _VirtualClock([], tick=0.05)
     monkeypatch.setattr(_emulated_stages, "time", clock)
     stage = EmulatedStage(uniform_times(2, 1, 1.0, 0.2, 0.3), range(1, 2), pre_process=False,
-                          post_process=False, param_floats=8, activation_floats=4)
+                          post_process=False, param_floats_per_layer=8, activation_floats=4)
     x = torch.ones(1, 4, requires_grad=True)
     output = stage(x)
     assert clock.now == pytest.approx(1.0 + 0.05)  # the first reading starts the op
@@ -86,6 +86,20 @@ def test_an_ops_own_work_counts_towards_its_time(whole, monkeypatch):
         begin = clock.now
         backward_weight(deferred)
         assert clock.now - begin == pytest.approx(0.3 + 0.05)
+
+
+def test_a_modules_weight_grows_with_its_layers():
+    """--param-floats is per stage of 1/D of the model (2 layers): a stage of both layers holds all
+    of it, a chunk of one layer (interleaved and V schedules, both runtimes) half, as in a real
+    model, so splitting the model into more chunks adds no weight, gradient or all-reduce bytes."""
+    per_layer, activation_floats = emulated_depth.module_sizes(1000, 16)
+    assert (per_layer, activation_floats) == (500, 16)
+    times = uniform_times(4, emulated_depth.LAYERS_PER_STAGE, 0.0, 0.0, 0.0)
+    stage = EmulatedStage(times, range(2, 4), False, False, per_layer, activation_floats)
+    chunks = [EmulatedStage(times, range(layer, layer + 1), False, False, per_layer,
+                            activation_floats) for layer in (2, 3)]
+    assert stage.weight.numel() == 1000
+    assert [chunk.weight.numel() for chunk in chunks] == [500, 500]
 
 
 def test_simulated_table_charges_both_sides_alike():
