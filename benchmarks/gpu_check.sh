@@ -18,6 +18,10 @@
 #                lm loss values (torch deterministic algorithms must cover every op it runs)
 #   d. measure : tools/performance_model.py --measure writes a hardware profile for this device,
 #                and the planner reads it back with --profile
+#   f. depth   : issue 26 on this machine's CPU cores (no GPU used): benchmarks/emulated_depth.py at
+#                D = 4 and 8, N = D, 80 ms units, our Chimera variants against PyTorch's zero-bubble
+#                schedules, one rank per core (our 2-core machines run 4-16 ranks on 2 cores and
+#                post every gloo message slowly, docs/benchmarks.md §9); skipped below 16 cores
 # Environment: PYTHON (default python3), OUT, GPU_CHECK_DEVICE (cuda | cpu), GPU_PEAK_TFLOPS (MFU of
 # an unlisted GPU), STEP_TIMEOUT_SCALE (multiplies every timeout; default 1), TOTAL_BUDGET.
 set -u
@@ -73,12 +77,16 @@ if [ "$DEVICE" = "cpu" ]; then
     MEASURE_FLAGS="--measure --measure-device cpu --measure-dtype fp32 --measure-layers 2 --measure-micro-batch-sizes 1,2 --measure-threads 1 --measure-repeats 3"
     SMOKE_MODEL="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 --vocab-size 256"
     SMOKE_ITERS=3
+    DEPTH_FLAGS="--depths 2 --counts 1 --unit-ms 5 --rounds 1 --only split ZBVZeroBubble"
+    DEPTH_MIN_CORES=1
     export OMP_NUM_THREADS=1
 else
     MODEL_FLAGS="--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024 --vocab-size 50257"
     MEASURE_FLAGS="--measure --measure-device cuda --measure-dtype bf16 --measure-layers 2 --measure-micro-batch-sizes 1,2,4"
     SMOKE_MODEL="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 --max-position-embeddings 128 --vocab-size 1024"
     SMOKE_ITERS=8
+    DEPTH_FLAGS="--depths 4 8 --counts 1 --unit-ms 80 --rounds 2 --only chimera ZeroBubble"
+    DEPTH_MIN_CORES=16
 fi
 note "gpu_check: device mode '$DEVICE', results in $OUT, python $PY"
 
@@ -147,6 +155,15 @@ grep -h "sustained\|note:" "$OUT/measure.log" >> "$SUMMARY" 2>/dev/null
 # shellcheck disable=SC2086
 step plan-with-profile 30 "$PY" tools/performance_model.py $MODEL_FLAGS --profile "$OUT/profile.json" \
     --world-size 8 --global-batch-size 64 --schemes chimera-direct,1f1b --top 5
+
+# ---- f. emulated stages at depth on the CPU cores, one rank per core (issue 26) ---------------
+if [ "$(nproc)" -ge "$DEPTH_MIN_CORES" ]; then
+    # shellcheck disable=SC2086
+    step depth 240 "$PY" benchmarks/emulated_depth.py $DEPTH_FLAGS
+    grep -h "best ours" "$OUT/depth.log" >> "$SUMMARY" 2>/dev/null
+else
+    note "[skip]   depth: $(nproc) CPU cores, fewer than the $DEPTH_MIN_CORES it needs for a core per rank"
+fi
 
 echo
 echo "=================== gpu_check summary ($OUT/summary.txt) ==================="

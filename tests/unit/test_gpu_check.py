@@ -57,7 +57,7 @@ def test_cpu_dry_mode_runs_every_step(tmp_path):
     assert completed.returncode == 0, summary + completed.stdout[-3000:]
     for step in ("stage", "p2p", "smoke-first-cpu", "smoke-cpu", "smoke-compare",
                  "deterministic-1", "deterministic-2", "deterministic-compare", "measure",
-                 "plan-with-profile"):
+                 "plan-with-profile", "depth"):
         assert f"[ok]     {step}" in summary, summary
     assert "loss comparison over 3 iterations" in summary
     stage = json.loads((tmp_path / "stage.json").read_text())
