@@ -98,6 +98,7 @@ def module_sizes(param_floats: int, activation_floats: int) -> tuple[int, int]:
     of 1/D of the model (:data:`LAYERS_PER_STAGE` layers) and ``--activation-floats``."""
     return param_floats_per_layer(param_floats, LAYERS_PER_STAGE), activation_floats
 
+
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
                    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
