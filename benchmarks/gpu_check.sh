@@ -5,7 +5,7 @@
 #   GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh   # CPU dry mode: tiny sizes, no GPU needed
 #
 # Steps, each under its own `timeout`; the whole script stops starting steps at TOTAL_BUDGET seconds
-# (default 540) and cuts a step's timeout to what is left, so it ends within 10 minutes (normally 2-4):
+# (default 540) and cuts a step's timeout to what is left, so it ends within 10 minutes (normally 4-6):
 #   0. setup   : torch and this project importable (pip install -e . if `import megatron` fails,
 #                pip install torch==${TORCH_VERSION:-2.13.0} if torch is missing)
 #   a. stage   : one GPT-2 1.3B-like stage (h=2048, 16 heads, 4 layers, s=1024; our GPTModel) forward
@@ -20,8 +20,9 @@
 #                and the planner reads it back with --profile
 #   f. depth   : issue 26 on this machine's CPU cores (no GPU used): benchmarks/emulated_depth.py at
 #                D = 4 and 8, N = D, 80 ms units, our Chimera variants against PyTorch's zero-bubble
-#                schedules, one rank per core (our 2-core machines run 4-16 ranks on 2 cores and
-#                post every gloo message slowly, docs/benchmarks.md §9); skipped below 16 cores
+#                schedules, one rank per core, about 2 minutes (our 2-core machines run 4-16 ranks
+#                on 2 cores and post every gloo message slowly, docs/benchmarks.md §9); skipped
+#                below 16 cores
 # Environment: PYTHON (default python3), OUT, GPU_CHECK_DEVICE (cuda | cpu), GPU_PEAK_TFLOPS (MFU of
 # an unlisted GPU), STEP_TIMEOUT_SCALE (multiplies every timeout; default 1), TOTAL_BUDGET.
 set -u
