@@ -183,3 +183,18 @@ def test_the_count_since_the_last_exact_step_survives_a_checkpoint():
     older = {key: value for key, value in state.items() if "second_moment" not in key}
     fresh.load_state_dict(older)
     assert fresh.second_moment.steps_since_exact == 2  # min(5 - 1, steps_done = 2)
+
+
+def test_a_skipped_exact_step_is_retried_at_the_next_step():
+    """A first step skipped (e.g. fp16's first loss scale overflows) must not leave the two-level
+    steps with no exact second moment (v = 0 would make Adam's steps huge): the next step is
+    exact and is Adam's first, v = (1 - beta2) g^2."""
+    param, reducer, adam = _reducer_with_adam(sync_interval=5)
+    reducer.zero_grad()
+    param.grad.copy_(torch.tensor([1.0, -2.0, 0.5, 0.25]))
+    reducer.wait()
+    reducer.after_step(False)  # the optimizer skipped it
+    assert reducer.exact_next_step
+    exact, applied, v = _reducer_step(reducer, param, adam, [3.0, -1.0, 1.0, -3.0])
+    assert exact and int(adam.state[param]["step"]) == 1
+    assert torch.allclose(v, (1 - BETA2) * applied ** 2)

@@ -211,7 +211,8 @@ class A2SGDReducer(ExactReductionsFirst):
             an evaluation) always averages both.
         second_moment_from_exact_steps: with ``flush_errors_at_sync`` and Adam, only the exact
             steps (the first one too) shape Adam's second moment, each weighted over the
-            optimizer steps since the previous one (:mod:`.a2sgd_second_moment`,
+            optimizer steps since the previous one; an exact step the optimizer skipped is
+            retried at the next step (:mod:`.a2sgd_second_moment`,
             ``--a2sgd-second-moment-from-exact-steps``).
         overlap: once armed by ``start_when_ready()``, form ``p``, its sign indicator and its
             statistics tensor by tensor during the backward, as each gradient is complete, on a
@@ -483,6 +484,8 @@ class A2SGDReducer(ExactReductionsFirst):
         if self.flush_interval and self.steps_done % self.flush_interval == 0:
             self.exact_next_step = True
         if self.second_moment is not None:
+            if not ok and self.second_moment.step_is_exact:
+                self.exact_next_step = True  # v learns only from applied exact steps: retry
             self.second_moment.after_step(ok)
 
     def synchronize(self) -> None:

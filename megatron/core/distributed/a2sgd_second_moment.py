@@ -17,7 +17,8 @@ first exact step, its own step count ``t``: ``n = 1`` at ``t = 1``, Adam's own f
 counts the steps the optimizer took: a skipped step (overflow, non-finite norm) does not advance
 Adam's ``t`` and is not counted. So ``v`` keeps the weight ``1 - beta2^t`` that Adam's bias
 correction assumes. With ``v`` fixed between exact steps Adam's update is linear in the gradient
-there, as error feedback needs.
+there, as error feedback needs. The reducer retries a skipped exact step at the next step (else a
+skipped first step, e.g. fp16's first overflow, would leave ``v = 0`` under the two-level steps).
 
 Before 2026-12-02 (evening) ``n`` was the sync interval for every exact step, the first one and
 those of a flush interval included (see docs/a2sgd.md).
@@ -46,7 +47,7 @@ class SecondMomentFromExactSteps:
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._beta2: dict = {}
         self._snapshot: Optional[list] = None
-        self._exact = False
+        self.step_is_exact = False  # what before_step() was told about the current step
 
     def attach(self, torch_optimizer: torch.optim.Optimizer) -> None:
         """Read ``beta2`` of every parameter from Adam/AdamW and keep the optimizer, whose
@@ -69,7 +70,7 @@ class SecondMomentFromExactSteps:
         applies the exact mean gradient."""
         if self._optimizer is None:
             raise RuntimeError("attach() the optimizer before the first step")
-        self._exact = exact
+        self.step_is_exact = exact
         self._snapshot = [self._second_moment(p).clone() if self._has_state(p)
                           else torch.zeros_like(p, memory_format=torch.preserve_format)
                           for p in self.params]
@@ -84,14 +85,14 @@ class SecondMomentFromExactSteps:
             return
         self.steps_since_exact += 1  # this step, one of Adam's
         steps = self.steps_since_exact
-        if self._exact:
+        if self.step_is_exact:
             self.steps_since_exact = 0
         with torch.no_grad():
             for param, old in zip(self.params, snapshot):
                 if not self._has_state(param):
                     continue
                 second_moment = self._second_moment(param)
-                if not self._exact:
+                if not self.step_is_exact:
                     second_moment.copy_(old)
                     continue
                 decay = self._beta2[param] ** steps
