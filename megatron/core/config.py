@@ -293,8 +293,9 @@ class ParallelConfig:
         choices=("parameters-and-optimizer", "parameters"))
     a2sgd_second_moment_from_exact_steps: bool = option(
         False, "With --dp-gradient-reducer a2sgd, --a2sgd-sync-flushes-errors and Adam: only the "
-               "exact steps (the first step and each step after a sync) update Adam's second "
-               "moment, weighted over the sync interval; the two-level steps between them leave it "
+               "exact steps (the first step and each step after a sync or a flush interval) "
+               "update Adam's second moment, each weighted over the optimizer steps since the "
+               "previous one (1 for the first step); the two-level steps between them leave it "
                "unchanged, so Adam stays linear in the gradient there, as error feedback needs "
                "(see docs/a2sgd.md).")
     topk_ratio: float = option(

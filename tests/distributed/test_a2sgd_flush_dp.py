@@ -8,6 +8,8 @@ behind and the replicas do not catch up. And a real training run with the flag k
 replicas identical after every exact step.
 """
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -113,7 +115,7 @@ def _rank_periodic_sync(rank, world_size, averages_optimizer):
                               "exp_avg_sq": torch.full((SIZE,), 100.0 * rank)}
     reducer = A2SGDReducer([param], data_group=dist.group.WORLD, sync_interval=INTERVAL,
                            periodic_sync_averages_optimizer=averages_optimizer)
-    reducer._optimizer_state = optimizer.state
+    reducer.attach(types.SimpleNamespace(loss_scale=1.0, optimizer=optimizer))
     snapshot = lambda: (param.detach().clone(),  # noqa: E731
                         optimizer.state[param]["exp_avg"].clone())
     reducer.synchronize_periodically()
@@ -132,3 +134,24 @@ def test_the_periodic_sync_averages_the_optimizer_state_only_when_asked(averages
         # the sync before a checkpoint or an evaluation averages both
         assert torch.equal(full_param, torch.full((SIZE,), 0.5))
         assert torch.equal(full_exp_avg, torch.full((SIZE,), 5.0))
+
+
+def _rank_sync_after_a_resume(rank, world_size):
+    """Each rank: attach, then load distinct Adam moments as a resume does (``load_state_dict``
+    replaces the optimizer's ``state`` dict); then the full sync."""
+    torch.set_num_threads(1)
+    param = torch.nn.Parameter(torch.full((SIZE,), float(rank)))
+    optimizer = torch.optim.Adam([param])
+    reducer = A2SGDReducer([param], data_group=dist.group.WORLD, sync_interval=INTERVAL)
+    reducer.attach(types.SimpleNamespace(loss_scale=1.0, optimizer=optimizer))
+    saved = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.full((SIZE,), 10.0 * rank),
+                           "exp_avg_sq": torch.full((SIZE,), 100.0 * rank)}},
+             "param_groups": optimizer.state_dict()["param_groups"]}
+    optimizer.load_state_dict(saved)
+    reducer.synchronize()
+    return optimizer.state[param]["exp_avg"].clone()
+
+
+def test_the_sync_averages_the_optimizer_state_loaded_after_attach():
+    for exp_avg in run_distributed(_rank_sync_after_a_resume, 2, timeout=60):
+        assert torch.equal(exp_avg, torch.full((SIZE,), 5.0))

@@ -143,10 +143,20 @@ def _rank_resume(rank, world_size, argv, save_dir):
     return summary(straight), summary(resumed)
 
 
-@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
-def test_checkpoint_holds_every_replicas_error_and_resume_is_exact(tmp_path, ckpt_format):
+# With Adam's second moment from exact steps (exact steps 1, 4 and 7): iteration 4 stands for the
+# 3 steps since iteration 1, which the resumed run knows only from the checkpoint, and its keeper
+# must act on the optimizer state the resume loads.
+SECOND_MOMENT = ("--train-iters 7 --a2sgd-sync-flushes-errors "
+                 "--a2sgd-second-moment-from-exact-steps")
+
+
+@pytest.mark.parametrize("ckpt_format,extra", [("torch", "--train-iters 5"),
+                                               ("torch_dist", "--train-iters 5"),
+                                               ("torch", SECOND_MOMENT),
+                                               ("torch_dist", SECOND_MOMENT)])
+def test_checkpoint_holds_every_replicas_error_and_resume_is_exact(tmp_path, ckpt_format, extra):
     # Saves and syncs coincide (interval 3, save at 3), so the straight run is the reference.
-    argv = f"{TINY} --train-iters 5 --a2sgd-sync-interval 3 --ckpt-format {ckpt_format}"
+    argv = f"{TINY} {extra} --a2sgd-sync-interval 3 --ckpt-format {ckpt_format}"
     save_dir = str(tmp_path / "ckpt")
     results = run_distributed(_rank_resume, 2, argv, save_dir, timeout=180)
     if ckpt_format == "torch":  # the legacy layout's per-rank file holds every rank's errors

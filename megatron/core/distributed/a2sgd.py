@@ -210,8 +210,10 @@ class A2SGDReducer(ExactReductionsFirst):
             (``--a2sgd-periodic-sync parameters``). :meth:`synchronize` (before a checkpoint or
             an evaluation) always averages both.
         second_moment_from_exact_steps: with ``flush_errors_at_sync`` and Adam, only the exact
-            steps (the first one too) shape Adam's second moment
-            (:mod:`.a2sgd_second_moment`, ``--a2sgd-second-moment-from-exact-steps``).
+            steps (the first one too) shape Adam's second moment, each weighted over the
+            optimizer steps since the previous one; an exact step the optimizer skipped is
+            retried at the next step (:mod:`.a2sgd_second_moment`,
+            ``--a2sgd-second-moment-from-exact-steps``).
         overlap: once armed by ``start_when_ready()``, form ``p``, its sign indicator and its
             statistics tensor by tensor during the backward, as each gradient is complete, on a
             worker thread (whole-model granularity without a direction group; otherwise
@@ -254,10 +256,10 @@ class A2SGDReducer(ExactReductionsFirst):
             if not self.flush_errors_at_sync:
                 raise ValueError("--a2sgd-second-moment-from-exact-steps needs "
                                  "--a2sgd-sync-flushes-errors (the exact steps it learns from)")
-            self.second_moment = SecondMomentFromExactSteps(self.params, self.sync_interval)
+            self.second_moment = SecondMomentFromExactSteps(self.params)
             self.exact_next_step = True  # the second moment starts from an exact gradient
         self.loss_scale: Callable[[], float] = lambda: 1.0
-        self._optimizer_state: Optional[dict] = None  # the torch optimizer's state, once attached
+        self._torch_optimizer: Optional[torch.optim.Optimizer] = None  # once attached
         self.feedback = ErrorFeedback(
             {dtype: torch.zeros_like(buf) for dtype, buf in self.inner.buffers.items()}, "A2SGD")
         self.errors = self.feedback.errors
@@ -469,10 +471,10 @@ class A2SGDReducer(ExactReductionsFirst):
         return self._indicators[dtype]
 
     def attach(self, optimizer) -> None:
-        """Read the loss scale (the errors are kept unscaled) and, for ``synchronize()``, the
-        optimizer state from the run's :class:`~megatron.core.optimizer.MegatronOptimizer`."""
+        """Read the loss scale (the errors are kept unscaled) and keep, for ``synchronize()``, the
+        torch optimizer of the run's :class:`~megatron.core.optimizer.MegatronOptimizer`."""
         self.loss_scale = lambda: optimizer.loss_scale
-        self._optimizer_state = optimizer.optimizer.state
+        self._torch_optimizer = optimizer.optimizer
         if self.second_moment is not None:
             self.second_moment.attach(optimizer.optimizer)
 
@@ -482,18 +484,25 @@ class A2SGDReducer(ExactReductionsFirst):
         if self.flush_interval and self.steps_done % self.flush_interval == 0:
             self.exact_next_step = True
         if self.second_moment is not None:
+            if not ok and self.second_moment.step_is_exact:
+                self.exact_next_step = True  # v learns only from applied exact steps: retry
             self.second_moment.after_step(ok)
 
     def synchronize(self) -> None:
         """The exact replica average of the parameters and the optimizer state (collective);
         with ``flush_errors_at_sync`` the next step then reduces exactly (see :meth:`wait`)."""
-        self._average_and_flush(self._optimizer_state)
+        self._average_and_flush(self._optimizer_state())
 
     def synchronize_periodically(self) -> None:
         """The sync every ``sync_interval`` iterations: like :meth:`synchronize`, but the
         optimizer state only with ``periodic_sync_averages_optimizer``."""
         self._average_and_flush(
-            self._optimizer_state if self.periodic_sync_averages_optimizer else None)
+            self._optimizer_state() if self.periodic_sync_averages_optimizer else None)
+
+    def _optimizer_state(self) -> Optional[dict]:
+        """The torch optimizer's per-parameter state, read at each sync (not kept from
+        :meth:`attach`: ``load_state_dict`` of a resume replaces the optimizer's ``state``)."""
+        return None if self._torch_optimizer is None else self._torch_optimizer.state
 
     def _average_and_flush(self, optimizer_state: Optional[dict]) -> None:
         self.average_parameters(optimizer_state)
@@ -509,15 +518,27 @@ class A2SGDReducer(ExactReductionsFirst):
                 self._work[dtype] = (old_error,) + self._work[dtype][1:]
 
     def state_dict(self) -> dict:
-        """The error buffers (per dtype, in this reducer's flat layout) and whether the next step
-        reduces exactly (a checkpoint is saved right after a sync)."""
-        return {**self.feedback.state_dict(), "exact_next_step": self.exact_next_step,
-                "steps_done": self.steps_done}
+        """The error buffers (per dtype, in this reducer's flat layout), whether the next step
+        reduces exactly (a checkpoint is saved right after a sync), the step count of
+        ``flush_interval`` and, with ``second_moment_from_exact_steps``, the optimizer steps since
+        the last exact step."""
+        state = {**self.feedback.state_dict(), "exact_next_step": self.exact_next_step,
+                 "steps_done": self.steps_done}
+        if self.second_moment is not None:
+            state["second_moment_steps_since_exact"] = self.second_moment.steps_since_exact
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; keys absent from older checkpoints take their defaults."""
         self.feedback.load_state_dict(state)
         self.exact_next_step = bool(state.get("exact_next_step", False))  # absent: older files
         self.steps_done = int(state.get("steps_done", 0))
+        if self.second_moment is not None:
+            # absent (written before the count was kept): the old rule's assumption, the last
+            # exact step one sync interval before the next one, at most the steps taken
+            legacy = min(max(self.sync_interval - 1, 0), self.steps_done)
+            self.second_moment.steps_since_exact = int(
+                state.get("second_moment_steps_since_exact", legacy))
 
     def average_parameters(self, optimizer_state: Optional[dict] = None) -> None:
         """Make the replicas identical: the exact mean over the data-parallel group of every
