@@ -2,12 +2,11 @@
 in the iteration line, checked against the model's own tensors."""
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 import pretrain_gpt
+from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.training.arguments import parse_args
 from megatron.training.logging_utils import format_iteration_line
@@ -54,9 +53,8 @@ def test_statistics_count_only_the_parameters_this_rank_owns():
     owned.grad = torch.tensor([0.0, 1.0, 0.0])
     duplicate = torch.nn.Parameter(torch.tensor([100.0]))
     duplicate.grad = torch.tensor([0.0])
-    optimizer = SimpleNamespace(params=[owned, duplicate],
-                                owns_grad_norm=lambda param: param is owned,
-                                finish_parameter_gather=lambda: None)
     state = ParallelState.single_process()
+    optimizer = MegatronOptimizer(torch.optim.SGD([owned, duplicate], lr=0.1), [owned, duplicate],
+                                  state, owns_grad_norm=lambda param: param is owned)
     assert params_norm(optimizer, state) == pytest.approx(5.0)
     assert num_zeros_in_grads(optimizer, state) == 2

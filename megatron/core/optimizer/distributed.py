@@ -44,8 +44,8 @@ from megatron.core.optimizer.decoupled_lr import (embedding_or_output_parameters
                                                   split_decoupled_groups)
 from megatron.core.optimizer.grad_scaler import build_grad_scaler
 from megatron.core.optimizer.mup import mup_width_mult, split_mup_groups
-from megatron.core.optimizer.optimizer import (MegatronOptimizer, build_param_groups,
-                                               torch_optimizer)
+from megatron.core.optimizer.optimizer import (CountedOnce, MegatronOptimizer,
+                                               build_param_groups, torch_optimizer)
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -92,6 +92,26 @@ class DistributedOptimizer(MegatronOptimizer):
         replicated_squares = squared_grad_norm(self.replicated, self.owns_grad_norm, state)
         all_reduce_over(replicated_squares, [state.tensor_group, state.pipeline_group])
         return float((shard_squares + replicated_squares.to(shard_squares.device)).sqrt().item())
+
+    def counted_once(self) -> list[CountedOnce]:
+        """The shards' elements over every rank (each owned by one replica of its stage; the
+        padding to the replica count left out), and the parameters stepped whole as without the
+        distributed optimizer (see :meth:`MegatronOptimizer.counted_once`)."""
+        values: list[torch.Tensor] = []
+        grads: list[Optional[torch.Tensor]] = []
+        for reducer in self.sharded_reducers:
+            for shard, (start, length, total) in zip(reducer.shards, reducer.shard_ranges()):
+                if not self._owns_element(shard):
+                    continue
+                unpadded = max(0, min(length, total - start))
+                values.append(shard.detach()[:unpadded])
+                grads.append(None if shard.grad is None else shard.grad[:unpadded])
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        owned = [param for param in self.replicated if self.owns_grad_norm(param)]
+        state = self.parallel_state
+        return [CountedOnce(values, grads, [world]),
+                CountedOnce([param.detach() for param in owned], [param.grad for param in owned],
+                            [state.tensor_group, state.pipeline_group])]
 
     def after_update(self) -> None:
         self.finish_parameter_gather()  # a step never starts while the last gather is in flight

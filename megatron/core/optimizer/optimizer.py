@@ -26,6 +26,17 @@ from megatron.core.optimizer.clip_grads import (clip_grads_by_norm, default_owns
                                                 global_grad_norm)
 
 
+@dataclass(frozen=True)
+class CountedOnce:
+    """Tensors of this rank that, summed over ``groups`` (in turn), hold every element of the
+    model's parameters exactly once: ``values`` the parameters, ``grads`` their gradients (``None``
+    where there is none), pairwise. See :meth:`MegatronOptimizer.counted_once`."""
+
+    values: list[torch.Tensor]
+    grads: list[Optional[torch.Tensor]]
+    groups: list
+
+
 @dataclass
 class StepResult:
     """Outcome of :meth:`MegatronOptimizer.step`.
@@ -171,6 +182,14 @@ class MegatronOptimizer:
     def global_grad_norm(self) -> float:
         """The norm of the whole model's gradient (see :mod:`~.clip_grads`)."""
         return global_grad_norm(self.params, self.owns_grad_norm, self.parallel_state)
+
+    def counted_once(self) -> list[CountedOnce]:
+        """The model's elements, each counted once over all ranks, with the gradient norm's rule
+        (what ``--log-params-norm`` and ``--log-num-zeros-in-grad`` sum): the parameters this rank
+        owns, summed over the tensor- and pipeline-parallel groups."""
+        owned = [param for param in self.params if self.owns_grad_norm(param)]
+        return [CountedOnce([param.detach() for param in owned], [param.grad for param in owned],
+                            [self.parallel_state.tensor_group, self.parallel_state.pipeline_group])]
 
     def after_update(self) -> None:
         """Hook after the parameters changed (the distributed optimizer gathers its shards)."""
