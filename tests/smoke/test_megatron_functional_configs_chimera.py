@@ -1,4 +1,4 @@
-"""Smoke (tier 3): six current Megatron-LM functional-test configurations of the classic GPT
+"""Smoke (tier 3): eight current Megatron-LM functional-test configurations of the classic GPT
 architecture (tests/data/megatron_gpt_launch_configs.jsonl, from d98e8a6) train under torchrun with
 ``--pipeline-schedule chimera`` added. Only what must shrink to fit two CPU ranks changes: model
 sizes, TP x PP (1 x 2; the interleaved schedule's virtual-stage flag goes with the pipeline size,
@@ -6,9 +6,11 @@ uneven first/last stage sizes shrink with the layers),
 batch and run lengths, mock data instead of the corpus and tokenizer files, gloo instead of nccl,
 and paths under the test's directory. Every other flag (deterministic mode, the distributed
 optimizer with overlapped parameter gathers, recomputation, fp16/bf16, checkpoint-format and
-logging flags, the scheduler flags, ...) is passed as the test case has it."""
+logging flags, the scheduler flags, ...) is passed as the test case has it; grouped-query attention
+keeps 2 query groups of the 4 heads (8 channels each, feed-forward 64)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,8 @@ CASES = ["gpt3_mcore_te_tp1_pp1_uniform_full_recompute",
          "gpt3_mcore_te_tp2_pp2_resume_torch_dist",
          "gpt3_mcore_tp4_pp1_resume_torch",
          "gpt3_mcore_te_tp1_pp1_mup",
-         "gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline"]
+         "gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline",
+         "gpt3_mcore_reruns_disable"]
 TRAIN_ITERS = 4
 SHRUNK = {"--num-layers": "4", "--hidden-size": "32", "--num-attention-heads": "4",
           "--seq-length": "16", "--max-position-embeddings": "16", "--micro-batch-size": "1",
@@ -57,6 +60,8 @@ def test_functional_config_trains_with_chimera(case, tmp_path):
                        "--save-interval": "20"})
     if "--recompute-num-layers" in argv:
         shrunk["--recompute-num-layers"] = "1"  # a stage holds 2 of the 4 layers
+    if "--num-query-groups" in argv:  # grouped-query attention: 2 groups of the 4 heads
+        shrunk.update({"--num-query-groups": "2", "--kv-channels": "8", "--ffn-hidden-size": "64"})
     if "--decoder-first-pipeline-num-layers" in argv:
         # uneven stages of the 4 layers over PP 2: 1 and 3 (the case's 2 + 8 + 2 of 12 over 4)
         shrunk.update({"--decoder-first-pipeline-num-layers": "1",
@@ -70,5 +75,8 @@ def test_functional_config_trains_with_chimera(case, tmp_path):
     losses = [float(value) for _, _, value in LOSS.findall(output)]
     assert iterations and iterations[-1] == train_iters, output[-3000:]
     assert all(0 < loss < 10 for loss in losses), losses
+    if "--log-params-norm" in argv:  # the whole model's norm (was 0 with the distributed optimizer)
+        norms = [float(norm) for norm in re.findall(r"\| params norm: ([0-9.]+) \|", output)]
+        assert len(norms) == train_iters and all(norm > 5 for norm in norms), norms
     if "--save" in argv:
         assert f"successfully saved checkpoint at iteration {train_iters:7d}" in output
