@@ -214,3 +214,40 @@ def test_profile_times_from_stage_list_or_measure_output(tmp_path):
         (0.01, 0.01, 0.02))
     with pytest.raises(ValueError, match="needs 3 entries"):
         profile_times(str(stages), 3, 2, 0.5)
+
+
+def test_profiled_rank_counts_our_own_python_per_compute_op():
+    """profile_emulated_rank.py's share of our Python: only functions under megatron/ count."""
+    import cProfile
+    import pstats
+
+    import profile_emulated_rank
+    from megatron.training.process_tree import child_pids
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    child_pids(os.getpid())  # Python of ours: a loop over /proc
+    sorted(range(200_000), key=lambda value: -value)  # not ours (a builtin and this test's lambda)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    ours = profile_emulated_rank.our_own_seconds(stats)
+    everything = sum(entry[2] for entry in stats.stats.values())  # type: ignore[attr-defined]
+    assert 0 < ours < everything
+    times = emulated_depth.equal_unit_times(2, 0.01)  # the script's 0.01 ms units
+    # Chimera + split at D = 2, N = 2, rank 0: F of both micro-batches, I and W of the second
+    # (stage 1 of the up pipeline), B of the first (a first stage: its backward is one op)
+    assert profile_emulated_rank.compute_ops("ours chimera split", 2, 2, times, 0) == 5
+
+
+@pytest.mark.distributed
+def test_profiled_rank_runs(capsys):
+    import profile_emulated_rank
+    result = profile_emulated_rank.main(["--depth", "2", "--count", "1", "--iterations", "2",
+                                         "--warmup", "1", "--only", "ours chimera split",
+                                         "--rank", "0", "--top", "3"])
+    assert result == 0
+    printed = capsys.readouterr().out
+    assert "ms per iteration without the profiler" in printed
+    assert "ms per compute op (5 compute ops)" in printed  # D = 2, N = 2, rank 0
+    with pytest.raises(SystemExit):
+        profile_emulated_rank.parse_args(["--only", "no such configuration"])
