@@ -48,6 +48,12 @@ from megatron.core.optimizer.optimizer import (CountedOnce, MegatronOptimizer,
                                                build_param_groups, torch_optimizer)
 
 
+def _world_group():
+    """The group every rank belongs to (the shards' elements are summed over it); None without a
+    process group (one process)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 class DistributedOptimizer(MegatronOptimizer):
     """Megatron's step over this rank's shards (see the module docstring).
 
@@ -87,8 +93,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def global_grad_norm(self) -> float:
         state = self.parallel_state
         shard_squares = squared_grad_norm(self.shards, self._owns_element, state)
-        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        all_reduce_over(shard_squares, [world])
+        all_reduce_over(shard_squares, [_world_group()])
         replicated_squares = squared_grad_norm(self.replicated, self.owns_grad_norm, state)
         all_reduce_over(replicated_squares, [state.tensor_group, state.pipeline_group])
         return float((shard_squares + replicated_squares.to(shard_squares.device)).sqrt().item())
@@ -106,10 +111,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 unpadded = max(0, min(length, total - start))
                 values.append(shard.detach()[:unpadded])
                 grads.append(None if shard.grad is None else shard.grad[:unpadded])
-        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         owned = [param for param in self.replicated if self.owns_grad_norm(param)]
         state = self.parallel_state
-        return [CountedOnce(values, grads, [world]),
+        return [CountedOnce(values, grads, [_world_group()]),
                 CountedOnce([param.detach() for param in owned], [param.grad for param in owned],
                             [state.tensor_group, state.pipeline_group])]
 
